@@ -1,0 +1,1 @@
+"""Triton kernels for streamx (imported as streamx_kernels)."""
