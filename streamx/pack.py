@@ -1,0 +1,37 @@
+"""Gather the real tokens of one layer's activations into slot k of the packed bf16 buffer.
+
+`pack_into(packed, slot, hidden, token_index)` is what the capture hooks call, once per
+selected layer: packed is [N, K, H] bfloat16, hidden is [B, S, H] (any float dtype, H
+contiguous), token_index holds the flat b * S + t of the N real tokens. The torch path runs
+everywhere; the Triton kernel (streamx_kernels) takes the same arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+PackFn = Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], None]
+
+
+def pack_into_torch(packed: torch.Tensor, slot: int, hidden: torch.Tensor, token_index: torch.Tensor) -> None:
+    B, S, H = hidden.shape
+    if hidden.is_contiguous():
+        rows = hidden.view(B * S, H).index_select(0, token_index)
+    else:  # e.g. a strided view: index (b, t) directly rather than copying the whole activation
+        rows = hidden[token_index // S, token_index % S]
+    packed[:, slot].copy_(rows)  # copy_ rounds to bf16 to nearest-even, like .to(torch.bfloat16)
+
+
+def select_pack_fn(kernel: str, device: torch.device) -> PackFn:
+    """auto: the Triton kernel on CUDA when it is available, else torch."""
+    if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
+        return pack_into_torch
+    try:
+        from streamx_kernels.pack import pack_into_triton
+    except ImportError as err:
+        if kernel == "triton":
+            raise RuntimeError(f"--kernel triton is not available: {err}") from err
+        return pack_into_torch
+    return pack_into_triton

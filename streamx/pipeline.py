@@ -1,0 +1,230 @@
+"""`streamx run`: wires the stages and owns their threads.
+
+    producer thread   source -> tokenize -> batching          --queue-->
+    main thread       capture/pack on the model's device       --queue-->
+    writer thread     host hand-off -> store part, commits
+
+Queues are bounded (`queue_batches`), so host memory does not grow with the dataset. The
+first exception in any thread sets `stop`, every stage winds down, and the main thread
+re-raises it; whatever was committed stays committed and a re-run resumes from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+import transformers
+import zarr
+from tqdm import tqdm
+
+from . import __version__
+from .batching import Batch, iter_batches
+from .capture import LayerCapture, sample_is_finite
+from .config import RunConfig, resolve_layer_ids
+from .models import ModelInfo, load_model
+from .pack import select_pack_fn
+from .source import open_source
+from .store import STORE_FORMAT, Layout, create_or_open, done_row_ids, make_layout
+from .tokenize import REJECT_REASONS, Reject, SampleBuilder
+from .transfer import HostTransfer
+from .writer import PackedBatch, PartWriter, WriteCounts, write_loop
+
+PART_NAME = "part-00000"
+CONVENTION = (
+    "speculators: id 0 = embeddings output (input of layer 0); id k = output of decoder layer k-1 "
+    "(input of layer k); id L = output of the last decoder layer, before the final norm"
+)
+
+
+@dataclass
+class RunSummary:
+    out: str
+    layer_ids: list[int]
+    samples: int  # committed by this run
+    tokens: int
+    trainable_tokens: int
+    rejects: int
+    reject_counts: dict[str, int]
+    hidden_bytes: int
+    real_tokens: int  # tokens through the forward pass (including any later rejected as non-finite)
+    padded_tokens: int
+    resumed_rows: int  # rows skipped because an earlier run committed them
+    seconds: float
+    store_samples: int = 0  # the whole store after this run
+    store_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def padding_efficiency(self) -> float:
+        return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
+
+
+def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, layer_ids: list[int],
+                   layout: Layout) -> dict[str, Any]:
+    """Everything FORMATS.md section 3 asks a store to record; `compat` decides whether a re-run may resume."""
+    template = builder.tokenizer.chat_template or ""
+    compat = {
+        "model": info.weights_fingerprint,
+        "compute_dtype": info.dtype,
+        "layer_ids": layer_ids,
+        "tokenization": builder.fingerprint,
+        "data": config.data,
+        "split": config.split,
+    }
+    return {
+        "format": STORE_FORMAT,
+        "layer_ids": layer_ids,
+        "layer_convention": "speculators",
+        "layer_convention_text": CONVENTION,
+        "last_id_is_pre_norm": True,
+        "num_layers": info.num_layers,
+        "hidden_size": info.hidden_size,
+        "num_slots": len(layer_ids),
+        "hidden_states_dtype": "bfloat16",
+        "hidden_states_encoding": "uint16 bit pattern of bfloat16 (zarr 3.1 has no bfloat16); bit-exact",
+        "bytes_per_token": layout.bytes_per_token,
+        "chunk_tokens": layout.chunk_tokens,
+        "shard_tokens": layout.shard_tokens,
+        "compressor": layout.compressor,
+        "model": asdict(info),
+        "tokenizer": {
+            "name_or_path": builder.tokenizer.name_or_path,
+            "fingerprint": builder.fingerprint,
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+        },
+        "max_length": config.max_length,
+        "truncation": config.truncation,
+        "config": config.to_dict(),
+        "versions": {"streamx": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                     "zarr": zarr.__version__},
+        "reject_reasons": list(REJECT_REASONS),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "compat": compat,
+    }
+
+
+class _Worker(threading.Thread):
+    """A daemon thread whose exception is kept for the main thread, and which sets `stop`."""
+
+    def __init__(self, name: str, target: Callable[[], None], stop: threading.Event):
+        super().__init__(name=name, daemon=True)
+        self._target_fn, self.stop, self.error = target, stop, None
+
+    def run(self) -> None:
+        try:
+            self._target_fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread
+            self.error = err
+            self.stop.set()
+
+
+def _put(q: queue.Queue, item: Any, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            continue
+
+
+def _drain(q: queue.Queue, stop: threading.Event, workers: list[_Worker]) -> Iterator[Any]:
+    """Items until the None sentinel; raises a worker's error as soon as one stops."""
+    while True:
+        for w in workers:
+            if w.error is not None:
+                raise w.error
+        try:
+            item = q.get(timeout=0.1)
+        except queue.Empty:
+            if stop.is_set():
+                raise RuntimeError("a pipeline thread stopped without an error")
+            continue
+        if item is None:
+            return
+        yield item
+
+
+def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = print) -> RunSummary:
+    started = time.perf_counter()
+    model, tokenizer, info = load_model(config.model, config.dtype, config.device, config.attn_implementation)
+    layer_ids = resolve_layer_ids(config.layers, info.num_layers)
+    builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
+    source = open_source(config.data, config.split, config.max_samples)
+    layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor)
+    root = create_or_open(config.out, store_metadata(config, info, builder, layer_ids, layout), config.overwrite)
+    done = done_row_ids(root)
+    if done:
+        log(f"resuming {config.out}: {len(done)} rows already committed")
+    writer = PartWriter(root, PART_NAME, layout)
+
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    stop = threading.Event()
+    batches: queue.Queue = queue.Queue(maxsize=config.queue_batches)
+    to_write: queue.Queue = queue.Queue(maxsize=config.queue_batches)
+    counts = WriteCounts()
+
+    def produce() -> None:
+        rows = (builder(row) for row in source if row.row_id not in done)
+        for item in iter_batches(rows, config.token_budget, config.max_batch_size, config.sort_window, pad_id):
+            if isinstance(item, Batch) and device.type == "cuda":  # pinned: host-to-device copies run async
+                item.input_ids, item.attention_mask = item.input_ids.pin_memory(), item.attention_mask.pin_memory()
+            _put(batches, item, stop)
+            if stop.is_set():
+                return
+        _put(batches, None, stop)
+
+    producer = _Worker("streamx-producer", produce, stop)
+    writer_thread = _Worker("streamx-writer", lambda: write_loop(to_write, writer, counts, stop,
+                                                                 config.max_reject_fraction), stop)
+    transfer = HostTransfer(device, config.token_budget, len(layer_ids), info.hidden_size,
+                            num_buffers=config.queue_batches + 2, stop=stop)
+    total = None if source.num_rows is None else max(0, source.num_rows - len(done))
+    bar = tqdm(total=total, unit="sample", disable=not progress, dynamic_ncols=True, desc="streamx run")
+    real = padded = 0
+    pack_fn = select_pack_fn(config.kernel, device)
+    producer.start()
+    writer_thread.start()
+    try:
+        with LayerCapture(model, layer_ids, pack_fn) as capture:
+            for item in _drain(batches, stop, [producer, writer_thread]):
+                if isinstance(item, Reject):
+                    _put(to_write, item, stop)
+                    bar.update(1)
+                    continue
+                packed = torch.empty((item.num_tokens, len(layer_ids), info.hidden_size), dtype=torch.bfloat16,
+                                     device=device)
+                capture.forward(item, packed)
+                finite = sample_is_finite(packed, item.lengths)
+                _put(to_write, PackedBatch(item.samples, transfer.start(packed, finite)), stop)
+                real += item.num_tokens
+                padded += item.padded_tokens
+                bar.update(len(item.samples))
+                elapsed = max(bar.format_dict["elapsed"], 1e-9)
+                bar.set_postfix(tok_s=f"{real / elapsed:,.0f}", pad_eff=f"{real / padded:.1%}", refresh=False)
+        _put(to_write, None, stop)
+        writer_thread.join()
+        if writer_thread.error is not None:
+            raise writer_thread.error
+    finally:
+        stop.set()  # no-op after a clean finish; otherwise winds the threads down
+        bar.close()
+        producer.join(timeout=5)
+        writer_thread.join(timeout=30)
+    store_commit = writer.commit
+    return RunSummary(
+        out=config.out, layer_ids=layer_ids, samples=counts.samples, tokens=counts.tokens,
+        trainable_tokens=counts.trainable_tokens, rejects=counts.rejects, reject_counts=dict(counts.reject_counts),
+        hidden_bytes=counts.bytes, real_tokens=real, padded_tokens=padded, resumed_rows=len(done),
+        seconds=time.perf_counter() - started, store_samples=store_commit["samples"],
+        store_tokens=store_commit["tokens"],
+    )

@@ -1,0 +1,250 @@
+"""The streamx store: one Zarr v3 group, token-major ragged arrays, real tokens only.
+
+    OUT.zarr/                      attrs["streamx"]: metadata (docs/store.md)
+      parts/part-00000/            one append-only part per writer; attrs["commit"] says what is valid
+        hidden_states  uint16 [T, K, H]   bf16 bit patterns; chunked and sharded along tokens
+        input_ids      int64  [T]
+        loss_mask      uint8  [T]
+        sample_row_id  int64  [N]         source row of each sample
+        sample_offset  int64  [N]         first token of each sample in this part
+        sample_length  int64  [N]
+        reject_row_id  int64  [R]
+        reject_reason  uint8  [R]         index into metadata["reject_reasons"]
+
+Only the prefixes named by a part's commit record are valid: anything beyond was written by
+a run that stopped before committing it and is overwritten on resume. Readers use this
+module (`open_store(path).sample(row_id)`), never the arrays' shapes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+STORE_FORMAT = "streamx-store/1"
+PARTS = "parts"
+TOKEN_ARRAYS = ("hidden_states", "input_ids", "loss_mask")
+SAMPLE_ARRAYS = ("sample_row_id", "sample_offset", "sample_length")
+REJECT_ARRAYS = ("reject_row_id", "reject_reason")
+INDEX_CHUNK = 65536  # entries per chunk of the per-sample / per-reject index arrays
+
+EMPTY_COMMIT: dict[str, Any] = {
+    "samples": 0, "tokens": 0, "trainable_tokens": 0, "rejects": 0,
+    "reject_counts": {}, "reject_examples": {}, "closed": False,
+}
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Layout:
+    num_slots: int  # K, one per layer id
+    hidden_size: int  # H
+    chunk_tokens: int
+    shard_tokens: int
+    compressor: str = "none"
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_slots * self.hidden_size * 2
+
+
+def make_layout(num_slots: int, hidden_size: int, chunk_tokens: int = 0, shard_tokens: int = 0,
+                compressor: str = "none") -> Layout:
+    """Defaults: ~4 MiB chunks (what a reader fetches at once) in ~256 MiB shard files (what
+    the filesystem sees), so 50 TiB is ~200k files whatever the number of samples."""
+    per_token = num_slots * hidden_size * 2
+    chunk = chunk_tokens or max(1, (4 << 20) // per_token)
+    shard = shard_tokens or max(1, (256 << 20) // per_token // chunk) * chunk
+    if shard % chunk:
+        raise ValueError(f"shard_tokens ({shard}) must be a multiple of chunk_tokens ({chunk})")
+    return Layout(num_slots, hidden_size, chunk, shard, compressor)
+
+
+@dataclass
+class StoredSample:
+    row_id: int
+    input_ids: torch.Tensor  # int64 [T]
+    loss_mask: torch.Tensor  # int64 [T]
+    hidden_states: torch.Tensor  # bfloat16 [T, K, H], slots in ascending layer id
+
+
+def bf16_to_bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def bits_to_bf16(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+
+
+def _codecs(compressor: str) -> Any:
+    return None if compressor == "none" else [zarr.codecs.ZstdCodec(level=1)]
+
+
+def create_part(root: zarr.Group, name: str, layout: Layout) -> zarr.Group:
+    part = root.require_group(PARTS).create_group(name, attributes={"commit": dict(EMPTY_COMMIT)})
+    K, H, c, s = layout.num_slots, layout.hidden_size, layout.chunk_tokens, layout.shard_tokens
+    part.create_array("hidden_states", shape=(0, K, H), dtype="uint16", chunks=(c, K, H), shards=(s, K, H),
+                      compressors=_codecs(layout.compressor), fill_value=0)
+    part.create_array("input_ids", shape=(0,), dtype="int64", chunks=(s,), compressors=None, fill_value=0)
+    part.create_array("loss_mask", shape=(0,), dtype="uint8", chunks=(s,), compressors=None, fill_value=0)
+    for name_ in (*SAMPLE_ARRAYS, "reject_row_id"):
+        part.create_array(name_, shape=(0,), dtype="int64", chunks=(INDEX_CHUNK,), compressors=None, fill_value=-1)
+    part.create_array("reject_reason", shape=(0,), dtype="uint8", chunks=(INDEX_CHUNK,), compressors=None,
+                      fill_value=0)
+    return part
+
+
+def _is_store(path: str) -> bool:
+    try:
+        return "streamx" in zarr.open_group(path, mode="r").attrs
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError, ValueError, KeyError):
+        return False
+
+
+def create_or_open(path: str, metadata: dict[str, Any], overwrite: bool = False) -> zarr.Group:
+    """Create the store, or reopen it to resume when its `compat` metadata matches ours."""
+    local = "://" not in path
+    if overwrite or not _is_store(path):
+        if local and Path(path).exists() and not overwrite and any(Path(path).iterdir()):
+            raise StoreError(f"{path} exists and is not a streamx store; choose another --out or pass --overwrite")
+        try:
+            if local:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            root = zarr.open_group(path, mode="w")
+            root.attrs["streamx"] = metadata
+            root.create_group(PARTS)
+        except OSError as err:
+            raise StoreError(f"cannot write the store at {path}: {err.strerror or err}") from None
+        return root
+    root = zarr.open_group(path, mode="r+")
+    existing = root.attrs["streamx"]
+    theirs, ours = existing.get("compat", {}), metadata["compat"]
+    diff = [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+    if diff:
+        detail = "; ".join(f"{k}: store has {theirs.get(k)!r}, this run {ours.get(k)!r}" for k in diff)
+        raise StoreError(f"{path} was written by an incompatible run ({detail}); pass --overwrite to start over "
+                         "or choose another --out")
+    root.attrs["streamx"] = {**metadata, "created": existing.get("created", metadata.get("created"))}
+    return root
+
+
+class Store:
+    """Read API over a store: samples by source row, counts, rejects, metadata."""
+
+    def __init__(self, path: str):
+        try:
+            self.root = zarr.open_group(path, mode="r")
+            self.metadata: dict[str, Any] = dict(self.root.attrs["streamx"])
+        except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
+            raise StoreError(f"{path} is not a streamx store") from None
+        self.path = path
+        self.parts: dict[str, zarr.Group] = dict(sorted(self.root[PARTS].groups()))
+        self.commits = {name: dict(part.attrs["commit"]) for name, part in self.parts.items()}
+        # row index: for every committed sample, its part, offset and length (sorted by row id)
+        rows, offsets, lengths, part_ids = [], [], [], []
+        for i, (name, part) in enumerate(self.parts.items()):
+            n = self.commits[name]["samples"]
+            rows.append(part["sample_row_id"][:n])
+            offsets.append(part["sample_offset"][:n])
+            lengths.append(part["sample_length"][:n])
+            part_ids.append(np.full(n, i))
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+        self._rows, self._offsets, self._lengths, self._part_ids = cat(rows), cat(offsets), cat(lengths), cat(part_ids)
+        self._order = np.argsort(self._rows, kind="stable")
+        self._part_list = list(self.parts.values())
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.metadata["layer_ids"])
+
+    def __len__(self) -> int:
+        return int(self._rows.size)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c["tokens"] for c in self.commits.values())
+
+    def row_ids(self) -> np.ndarray:
+        """Committed source rows, in store order."""
+        return self._rows.copy()
+
+    def rejected(self) -> list[tuple[int, str]]:
+        reasons = self.metadata["reject_reasons"]
+        out = []
+        for name, part in self.parts.items():
+            n = self.commits[name]["rejects"]
+            out += [(int(r), reasons[int(c)]) for r, c in zip(part["reject_row_id"][:n], part["reject_reason"][:n])]
+        return out
+
+    def _read(self, i: int) -> StoredSample:
+        part = self._part_list[int(self._part_ids[i])]
+        a = int(self._offsets[i])
+        b = a + int(self._lengths[i])
+        return StoredSample(
+            row_id=int(self._rows[i]),
+            input_ids=torch.from_numpy(part["input_ids"][a:b]),
+            loss_mask=torch.from_numpy(part["loss_mask"][a:b].astype(np.int64)),
+            hidden_states=bits_to_bf16(part["hidden_states"][a:b]),
+        )
+
+    def sample(self, row_id: int) -> StoredSample:
+        pos = np.searchsorted(self._rows, row_id, sorter=self._order)
+        if pos >= self._rows.size or self._rows[self._order[pos]] != row_id:
+            raise KeyError(f"source row {row_id} is not in the store")
+        return self._read(int(self._order[pos]))
+
+    def samples(self) -> Iterator[StoredSample]:
+        """Every committed sample, in store order (part by part, as written)."""
+        for i in range(len(self)):
+            yield self._read(i)
+
+    def summary(self) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        examples: dict[str, str] = {}
+        for c in self.commits.values():
+            for reason, n in c["reject_counts"].items():
+                counts[reason] = counts.get(reason, 0) + n
+            examples.update({k: v for k, v in c["reject_examples"].items() if k not in examples})
+        hidden_bytes = self.num_tokens * self.metadata["num_slots"] * self.metadata["hidden_size"] * 2
+        return {
+            "path": self.path,
+            "samples": len(self),
+            "tokens": self.num_tokens,
+            "trainable_tokens": sum(c["trainable_tokens"] for c in self.commits.values()),
+            "rejected": sum(counts.values()),
+            "reject_counts": counts,
+            "reject_examples": examples,
+            "duplicate_rows": int(self._rows.size - np.unique(self._rows).size),
+            "hidden_state_bytes": hidden_bytes,
+            "parts": {name: {k: c[k] for k in ("samples", "tokens", "rejects", "closed")}
+                      for name, c in self.commits.items()},
+            "metadata": self.metadata,
+        }
+
+
+def open_store(path: str) -> Store:
+    return Store(path)
+
+
+def done_row_ids(root: zarr.Group) -> set[int]:
+    """Rows a resumed run must not process again: committed samples and committed rejects."""
+    done: set[int] = set()
+    for _, part in root[PARTS].groups():
+        commit = part.attrs["commit"]
+        done.update(part["sample_row_id"][: commit["samples"]].tolist())
+        done.update(part["reject_row_id"][: commit["rejects"]].tolist())
+    return done
+
+
+def to_json(summary: dict[str, Any]) -> str:
+    return json.dumps(summary, indent=2, default=str)

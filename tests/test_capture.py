@@ -1,0 +1,111 @@
+"""Batched, padded capture equals an independent unbatched reference, per sample, for every id.
+
+Reference: HF `output_hidden_states` of an unbatched forward for ids < L; for id L, the same
+forward with the final norm replaced by identity (HF's hidden_states[L] is post-norm)."""
+
+import pytest
+import torch
+from torch import nn
+
+from streamx.batching import make_batch
+from streamx.capture import LayerCapture, LayerDiscoveryError, sample_is_finite
+from streamx.pack import pack_into_torch
+from streamx.tokenize import Sample
+from tiny_models import tiny_model
+
+BF16_ULP = 2.0**-7  # relative spacing of bf16
+
+
+def random_samples(vocab: int, lengths: list[int], seed: int = 0) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    return [Sample(row_id=i, input_ids=torch.randint(3, vocab, (n,), generator=g),
+                   loss_mask=torch.ones(n, dtype=torch.long)) for i, n in enumerate(lengths)]
+
+
+@torch.inference_mode()
+def reference_states(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """All L+1 ids for one unbatched sample, id L taken before the final norm."""
+    base = model.model
+    norm, base.norm = base.norm, nn.Identity()
+    try:
+        out = model(input_ids=input_ids[None], output_hidden_states=True)
+    finally:
+        base.norm = norm
+    return [h[0] for h in out.hidden_states]
+
+
+def capture(model, samples, layer_ids):
+    batch = make_batch(samples, pad_token_id=0)
+    H = model.config.get_text_config().hidden_size
+    packed = torch.full((batch.num_tokens, len(layer_ids), H), float("nan"), dtype=torch.bfloat16)  # poisoned
+    with LayerCapture(model, layer_ids, pack_into_torch) as cap:
+        cap.forward(batch, packed)
+    return batch, packed
+
+
+def assert_matches_reference(model, samples, layer_ids):
+    batch, packed = capture(model, samples, layer_ids)
+    assert batch.padded_tokens > batch.num_tokens  # the test exercises padding
+    offset = 0
+    for sample in samples:
+        T = len(sample.input_ids)
+        ref = reference_states(model, sample.input_ids)
+        for slot, layer_id in enumerate(layer_ids):
+            got = packed[offset : offset + T, slot].float()
+            want = ref[layer_id].to(torch.bfloat16).float()
+            # batched vs unbatched fp32 differ in the last bits: allow one bf16 rounding step
+            torch.testing.assert_close(got, want, rtol=BF16_ULP, atol=1e-6,
+                                       msg=lambda m: f"row {sample.row_id} id {layer_id}: {m}")
+        offset += T
+    return packed
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_5"])
+def test_every_layer_id_matches_unbatched_reference(family):
+    model = tiny_model(family, num_layers=4)
+    samples = random_samples(model.config.vocab_size, [7, 19, 3, 12])
+    assert_matches_reference(model, samples, [0, 1, 2, 3, 4])
+
+
+def test_last_id_is_pre_norm():
+    model = tiny_model("llama", num_layers=4)
+    samples = random_samples(model.config.vocab_size, [9, 5])
+    _, packed = capture(model, samples, [4])
+    with torch.inference_mode():
+        post_norm = model(input_ids=samples[0].input_ids[None], output_hidden_states=True).hidden_states[4][0]
+    assert not torch.allclose(packed[:9, 0].float(), post_norm, atol=1e-2)
+
+
+def test_smollm2_real_weights_selected_ids(smollm2):
+    model, tokenizer = smollm2
+    texts = ["What is the capital of France?", "Hello world, this is SmolLM. It is small and quick to run on CPUs.",
+             "Hi"]
+    samples = [Sample(i, torch.tensor(tokenizer(t).input_ids), torch.ones(1)) for i, t in enumerate(texts)]
+    assert_matches_reference(model, samples, [0, 2, 15, 27, 30])
+
+
+def test_forward_stops_after_deepest_layer():
+    model = tiny_model("llama", num_layers=4)
+    ran = []
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
+    norm_calls = []
+    model.model.norm.register_forward_hook(lambda *a: norm_calls.append(1))
+    capture(model, random_samples(model.config.vocab_size, [4, 6]), [1, 2])
+    assert ran == [0, 1] and norm_calls == []
+
+
+def test_layer_id_errors_name_the_range():
+    model = tiny_model("llama", num_layers=4)
+    with pytest.raises(ValueError, match=r"valid ids are 0\.\.4"):
+        LayerCapture(model, [2, 5], pack_into_torch)
+    with pytest.raises(ValueError, match="without duplicates"):
+        LayerCapture(model, [2, 2], pack_into_torch)
+    with pytest.raises(LayerDiscoveryError, match="cannot find the decoder layers"):
+        LayerCapture(nn.Linear(2, 2), [0], pack_into_torch)
+
+
+def test_non_finite_samples_are_flagged():
+    packed = torch.randn(10, 2, 8).to(torch.bfloat16)
+    packed[6, 1, 3] = float("inf")
+    assert sample_is_finite(packed, [4, 3, 3]).tolist() == [True, False, True]
