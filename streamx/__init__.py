@@ -1,2 +1,6 @@
 """streamx: stream selected layers hidden states into a Zarr store."""
 __version__ = "0.1.0"
+
+from .store import open_store  # noqa: E402  - the read API: open_store(path).sample(row_id)
+
+__all__ = ["open_store", "__version__"]

@@ -1,6 +1,6 @@
 """Length-bucketed batches under a token budget, from a sorting window.
 
-Samples are sorted by length inside a window of `sort_window` samples and cut greedily into
+Samples are sorted by length inside a window of `sort_window` source rows and cut greedily into
 right-padded batches whose padded size (batch x longest) stays within `token_budget`. Right
 padding keeps positions 0..T-1 of every real token exact under causal attention, so the
 real tokens' states do not depend on the padding. Rejects pass straight through.
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .source import Row
 from .tokenize import Reject, Sample
 
 
@@ -61,27 +62,32 @@ def cut_window(samples: list[Sample], token_budget: int, max_batch_size: int) ->
     return groups
 
 
-def iter_batches(
-    items: Iterable[Sample | Reject],
-    token_budget: int,
-    max_batch_size: int,
-    sort_window: int,
-    pad_token_id: int,
-) -> Iterator[Batch | Reject]:
-    window: list[Sample] = []
+def iter_windows(rows: Iterable[Row], sort_window: int) -> Iterator[list[Row]]:
+    """Consecutive source rows grouped by row_id // sort_window.
 
-    def flush() -> Iterator[Batch]:
-        for group in cut_window(window, token_budget, max_batch_size):
-            yield make_batch(group, pad_token_id)
-        window.clear()
+    Windows, and so batches, depend only on the source rows, not on what an earlier run
+    committed: a resumed run recomputes any batch exactly as an uninterrupted run would
+    (same shapes, same kernels, bit-identical states), and skips windows already done."""
+    window: list[Row] = []
+    for row in rows:
+        if window and row.row_id // sort_window != window[0].row_id // sort_window:
+            yield window
+            window = []
+        window.append(row)
+    if window:
+        yield window
 
+
+def iter_batches(items: list[Sample | Reject], token_budget: int, max_batch_size: int,
+                 pad_token_id: int) -> Iterator[Batch | Reject]:
+    """One window's samples as batches; rejects pass straight through."""
+    samples = []
     for item in items:
         if isinstance(item, Reject):
             yield item
-            continue
-        if len(item.input_ids) > token_budget:
+        elif len(item.input_ids) > token_budget:
             raise ValueError(f"row {item.row_id}: {len(item.input_ids)} tokens exceed token_budget {token_budget}")
-        window.append(item)
-        if len(window) >= sort_window:
-            yield from flush()
-    yield from flush()
+        else:
+            samples.append(item)
+    for group in cut_window(samples, token_budget, max_batch_size):
+        yield make_batch(group, pad_token_id)

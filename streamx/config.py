@@ -38,7 +38,7 @@ class RunConfig:
     # batching
     token_budget: int = 4096  # max padded tokens (batch x longest) per forward
     max_batch_size: int = 256
-    sort_window: int = 1024  # samples sorted by length together; larger = less padding, more host memory
+    sort_window: int = 1024  # consecutive source rows sorted by length together; larger = less padding, more memory
     queue_batches: int = 4  # bounded hand-off queues between stages
     # storage
     chunk_tokens: int = 0  # 0: about 4 MiB of hidden states per chunk

@@ -27,7 +27,7 @@ import zarr
 from tqdm import tqdm
 
 from . import __version__
-from .batching import Batch, iter_batches
+from .batching import Batch, iter_batches, iter_windows
 from .capture import LayerCapture, sample_is_finite
 from .config import RunConfig, resolve_layer_ids
 from .models import ModelInfo, load_model
@@ -49,6 +49,7 @@ CONVENTION = (
 class RunSummary:
     out: str
     layer_ids: list[int]
+    num_layers: int
     samples: int  # committed by this run
     tokens: int
     trainable_tokens: int
@@ -174,17 +175,23 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
     counts = WriteCounts()
 
     def produce() -> None:
-        rows = (builder(row) for row in source if row.row_id not in done)
-        for item in iter_batches(rows, config.token_budget, config.max_batch_size, config.sort_window, pad_id):
-            if isinstance(item, Batch) and device.type == "cuda":  # pinned: host-to-device copies run async
-                item.input_ids, item.attention_mask = item.input_ids.pin_memory(), item.attention_mask.pin_memory()
-            _put(batches, item, stop)
-            if stop.is_set():
-                return
+        for window in iter_windows(source, config.sort_window):
+            if all(row.row_id in done for row in window):
+                continue
+            tokenized = [builder(row) for row in window]
+            for item in iter_batches(tokenized, config.token_budget, config.max_batch_size, pad_id):
+                rows = [item.row_id] if isinstance(item, Reject) else [s.row_id for s in item.samples]
+                if all(r in done for r in rows):  # the writer drops done rows of partly done batches
+                    continue
+                if isinstance(item, Batch) and device.type == "cuda":  # pinned: host-to-device copies run async
+                    item.input_ids, item.attention_mask = item.input_ids.pin_memory(), item.attention_mask.pin_memory()
+                _put(batches, item, stop)
+                if stop.is_set():
+                    return
         _put(batches, None, stop)
 
     producer = _Worker("streamx-producer", produce, stop)
-    writer_thread = _Worker("streamx-writer", lambda: write_loop(to_write, writer, counts, stop,
+    writer_thread = _Worker("streamx-writer", lambda: write_loop(to_write, writer, counts, stop, done,
                                                                  config.max_reject_fraction), stop)
     transfer = HostTransfer(device, config.token_budget, len(layer_ids), info.hidden_size,
                             num_buffers=config.queue_batches + 2, stop=stop)
@@ -222,7 +229,7 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
         writer_thread.join(timeout=30)
     store_commit = writer.commit
     return RunSummary(
-        out=config.out, layer_ids=layer_ids, samples=counts.samples, tokens=counts.tokens,
+        out=config.out, layer_ids=layer_ids, num_layers=info.num_layers, samples=counts.samples, tokens=counts.tokens,
         trainable_tokens=counts.trainable_tokens, rejects=counts.rejects, reject_counts=dict(counts.reject_counts),
         hidden_bytes=counts.bytes, real_tokens=real, padded_tokens=padded, resumed_rows=len(done),
         seconds=time.perf_counter() - started, store_samples=store_commit["samples"],

@@ -152,10 +152,13 @@ class WriteCounts:
 
 
 def write_loop(items: queue.Queue, writer: PartWriter, counts: WriteCounts, stop: threading.Event,
-               max_reject_fraction: float, min_rows_for_rate: int = 100) -> None:
-    """The writer thread's body: PackedBatch / Reject items until a None sentinel, then close."""
+               done: set[int], max_reject_fraction: float, min_rows_for_rate: int = 100) -> None:
+    """The writer thread's body: PackedBatch / Reject items until a None sentinel, then close.
+    Rows in `done` (committed by an earlier run, recomputed with their batch) are dropped."""
 
     def record_reject(reject: Reject) -> None:
+        if reject.row_id in done:
+            return
         writer.reject(reject)
         counts.rejects += 1
         counts.reject_counts[reject.reason] = counts.reject_counts.get(reject.reason, 0) + 1
@@ -179,7 +182,9 @@ def write_loop(items: queue.Queue, writer: PartWriter, counts: WriteCounts, stop
             offset = 0
             for sample, ok in zip(item.samples, finite):
                 T = len(sample.input_ids)
-                if ok:
+                if sample.row_id in done:
+                    pass
+                elif ok:
                     mask = sample.loss_mask.numpy().astype(np.uint8)
                     writer.append(sample.row_id, sample.input_ids.numpy(), mask, hidden_bits[offset : offset + T])
                     counts.samples += 1

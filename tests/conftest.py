@@ -1,3 +1,4 @@
+import json
 import os
 
 # Tests never reach the HF hub: set before transformers / huggingface_hub are imported (they read it at import).
@@ -20,3 +21,35 @@ def smollm2(smollm2_dir):
     """(model in float32 on CPU, tokenizer)."""
     model, tokenizer, _ = load_model(smollm2_dir, dtype="float32", device="cpu")
     return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(smollm2_dir, tmp_path_factory) -> str:
+    """A 4-layer random Llama with SmolLM2's real tokenizer and chat template: fast end-to-end runs."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-chat-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    LlamaForCausalLM(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def chat_jsonl(tmp_path_factory) -> str:
+    """Real chatterbot conversations as a jsonl file, some joined into longer multi-turn chats."""
+    from streamx.source import open_source
+
+    rows = [row.record for row in open_source("chatterbot:english")]
+    out, i = [], 0
+    while i < 120:
+        n = 1 + len(out) % 4  # 1..4 conversations joined: lengths vary for bucketing and padding
+        messages = [m for r in rows[i : i + n] for m in r["messages"]]
+        out.append({"messages": messages})
+        i += n
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in out))
+    return str(path)

@@ -1,0 +1,122 @@
+"""The `streamx` command: a thin shell over the Python API (streamx.pipeline.run, streamx.store.open_store)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .config import load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
+                  help="Stream a causal LM's selected hidden states over a chat dataset into a Zarr store "
+                       "for speculative-decoding drafter training.")
+
+
+def _fail(err: BaseException) -> None:
+    """One line on stderr and exit 1; STREAMX_DEBUG=1 shows the traceback instead."""
+    if os.environ.get("STREAMX_DEBUG"):
+        raise err
+    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(1)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+@app.command()
+def run(
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML file of run settings (default: configs/default.yaml); flags override it."),
+    model: Optional[str] = typer.Option(None, help="Hub id, local HF directory, or 'smollm2-135m-instruct' (embedded)."),
+    data: Optional[str] = typer.Option(None, help="jsonl/json/parquet/arrow file, save_to_disk directory, datasets name, or 'chatterbot:english' (embedded)."),
+    split: Optional[str] = typer.Option(None, help="Dataset split (datasets names and directories)."),
+    max_samples: Optional[int] = typer.Option(None, help="Use only the first N rows of the source."),
+    layers: Optional[str] = typer.Option(None, help="Layer ids, e.g. '2,15,27,30', or a preset: eagle3 = [2, L//2, L-3, L], dflash = 5 spread ids + L. Id 0 = embeddings, id k = output of layer k-1, id L = last layer before the final norm."),
+    out: Optional[str] = typer.Option(None, help="Store path (.zarr). An existing compatible store is resumed."),
+    overwrite: Optional[bool] = typer.Option(None, "--overwrite", help="Delete an existing store at --out and start over."),
+    dtype: Optional[str] = typer.Option(None, help="Compute dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."),
+    device: Optional[str] = typer.Option(None, help="auto (CUDA when present), cpu, cuda, cuda:N."),
+    attn_implementation: Optional[str] = typer.Option(None, help="transformers attention implementation: sdpa, eager, flash_attention_2, ..."),
+    kernel: Optional[str] = typer.Option(None, help="Pack path: auto (Triton on CUDA), torch, triton."),
+    max_length: Optional[int] = typer.Option(None, help="Maximum tokens per sample."),
+    truncation: Optional[str] = typer.Option(None, help="Longer samples: truncate (cut) or skip (reject as too_long)."),
+    token_budget: Optional[int] = typer.Option(None, help="Max padded tokens (batch x longest) per forward pass."),
+    max_batch_size: Optional[int] = typer.Option(None, help="Max samples per forward pass."),
+    sort_window: Optional[int] = typer.Option(None, help="Consecutive source rows sorted by length together before batching (more: less padding, more host memory)."),
+    chunk_tokens: Optional[int] = typer.Option(None, help="Tokens per Zarr chunk (0: ~4 MiB)."),
+    shard_tokens: Optional[int] = typer.Option(None, help="Tokens per shard file, a multiple of chunk_tokens (0: ~256 MiB)."),
+    compressor: Optional[str] = typer.Option(None, help="none or zstd."),
+    max_reject_fraction: Optional[float] = typer.Option(None, help="Stop when more than this fraction of rows is rejected."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the live progress bar."),
+) -> None:
+    """Run the model over the data and write the selected layers' hidden states to a store."""
+    from .pipeline import run as run_pipeline
+
+    try:
+        overrides = {k: v for k, v in locals().items() if k not in ("config", "progress", "run_pipeline")}
+        cfg = load_config(config, **overrides)
+        summary = run_pipeline(cfg, progress=progress, log=lambda m: typer.echo(m, err=True))
+    except Exception as err:  # noqa: BLE001 - every failure is one line for the user
+        _fail(err)
+    rejects = ", ".join(f"{k}: {v}" for k, v in sorted(summary.reject_counts.items())) or "none"
+    typer.echo(
+        f"committed {summary.samples:,} samples ({summary.tokens:,} tokens, {summary.trainable_tokens:,} trainable) "
+        f"in {summary.seconds:.0f} s; rejected {summary.rejects:,} ({rejects})\n"
+        f"layer ids {summary.layer_ids} (speculators convention; id {summary.num_layers} = the last layer's output "
+        f"before the final norm)\n"
+        f"hidden states written: {_gb(summary.hidden_bytes)}; padding efficiency {summary.padding_efficiency:.1%}"
+        + (f"; {summary.resumed_rows:,} rows were already committed" if summary.resumed_rows else "")
+        + f"\nstore: {summary.out} ({summary.store_samples:,} samples, {summary.store_tokens:,} tokens in total)\n"
+        f"next: streamx inspect {summary.out}   |   python: streamx.open_store({summary.out!r}).sample(row_id)"
+    )
+
+
+@app.command()
+def inspect(
+    store: str = typer.Argument(..., help="Store path."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full summary and metadata as JSON."),
+) -> None:
+    """Show what a store holds: model, layers, counts, sizes, reject reasons."""
+    from .store import open_store, to_json
+
+    try:
+        summary = open_store(store).summary()
+    except Exception as err:  # noqa: BLE001
+        _fail(err)
+    if as_json:
+        typer.echo(to_json(summary))
+        return
+    meta = summary["metadata"]
+    model = meta["model"]
+    lines = [
+        f"store        {summary['path']} ({meta['format']})",
+        f"model        {model['model']} ({model['architecture']}, {meta['num_layers']} layers, hidden {meta['hidden_size']}, "
+        f"computed in {model['dtype']}; weights {model['weights_fingerprint'][:12]})",
+        f"layer ids    {meta['layer_ids']} ({meta['layer_convention']}: id {meta['num_layers']} = last layer before the final norm)",
+        f"data         {meta['config']['data']} (split {meta['config']['split']}), max_length {meta['max_length']} ({meta['truncation']})",
+        f"samples      {summary['samples']:,} committed, {summary['rejected']:,} rejected"
+        + (f", {summary['duplicate_rows']} DUPLICATE rows" if summary["duplicate_rows"] else ""),
+        f"tokens       {summary['tokens']:,} ({summary['trainable_tokens']:,} trainable)",
+        f"size         {_gb(summary['hidden_state_bytes'])} of bf16 hidden states, {meta['bytes_per_token']:,} bytes/token, "
+        f"chunks {meta['chunk_tokens']} tokens, shards {meta['shard_tokens']} tokens, compressor {meta['compressor']}",
+    ]
+    for reason, n in sorted(summary["reject_counts"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"  rejected {n:>6,} {reason}  (e.g. {summary['reject_examples'].get(reason, '')})")
+    for name, part in summary["parts"].items():
+        state = "complete" if part["closed"] else "interrupted (re-run the same command to resume)"
+        lines.append(f"part         {name}: {part['samples']:,} samples, {part['tokens']:,} tokens, {state}")
+    typer.echo("\n".join(lines))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

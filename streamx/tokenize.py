@@ -1,0 +1,212 @@
+"""Rows -> token ids + an assistant loss mask, through the tokenizer's own chat template.
+
+Most chat templates (ChatML/SmolLM2, Qwen3, Llama-3, Gemma) have no `{% generation %}`
+markers, so the mask is found in the rendered text instead: each assistant message's
+content is located in order, and its tokens are marked together with the end-of-turn
+token that closes it (`<|im_end|>`, `<|eot_id|>`, ...), because the drafter must learn to
+end turns. Template boilerplate around the content is never marked, including Qwen3's
+empty `<think>\\n\\n</think>\\n\\n` block: at inference it comes from the prompt
+(`enable_thinking=False`), not from the model.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+import jinja2
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from streamx.source import Row
+
+REJECT_REASONS = (
+    "malformed_json",  # a jsonl line that does not parse
+    "unrecognised_row",  # not an object, or no messages/conversations/text/input_ids field
+    "empty_conversation",
+    "unknown_role",
+    "non_string_content",
+    "empty_text",
+    "invalid_input_ids",  # pre-tokenized ids out of range, or a loss_mask that does not fit
+    "template_error",  # the chat template raised on this conversation
+    "template_mismatch",  # an assistant message's text is not in the rendered template
+    "no_assistant_tokens",  # nothing to train on, e.g. every assistant token truncated away
+    "too_long",  # over max_length with truncation="skip"
+    "non_finite",  # NaN/inf hidden states (set by the capture stage)
+)
+
+# OpenAI `messages` roles and ShareGPT `conversations` speakers, to chat-template roles
+ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
+         "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "model": "assistant"}
+
+
+class NoChatTemplateError(ValueError):
+    """A chat row met a tokenizer without a chat template: fatal for the run, not per row."""
+
+
+@dataclass
+class Sample:
+    row_id: int
+    input_ids: torch.Tensor  # int64 [T]
+    loss_mask: torch.Tensor  # int64 0/1 [T], not shifted: 1 on assistant tokens
+
+
+@dataclass(frozen=True)
+class Reject:
+    row_id: int
+    reason: str  # one of REJECT_REASONS
+    detail: str
+
+    def __post_init__(self):
+        if self.reason not in REJECT_REASONS:
+            raise ValueError(f"unknown reject reason {self.reason!r}")
+
+
+class _Rejected(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(reason, detail)
+        self.reason, self.detail = reason, detail
+
+
+class SampleBuilder:
+    """Turns a Row into a Sample or a Reject. Holds no mutable state: safe to call from a thread."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int,
+                 truncation: Literal["truncate", "skip"] = "truncate"):
+        if max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        if truncation not in ("truncate", "skip"):
+            raise ValueError(f"truncation must be 'truncate' or 'skip', got {truncation!r}")
+        self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
+        self.vocab_size = len(tokenizer)
+        # end-of-turn markers (<|im_end|>, <|eot_id|>, <end_of_turn>) are added tokens; finetunes
+        # often add theirs without the special flag, so any added token counts
+        self._end_ids = frozenset(tokenizer.added_tokens_decoder)
+        self.fingerprint = tokenizer_fingerprint(tokenizer, max_length, truncation)
+
+    def __call__(self, row: Row) -> Sample | Reject:
+        try:
+            if row.error is not None:
+                raise _Rejected(*row.error)
+            ids, mask = self._encode(row.record)
+            if len(ids) > self.max_length:
+                if self.truncation == "skip":
+                    raise _Rejected("too_long", f"{len(ids)} tokens > max_length {self.max_length}")
+                ids, mask = ids[: self.max_length], mask[: self.max_length]
+            if not any(mask):
+                raise _Rejected("no_assistant_tokens", f"loss mask is all zero over {len(ids)} tokens")
+        except _Rejected as r:
+            return Reject(row.row_id, r.reason, r.detail)
+        return Sample(row.row_id, torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64))
+
+    def _encode(self, record: dict | None) -> tuple[list[int], list[int]]:
+        if not isinstance(record, dict):
+            raise _Rejected("unrecognised_row", f"expected an object, got {type(record).__name__}")
+        # Arrow-backed datasets fill absent columns with None, so test values, not keys
+        if record.get("input_ids") is not None:
+            return self._pretokenized(record["input_ids"], record.get("loss_mask"))
+        for key in ("messages", "conversations"):
+            if record.get(key) is not None:
+                return self._chat(_messages(record[key]))
+        if record.get("text") is not None:
+            return self._text(record["text"])
+        raise _Rejected("unrecognised_row", f"no messages/conversations/text/input_ids field in {sorted(record)}")
+
+    def _pretokenized(self, ids, mask) -> tuple[list[int], list[int]]:
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+            raise _Rejected("invalid_input_ids", "input_ids must be a non-empty list of ints")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise _Rejected("invalid_input_ids", f"ids must be in [0, {self.vocab_size}), got [{min(ids)}, {max(ids)}]")
+        if mask is None:
+            return ids, [1] * len(ids)
+        if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+            raise _Rejected("invalid_input_ids", f"loss_mask must be {len(ids)} values of 0/1")
+        return ids, [int(m) for m in mask]
+
+    def _text(self, text) -> tuple[list[int], list[int]]:
+        if not isinstance(text, str):
+            raise _Rejected("non_string_content", f"text is {type(text).__name__}")
+        if not text.strip():
+            raise _Rejected("empty_text", "text is empty or whitespace")
+        ids = self.tokenizer(text)["input_ids"]  # special tokens as the tokenizer adds them to plain text
+        return ids, [1] * len(ids)
+
+    def _chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        if self.tokenizer.chat_template is None:
+            raise NoChatTemplateError("the tokenizer has no chat template, so chat rows cannot be tokenized; "
+                                      "set tokenizer.chat_template or use text / input_ids rows")
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m["content"].strip()]
+        if not turns:
+            raise _Rejected("no_assistant_tokens", "no assistant message with content")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+        except jinja2.TemplateError as e:
+            raise _Rejected("template_error", str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        ends = [e for _, e in offsets]
+        mask = [0] * len(ids)
+        cursor = 0
+        for i in turns:
+            content = messages[i]["content"].strip()  # templates may strip it
+            start = text.find(content, max(cursor, self._turn_start(messages, i, text)))
+            if start < 0:
+                raise _Rejected("template_mismatch", f"assistant message {i} not found in the rendered chat template")
+            cursor = start + len(content)
+            k = bisect.bisect_right(ends, start)  # first token ending after the content starts
+            while k < len(ids) and offsets[k][0] < cursor:
+                mask[k] = 1
+                k += 1
+            # the end-of-turn token, if only whitespace separates it from the content
+            j = k
+            while j < len(ids) and ids[j] not in self._end_ids and not text[offsets[j][0]:offsets[j][1]].strip():
+                j += 1
+            if j < len(ids) and ids[j] in self._end_ids:
+                mask[k: j + 1] = [1] * (j + 1 - k)
+        return ids, mask
+
+    def _turn_start(self, messages: list[dict], i: int, text: str) -> int:
+        """Where assistant message i can start: after the rendered prompt that precedes it, so
+        its content is not matched inside an earlier message (user "Hi", assistant "Hi")."""
+        if i == 0:
+            return 0
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        except jinja2.TemplateError:
+            return 0
+        return len(prompt) if text.startswith(prompt) else 0  # else fall back to the running cursor
+
+
+def _messages(turns) -> list[dict]:
+    """OpenAI `messages` or ShareGPT `conversations` -> [{"role", "content"}], validated."""
+    if not isinstance(turns, list):
+        raise _Rejected("unrecognised_row", f"conversation is {type(turns).__name__}, not a list")
+    if not turns:
+        raise _Rejected("empty_conversation", "conversation has no messages")
+    out = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise _Rejected("unrecognised_row", f"message {i} is {type(t).__name__}, not an object")
+        role = t.get("role") if t.get("role") is not None else t.get("from")
+        content = t.get("content") if t.get("content") is not None else t.get("value")
+        if not isinstance(role, str) or role.lower() not in ROLES:
+            raise _Rejected("unknown_role", f"message {i} has role {role!r}")
+        if not isinstance(content, str):
+            raise _Rejected("non_string_content", f"message {i} ({role}) content is {type(content).__name__}")
+        out.append({"role": ROLES[role.lower()], "content": content})
+    return out
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase, max_length: int, truncation: str) -> str:
+    """sha256 of everything that decides the token ids and the mask, so a resume can refuse a change."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    added = {i: [t.content, t.special] for i, t in tokenizer.added_tokens_decoder.items()}
+    h = hashlib.sha256()
+    for part in (state, json.dumps(added, sort_keys=True), json.dumps(tokenizer.chat_template, sort_keys=True),
+                 json.dumps(tokenizer.special_tokens_map, sort_keys=True), str(max_length), truncation):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()

@@ -1,0 +1,186 @@
+"""End to end: `streamx run` on real chat data into a store, checked against independent references."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import zarr
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from streamx.config import load_config
+from streamx.pipeline import run
+from streamx.store import open_store
+
+BF16_ULP = 2.0**-7
+
+
+def config(model_dir, data, out, **kw):
+    base = dict(model=model_dir, data=data, out=str(out), layers="0,2,4", token_budget=512, max_length=256,
+                sort_window=16, chunk_tokens=16, shard_tokens=64)
+    return load_config(None, **{**base, **kw})
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+def test_store_matches_unbatched_reference(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    summary = run(config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr"), progress=False)
+    store = open_store(str(tmp_path / "s.zarr"))
+    rows = [json.loads(line) for line in open(chat_jsonl)]
+    assert summary.samples == len(store) == len(rows) and summary.rejects == 0
+    assert summary.padded_tokens > summary.real_tokens  # batches really were padded
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir, dtype=torch.float32).eval()
+    model.model.norm = nn.Identity()  # id L is the pre-norm output of the last layer
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+    for row_id, row in enumerate(rows):
+        got = store.sample(row_id)
+        ids = tok.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"]
+        assert got.input_ids.tolist() == ids[:256]
+        assert 0 < got.loss_mask.sum() < len(ids)
+        with torch.inference_mode():
+            ref = model(input_ids=got.input_ids[None], output_hidden_states=True).hidden_states
+        for slot, layer_id in enumerate([0, 2, 4]):
+            torch.testing.assert_close(got.hidden_states[:, slot].float(), ref[layer_id][0].to(torch.bfloat16).float(),
+                                       rtol=BF16_ULP, atol=1e-6)
+    meta = store.metadata
+    assert meta["layer_ids"] == [0, 2, 4] and meta["last_id_is_pre_norm"] and meta["num_layers"] == 4
+    assert meta["hidden_states_dtype"] == "bfloat16" and meta["config"]["data"] == chat_jsonl
+
+
+def test_bad_rows_are_rejected_with_reasons_and_the_run_goes_on(tiny_chat_model_dir, tmp_path):
+    good = {"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}]}
+    rows = [good, "{not json", {"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
+            {"messages": [{"role": "user", "content": 3}]}, {"messages": [{"role": "user", "content": "only"}]},
+            good, {"text": "plain text row"}, {"input_ids": [1, 2, 3, 4]}]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    summary = run(config(tiny_chat_model_dir, data, tmp_path / "s.zarr"), progress=False)
+    assert summary.reject_counts == {"malformed_json": 1, "empty_conversation": 1, "unknown_role": 1,
+                                     "non_string_content": 1, "no_assistant_tokens": 1}
+    store = open_store(str(tmp_path / "s.zarr"))
+    assert sorted(store.row_ids().tolist()) == [0, 6, 7, 8]
+    assert sorted(store.rejected()) == [(1, "malformed_json"), (2, "empty_conversation"), (3, "unknown_role"),
+                                        (4, "non_string_content"), (5, "no_assistant_tokens")]
+    assert store.sample(8).input_ids.tolist() == [1, 2, 3, 4]
+
+
+def test_non_finite_states_are_rejected(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
+    """A sample whose activations are NaN is rejected as non_finite; its batch neighbours are stored."""
+    import streamx.capture as capture
+
+    real_pack = capture.LayerCapture._pack
+
+    def poisoned(self, slot, hidden, stop):
+        hidden = hidden.clone()
+        hidden[0, 0, 0] = float("nan")  # first sample of every batch
+        real_pack(self, slot, hidden, stop)
+
+    monkeypatch.setattr(capture.LayerCapture, "_pack", poisoned)
+    summary = run(config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", max_samples=30), progress=False)
+    assert summary.reject_counts["non_finite"] >= 1 and summary.samples >= 1
+    assert summary.samples + summary.rejects == 30
+    store = open_store(str(tmp_path / "s.zarr"))
+    assert all(torch.isfinite(s.hidden_states.float()).all() for s in store.samples())
+
+
+def test_abnormal_reject_rate_stops_the_run(tiny_chat_model_dir, tmp_path):
+    rows = ["{broken"] * 150 + [{"text": "fine"}] * 10
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(RuntimeError, match="rejected.*top reason: malformed_json"):
+        run(config(tiny_chat_model_dir, data, tmp_path / "s.zarr"), progress=False)
+
+
+def test_rerun_resumes_and_incompatible_rerun_is_refused(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    out = tmp_path / "s.zarr"
+    first = run(config(tiny_chat_model_dir, chat_jsonl, out, max_samples=30), progress=False)
+    more = run(config(tiny_chat_model_dir, chat_jsonl, out), progress=False)  # extends to all rows
+    assert more.resumed_rows == 30 and first.samples + more.samples == len(open_store(str(out)))
+    again = run(config(tiny_chat_model_dir, chat_jsonl, out), progress=False)
+    assert again.samples == 0 and open_store(str(out)).summary()["duplicate_rows"] == 0
+    with pytest.raises(RuntimeError, match="incompatible run.*layer_ids"):
+        run(config(tiny_chat_model_dir, chat_jsonl, out, layers="1,4"), progress=False)
+    run(config(tiny_chat_model_dir, chat_jsonl, out, layers="1,4", max_samples=5, overwrite=True), progress=False)
+    assert len(open_store(str(out))) == 5
+
+
+def cli(*args, **kw):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "streamx", *args], env=env, capture_output=True, text=True, **kw)
+
+
+def run_args(model_dir, data, out):
+    return ["run", "--model", model_dir, "--data", data, "--out", str(out), "--layers", "0,2,4",
+            "--token-budget", "512", "--max-length", "256", "--sort-window", "16", "--chunk-tokens", "16",
+            "--shard-tokens", "64", "--no-progress"]
+
+
+def committed_samples(out) -> int:
+    try:
+        return zarr.open_group(str(out), mode="r")["parts/part-00000"].attrs["commit"]["samples"]
+    except Exception:  # not created yet
+        return 0
+
+
+def test_kill_9_then_rerun_equals_an_uninterrupted_run(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    reference = tmp_path / "ref.zarr"
+    assert cli(*run_args(tiny_chat_model_dir, chat_jsonl, reference)).returncode == 0
+    out = tmp_path / "killed.zarr"
+    kills = 0
+    for _ in range(2):  # kill twice at different points, then finish
+        proc = subprocess.Popen([sys.executable, "-m", "streamx", *run_args(tiny_chat_model_dir, chat_jsonl, out)],
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        target = committed_samples(out) + 5
+        deadline = time.time() + 120
+        while proc.poll() is None and committed_samples(out) < target and time.time() < deadline:
+            time.sleep(0.05)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            kills += 1
+        proc.wait()
+    assert kills >= 1
+    partial = committed_samples(out)
+    result = cli(*run_args(tiny_chat_model_dir, chat_jsonl, out))
+    assert result.returncode == 0, result.stderr
+    ref, got = open_store(str(reference)), open_store(str(out))
+    assert 0 < partial < len(ref)
+    assert sorted(got.row_ids().tolist()) == sorted(ref.row_ids().tolist())  # none lost, none duplicated
+    for row_id in ref.row_ids().tolist():
+        a, b = ref.sample(row_id), got.sample(row_id)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        assert torch.equal(a.hidden_states.view(torch.int16), b.hidden_states.view(torch.int16)), row_id
+
+
+def test_cli_errors_are_one_line(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    bad_model = cli("run", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o.zarr"))
+    assert bad_model.returncode == 1 and bad_model.stderr.strip().count("\n") == 0
+    assert "error:" in bad_model.stderr and "nope" in bad_model.stderr
+    args = run_args(tiny_chat_model_dir, chat_jsonl, tmp_path / "o.zarr")
+    bad_layers = cli(*[("2,9" if a == "0,2,4" else a) for a in args])
+    assert bad_layers.returncode == 1 and "valid ids are 0..4" in bad_layers.stderr
+    bad_data = cli("run", "--model", tiny_chat_model_dir, "--data", str(tmp_path / "missing.jsonl"),
+                   "--out", str(tmp_path / "o.zarr"))
+    assert bad_data.returncode == 1 and "missing.jsonl" in bad_data.stderr
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    unwritable = cli(*run_args(tiny_chat_model_dir, chat_jsonl, blocker / "o.zarr"))
+    assert unwritable.returncode == 1 and "error:" in unwritable.stderr
+
+
+def test_inspect(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    out = tmp_path / "s.zarr"
+    run(config(tiny_chat_model_dir, chat_jsonl, out, max_samples=10), progress=False)
+    text = cli("inspect", str(out))
+    assert text.returncode == 0 and "[0, 2, 4]" in text.stdout and "10 committed" in text.stdout
+    data = json.loads(cli("inspect", str(out), "--json").stdout)
+    assert data["samples"] == 10 and data["metadata"]["layer_ids"] == [0, 2, 4]
+    assert data["tokens"] == sum(len(s.input_ids) for s in open_store(str(out)).samples())

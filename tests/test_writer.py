@@ -1,0 +1,128 @@
+"""The commit protocol: samples are committed whole or absent, and a resumed writer continues exactly."""
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from streamx.store import Store, StoreError, bf16_to_bits, create_or_open, done_row_ids, make_layout
+from streamx.tokenize import REJECT_REASONS, Reject
+from streamx.writer import PartWriter
+
+K, H = 3, 8
+LAYOUT = make_layout(K, H, chunk_tokens=4, shard_tokens=8)
+
+
+def meta(**compat):
+    return {"layer_ids": [1, 2, 3], "num_slots": K, "hidden_size": H, "reject_reasons": list(REJECT_REASONS),
+            "compat": {"model": "m", **compat}, "format": "test"}
+
+
+def random_sample(row_id: int, length: int, g: torch.Generator):
+    ids = torch.randint(0, 50_000, (length,), generator=g)
+    mask = (torch.rand(length, generator=g) > 0.5).to(torch.uint8)
+    hidden = torch.randn(length, K, H, generator=g).to(torch.bfloat16)
+    return row_id, ids.numpy(), mask.numpy(), hidden
+
+
+def append(writer, sample):
+    row_id, ids, mask, hidden = sample
+    writer.append(row_id, ids, mask, bf16_to_bits(hidden))
+
+
+def assert_stored(path, samples):
+    store = Store(path)
+    assert sorted(store.row_ids().tolist()) == sorted(s[0] for s in samples)
+    for row_id, ids, mask, hidden in samples:
+        got = store.sample(row_id)
+        assert torch.equal(got.input_ids, torch.from_numpy(ids))
+        assert torch.equal(got.loss_mask, torch.from_numpy(mask).long())
+        assert got.hidden_states.dtype == torch.bfloat16
+        assert torch.equal(got.hidden_states.view(torch.int16), hidden.view(torch.int16))  # bit-exact
+
+
+@pytest.fixture
+def samples():
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 5, 1, 12, 7, 8, 2, 20, 4, 9]  # straddle shards, longer than a shard, exactly a shard
+    return [random_sample(100 + i, n, g) for i, n in enumerate(lengths)]
+
+
+def test_roundtrip_bit_exact(tmp_path, samples):
+    root = create_or_open(str(tmp_path / "s.zarr"), meta())
+    writer = PartWriter(root, "part-00000", LAYOUT)
+    for s in samples:
+        append(writer, s)
+    writer.close()
+    assert_stored(str(tmp_path / "s.zarr"), samples)
+    arr = zarr.open_group(str(tmp_path / "s.zarr"))["parts/part-00000/hidden_states"]
+    assert arr.shape == (sum(len(s[1]) for s in samples), K, H)  # real tokens only, no padding
+
+
+def test_uncommitted_tail_is_absent_then_resumed(tmp_path, samples):
+    path = str(tmp_path / "s.zarr")
+    root = create_or_open(path, meta())
+    writer = PartWriter(root, "part-00000", LAYOUT)
+    writer.reject(Reject(7, "too_long", "x"))  # committed with the next shard
+    for s in samples[:6]:  # 3+5+1+12+7+8 = 36 tokens: shards 0..3 written (32 tokens)
+        append(writer, s)
+    writer.reject(Reject(8, "too_long", "y"))  # after the last shard: not committed
+    # "crash": no close. Samples ending at or before token 32 are committed, the one ending at 36 is not.
+    assert sorted(Store(path).row_ids().tolist()) == [100, 101, 102, 103, 104]
+    assert done_row_ids(zarr.open_group(path)) == {100, 101, 102, 103, 104, 7}
+
+    root = create_or_open(path, meta())
+    writer = PartWriter(root, "part-00000", LAYOUT)
+    for s in samples[5:]:  # the uncommitted sample again, then the rest
+        append(writer, s)
+    writer.close()
+    assert_stored(path, samples)
+    assert Store(path).rejected() == [(7, "too_long")]
+
+
+def test_resume_after_clean_close_appends_into_partial_shard(tmp_path, samples):
+    path = str(tmp_path / "s.zarr")
+    for chunk in (samples[:3], samples[3:7], samples[7:]):  # 9 tokens: the first close leaves a partial shard
+        writer = PartWriter(create_or_open(path, meta()), "part-00000", LAYOUT)
+        for s in chunk:
+            append(writer, s)
+        writer.close()
+    assert_stored(path, samples)
+
+
+def test_garbage_beyond_commit_is_overwritten(tmp_path, samples):
+    path = str(tmp_path / "s.zarr")
+    writer = PartWriter(create_or_open(path, meta()), "part-00000", LAYOUT)
+    for s in samples[:4]:
+        append(writer, s)
+    writer.close()
+    # a crashed run wrote tokens and index entries past the commit without committing them
+    part = zarr.open_group(path)["parts/part-00000"]
+    n = part["hidden_states"].shape[0]
+    part["hidden_states"].resize((n + 16, K, H))
+    part["hidden_states"][n:] = np.full((16, K, H), 0x7FC0, dtype=np.uint16)  # NaN bit patterns
+    part["sample_row_id"].resize((6,))
+    part["sample_row_id"][4:] = [999, 998]
+    assert_stored(path, samples[:4])  # readers see the commit only
+    writer = PartWriter(create_or_open(path, meta()), "part-00000", LAYOUT)
+    for s in samples[4:]:
+        append(writer, s)
+    writer.close()
+    assert_stored(path, samples)
+    assert part["hidden_states"].shape[0] == sum(len(s[1]) for s in samples)
+
+
+def test_incompatible_store_is_refused(tmp_path):
+    path = str(tmp_path / "s.zarr")
+    create_or_open(path, meta())
+    with pytest.raises(StoreError, match="incompatible run.*model: store has 'm', this run 'other'.*--overwrite"):
+        create_or_open(path, meta(model="other"))
+    create_or_open(path, meta(model="other"), overwrite=True)
+    assert Store(path).metadata["compat"]["model"] == "other"
+
+
+def test_refuses_to_overwrite_a_non_store(tmp_path):
+    (tmp_path / "precious.txt").write_text("data")
+    with pytest.raises(StoreError, match="is not a streamx store"):
+        create_or_open(str(tmp_path), meta())
+    assert (tmp_path / "precious.txt").exists()
