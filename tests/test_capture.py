@@ -53,8 +53,9 @@ def assert_matches_reference(model, samples, layer_ids):
         for slot, layer_id in enumerate(layer_ids):
             got = packed[offset : offset + T, slot].float()
             want = ref[layer_id].to(torch.bfloat16).float()
-            # batched vs unbatched fp32 differ in the last bits: allow one bf16 rounding step
-            torch.testing.assert_close(got, want, rtol=BF16_ULP, atol=1e-6,
+            # batched vs unbatched fp32 differ in the last bits: one bf16 rounding step, and a tiny
+            # absolute slack relative to the layer's scale for values near zero
+            torch.testing.assert_close(got, want, rtol=BF16_ULP, atol=1e-5 * want.abs().max().item(),
                                        msg=lambda m: f"row {sample.row_id} id {layer_id}: {m}")
         offset += T
     return packed
