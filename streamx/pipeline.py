@@ -156,6 +156,8 @@ def _drain(q: queue.Queue, stop: threading.Event, workers: list[_Worker]) -> Ite
 
 def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = print) -> RunSummary:
     started = time.perf_counter()
+    if not progress:
+        transformers.utils.logging.disable_progress_bar()  # its weight-loading bar too
     model, tokenizer, info = load_model(config.model, config.dtype, config.device, config.attn_implementation)
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation)

@@ -185,3 +185,86 @@ def test_inspect(tiny_chat_model_dir, chat_jsonl, tmp_path):
     data = json.loads(cli("inspect", str(out), "--json").stdout)
     assert data["samples"] == 10 and data["metadata"]["layer_ids"] == [0, 2, 4]
     assert data["tokens"] == sum(len(s.input_ids) for s in open_store(str(out)).samples())
+
+
+def test_no_chat_template_is_fatal_with_one_line(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    import shutil
+
+    model_dir = tmp_path / "no-template"
+    shutil.copytree(tiny_chat_model_dir, model_dir)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (model_dir / name).unlink(missing_ok=True)
+    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    result = cli(*run_args(str(model_dir), chat_jsonl, tmp_path / "o.zarr"))
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0
+    assert "no chat template" in result.stderr
+
+
+def test_disk_full_keeps_committed_data_and_resumes(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
+    from streamx.writer import PartWriter
+
+    out = tmp_path / "s.zarr"
+    real_write = PartWriter._write_tokens
+    calls = []
+
+    def fail_on_sixth_shard(self, n):
+        calls.append(n)
+        if len(calls) == 6:
+            raise OSError(28, "No space left on device")
+        real_write(self, n)
+
+    monkeypatch.setattr(PartWriter, "_write_tokens", fail_on_sixth_shard)
+    with pytest.raises(OSError, match="No space left"):
+        run(config(tiny_chat_model_dir, chat_jsonl, out), progress=False)
+    partial = open_store(str(out))
+    assert 0 < len(partial) and partial.num_tokens <= 5 * 64  # the five shards written before the failure
+    kept = {r: partial.sample(r) for r in partial.row_ids().tolist()}
+    monkeypatch.setattr(PartWriter, "_write_tokens", real_write)
+    run(config(tiny_chat_model_dir, chat_jsonl, out), progress=False)
+    final = open_store(str(out))
+    assert len(final) == sum(1 for _ in open(chat_jsonl)) and final.summary()["duplicate_rows"] == 0
+    for r, s in kept.items():
+        assert torch.equal(final.sample(r).hidden_states.view(torch.int16), s.hidden_states.view(torch.int16))
+
+
+def test_producer_streams_with_bounded_read_ahead(tiny_chat_model_dir, tmp_path, monkeypatch):
+    """Host memory must not grow with the dataset: the producer may only run a bounded way ahead
+    of the forward pass (sort window + bounded queues), however long the source is."""
+    import streamx.pipeline as pipeline
+    from streamx.capture import LayerCapture
+
+    rows = [{"text": f"row {i} " + "word " * (i % 7)} for i in range(400)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    yielded, lead = [0], []
+    real_open = pipeline.open_source
+
+    def counting_source(*args, **kw):
+        source = real_open(*args, **kw)
+        inner = source._rows
+
+        def rows_counted():
+            for row in inner():
+                yielded[0] += 1
+                yield row
+
+        source._rows = rows_counted
+        return source
+
+    real_forward = LayerCapture.forward
+    forwarded = [0]
+
+    def slow_forward(self, batch, packed):
+        time.sleep(0.01)  # a slow GPU stage: the producer would race ahead if nothing bounded it
+        real_forward(self, batch, packed)
+        forwarded[0] += len(batch.samples)
+        lead.append(yielded[0] - forwarded[0])
+
+    monkeypatch.setattr(pipeline, "open_source", counting_source)
+    monkeypatch.setattr(LayerCapture, "forward", slow_forward)
+    cfg = config(tiny_chat_model_dir, data, tmp_path / "s.zarr", sort_window=8, max_batch_size=4, queue_batches=2)
+    run(cfg, progress=False)
+    # at most: the window being tokenized + batches in the queue + the one being handed over
+    bound = cfg.sort_window * 2 + (cfg.queue_batches + 2) * cfg.max_batch_size
+    assert max(lead) <= bound and yielded[0] == 400
