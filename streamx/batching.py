@@ -24,6 +24,11 @@ class Batch:
     attention_mask: torch.Tensor  # int64 [B, S]
     token_index: torch.Tensor  # int64 [N]: flat b * S + t of every real token, sample after sample
 
+    def pin_memory(self) -> None:
+        self.input_ids = self.input_ids.pin_memory()
+        self.attention_mask = self.attention_mask.pin_memory()
+        self.token_index = self.token_index.pin_memory()
+
     @property
     def lengths(self) -> list[int]:
         return [len(s.input_ids) for s in self.samples]

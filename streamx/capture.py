@@ -133,8 +133,9 @@ class LayerCapture:
 def sample_is_finite(packed: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """[B] bool: every captured value of sample b is finite (NaN/Inf samples are rejected, not stored)."""
     token_ok = torch.isfinite(packed).flatten(1).all(dim=1)
-    sample_of_token = torch.repeat_interleave(
-        torch.arange(len(lengths), device=packed.device), torch.tensor(lengths, device=packed.device)
+    sample_of_token = torch.repeat_interleave(  # output_size given: no device sync on CUDA
+        torch.arange(len(lengths), device=packed.device), torch.tensor(lengths).to(packed.device),
+        output_size=packed.shape[0],
     )
     bad = torch.zeros(len(lengths), device=packed.device, dtype=torch.int32)
     bad.index_add_(0, sample_of_token, (~token_ok).to(torch.int32))

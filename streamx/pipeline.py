@@ -186,7 +186,7 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
                 if all(r in done for r in rows):  # the writer drops done rows of partly done batches
                     continue
                 if isinstance(item, Batch) and device.type == "cuda":  # pinned: host-to-device copies run async
-                    item.input_ids, item.attention_mask = item.input_ids.pin_memory(), item.attention_mask.pin_memory()
+                    item.pin_memory()
                 _put(batches, item, stop)
                 if stop.is_set():
                     return

@@ -158,8 +158,9 @@ class Store:
             offsets.append(part["sample_offset"][:n])
             lengths.append(part["sample_length"][:n])
             part_ids.append(np.full(n, i))
-        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-        self._rows, self._offsets, self._lengths, self._part_ids = cat(rows), cat(offsets), cat(lengths), cat(part_ids)
+        self._rows, self._offsets, self._lengths, self._part_ids = (
+            np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64) for xs in (rows, offsets, lengths, part_ids)
+        )
         self._order = np.argsort(self._rows, kind="stable")
         self._part_list = list(self.parts.values())
 
