@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -34,6 +34,7 @@ from .models import ModelInfo, load_model
 from .pack import select_pack_fn
 from .source import open_source
 from .store import STORE_FORMAT, Layout, create_or_open, done_row_ids, make_layout
+from .timing import StageTimes
 from .tokenize import REJECT_REASONS, Reject, SampleBuilder
 from .transfer import HostTransfer
 from .writer import PackedBatch, PartWriter, WriteCounts, write_loop
@@ -60,9 +61,10 @@ class RunSummary:
     padded_tokens: int
     resumed_rows: int  # rows skipped because an earlier run committed them
     seconds: float
+    stage_seconds: dict[str, float]  # busy time per stage (source_tokenize, batching, forward, pack, d2h, write)
+    queue_fill: dict[str, float]  # mean occupancy (0..1) of the two bounded queues when read
     store_samples: int = 0  # the whole store after this run
     store_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def padding_efficiency(self) -> float:
@@ -154,11 +156,14 @@ def _drain(q: queue.Queue, stop: threading.Event, workers: list[_Worker]) -> Ite
         yield item
 
 
-def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = print) -> RunSummary:
+def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = print,
+        loaded: tuple[Any, Any, ModelInfo] | None = None) -> RunSummary:
+    """Run the pipeline; `loaded` = load_model(...)'s result lets callers (bench) reuse a loaded model."""
     started = time.perf_counter()
     if not progress:
         transformers.utils.logging.disable_progress_bar()  # its weight-loading bar too
-    model, tokenizer, info = load_model(config.model, config.dtype, config.device, config.attn_implementation)
+    model, tokenizer, info = loaded or load_model(config.model, config.dtype, config.device,
+                                                  config.attn_implementation)
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
     source = open_source(config.data, config.split, config.max_samples)
@@ -175,13 +180,18 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
     batches: queue.Queue = queue.Queue(maxsize=config.queue_batches)
     to_write: queue.Queue = queue.Queue(maxsize=config.queue_batches)
     counts = WriteCounts()
+    times = StageTimes()
+    fill = {"batches": [], "to_write": []}  # queue sizes seen by each consumer
 
     def produce() -> None:
         for window in iter_windows(source, config.sort_window):
             if all(row.row_id in done for row in window):
                 continue
-            tokenized = [builder(row) for row in window]
-            for item in iter_batches(tokenized, config.token_budget, config.max_batch_size, pad_id):
+            with times.measure("source_tokenize"):
+                tokenized = [builder(row) for row in window]
+            with times.measure("batching"):
+                window_batches = list(iter_batches(tokenized, config.token_budget, config.max_batch_size, pad_id))
+            for item in window_batches:
                 rows = [item.row_id] if isinstance(item, Reject) else [s.row_id for s in item.samples]
                 if all(r in done for r in rows):  # the writer drops done rows of partly done batches
                     continue
@@ -194,27 +204,35 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
 
     producer = _Worker("streamx-producer", produce, stop)
     writer_thread = _Worker("streamx-writer", lambda: write_loop(to_write, writer, counts, stop, done,
-                                                                 config.max_reject_fraction), stop)
+                                                                 config.max_reject_fraction, times, fill), stop)
     transfer = HostTransfer(device, config.token_budget, len(layer_ids), info.hidden_size,
                             num_buffers=config.queue_batches + 2, stop=stop)
     total = None if source.num_rows is None else max(0, source.num_rows - len(done))
     bar = tqdm(total=total, unit="sample", disable=not progress, dynamic_ncols=True, desc="streamx run")
     real = padded = 0
-    pack_fn = select_pack_fn(config.kernel, device)
+    pack = select_pack_fn(config.kernel, device)
+
+    def pack_fn(packed: torch.Tensor, slot: int, hidden: torch.Tensor, token_index: torch.Tensor) -> None:
+        with times.measure("pack", device):
+            pack(packed, slot, hidden, token_index)
     producer.start()
     writer_thread.start()
     try:
         with LayerCapture(model, layer_ids, pack_fn) as capture:
             for item in _drain(batches, stop, [producer, writer_thread]):
+                fill["batches"].append(batches.qsize() + 1)
                 if isinstance(item, Reject):
                     _put(to_write, item, stop)
                     bar.update(1)
                     continue
                 packed = torch.empty((item.num_tokens, len(layer_ids), info.hidden_size), dtype=torch.bfloat16,
                                      device=device)
-                capture.forward(item, packed)
-                finite = sample_is_finite(packed, item.lengths)
-                _put(to_write, PackedBatch(item.samples, transfer.start(packed, finite)), stop)
+                with times.measure("forward", device):
+                    capture.forward(item, packed)
+                    finite = sample_is_finite(packed, item.lengths)
+                with times.measure("d2h", device):
+                    host = transfer.start(packed, finite)
+                _put(to_write, PackedBatch(item.samples, host), stop)
                 real += item.num_tokens
                 padded += item.padded_tokens
                 bar.update(len(item.samples))
@@ -230,10 +248,14 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
         producer.join(timeout=5)
         writer_thread.join(timeout=30)
     store_commit = writer.commit
+    stage_seconds = times.totals()
+    stage_seconds["forward"] = stage_seconds.get("forward", 0.0) - stage_seconds.get("pack", 0.0)  # hooks run inside
     return RunSummary(
         out=config.out, layer_ids=layer_ids, num_layers=info.num_layers, samples=counts.samples, tokens=counts.tokens,
         trainable_tokens=counts.trainable_tokens, rejects=counts.rejects, reject_counts=dict(counts.reject_counts),
         hidden_bytes=counts.bytes, real_tokens=real, padded_tokens=padded, resumed_rows=len(done),
-        seconds=time.perf_counter() - started, store_samples=store_commit["samples"],
+        seconds=time.perf_counter() - started, stage_seconds=stage_seconds,
+        queue_fill={name: sum(v) / len(v) / config.queue_batches if v else 0.0 for name, v in fill.items()},
+        store_samples=store_commit["samples"],
         store_tokens=store_commit["tokens"],
     )

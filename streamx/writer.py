@@ -23,6 +23,7 @@ import zarr
 
 from .store import PARTS, EMPTY_COMMIT, Layout, bf16_to_bits, create_part
 from .tokenize import REJECT_REASONS, Reject, Sample
+from .timing import StageTimes
 from .transfer import HostBatch
 
 
@@ -152,7 +153,8 @@ class WriteCounts:
 
 
 def write_loop(items: queue.Queue, writer: PartWriter, counts: WriteCounts, stop: threading.Event,
-               done: set[int], max_reject_fraction: float, min_rows_for_rate: int = 100) -> None:
+               done: set[int], max_reject_fraction: float, times: StageTimes, fill: dict[str, list[int]],
+               min_rows_for_rate: int = 100) -> None:
     """The writer thread's body: PackedBatch / Reject items until a None sentinel, then close.
     Rows in `done` (committed by an earlier run, recomputed with their batch) are dropped."""
 
@@ -163,28 +165,17 @@ def write_loop(items: queue.Queue, writer: PartWriter, counts: WriteCounts, stop
         counts.rejects += 1
         counts.reject_counts[reject.reason] = counts.reject_counts.get(reject.reason, 0) + 1
 
-    while True:
-        try:
-            item = items.get(timeout=0.1)
-        except queue.Empty:
-            if stop.is_set():
-                return
-            continue
-        if item is None:
-            writer.close()
-            return
-        if isinstance(item, Reject):
-            record_reject(item)
-        else:
-            item.host.wait()
-            hidden_bits = bf16_to_bits(item.host.hidden)
-            finite = item.host.finite.tolist()
+    def write_batch(batch: PackedBatch) -> None:
+        with times.measure("d2h_wait"):
+            batch.host.wait()
+        with times.measure("write"):
+            hidden_bits = bf16_to_bits(batch.host.hidden)
             offset = 0
-            for sample, ok in zip(item.samples, finite):
+            for sample, finite in zip(batch.samples, batch.host.finite.tolist()):
                 T = len(sample.input_ids)
                 if sample.row_id in done:
                     pass
-                elif ok:
+                elif finite:
                     mask = sample.loss_mask.numpy().astype(np.uint8)
                     writer.append(sample.row_id, sample.input_ids.numpy(), mask, hidden_bits[offset : offset + T])
                     counts.samples += 1
@@ -194,7 +185,24 @@ def write_loop(items: queue.Queue, writer: PartWriter, counts: WriteCounts, stop
                 else:
                     record_reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states"))
                 offset += T
-            item.host.release()
+            batch.host.release()
+
+    while True:
+        try:
+            item = items.get(timeout=0.1)
+        except queue.Empty:
+            if stop.is_set():
+                return
+            continue
+        fill["to_write"].append(items.qsize() + 1)
+        if item is None:
+            with times.measure("write"):
+                writer.close()
+            return
+        if isinstance(item, Reject):
+            record_reject(item)
+        else:
+            write_batch(item)
         rows = counts.samples + counts.rejects
         if rows >= min_rows_for_rate and counts.rejects > max_reject_fraction * rows:
             top, n = max(counts.reject_counts.items(), key=lambda kv: kv[1])

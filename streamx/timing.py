@@ -1,0 +1,39 @@
+"""Busy time per pipeline stage, so a run (and `streamx bench`) can name its bottleneck.
+
+CPU stages use perf_counter. Device stages use CUDA events, resolved only when totals are
+read, so timing never synchronises the device mid-run."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+class StageTimes:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def measure(self, stage: str, device: torch.device | None = None) -> Iterator[None]:
+        if device is not None and device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((stage, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.seconds[stage] += time.perf_counter() - t0
+
+    def totals(self) -> dict[str, float]:
+        for stage, start, end in self._events:
+            end.synchronize()
+            self.seconds[stage] += start.elapsed_time(end) / 1000
+        self._events.clear()
+        return dict(self.seconds)
