@@ -95,12 +95,13 @@ def create_part(root: zarr.Group, name: str, layout: Layout) -> zarr.Group:
     K, H, c, s = layout.num_slots, layout.hidden_size, layout.chunk_tokens, layout.shard_tokens
     part.create_array("hidden_states", shape=(0, K, H), dtype="uint16", chunks=(c, K, H), shards=(s, K, H),
                       compressors=_codecs(layout.compressor), fill_value=0)
-    part.create_array("input_ids", shape=(0,), dtype="int64", chunks=(s,), compressors=None, fill_value=0)
-    part.create_array("loss_mask", shape=(0,), dtype="uint8", chunks=(s,), compressors=None, fill_value=0)
-    for name_ in (*SAMPLE_ARRAYS, "reject_row_id"):
-        part.create_array(name_, shape=(0,), dtype="int64", chunks=(INDEX_CHUNK,), compressors=None, fill_value=-1)
-    part.create_array("reject_reason", shape=(0,), dtype="uint8", chunks=(INDEX_CHUNK,), compressors=None,
-                      fill_value=0)
+    # token ids and masks are tiny next to the states: zstd keeps their partly filled chunks small
+    for name_, dtype in (("input_ids", "int64"), ("loss_mask", "uint8")):
+        part.create_array(name_, shape=(0,), dtype=dtype, chunks=(c,), shards=(s,), compressors=_codecs("zstd"),
+                          fill_value=0)
+    for name_, dtype in (*((a, "int64") for a in (*SAMPLE_ARRAYS, "reject_row_id")), ("reject_reason", "uint8")):
+        part.create_array(name_, shape=(0,), dtype=dtype, chunks=(INDEX_CHUNK,), compressors=_codecs("zstd"),
+                          fill_value=0)
     return part
 
 

@@ -1,0 +1,211 @@
+"""`streamx bench`: the full pipeline against the plain forward pass and the naive per-sample approach.
+
+Three modes run in one process on the same samples and device, in rounds whose order rotates so
+that machine drift hits all of them equally:
+  forward_only  the decoder over the same length-bucketed batches, nothing captured or written
+  streamx       the full pipeline (pipeline.run) into a temporary store
+  naive         what HF-based dumpers do: per sample, the CausalLM with output_hidden_states=True,
+                selected layers taken from the tuple, one safetensors file written synchronously
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from .batching import Batch, iter_batches, iter_windows
+from .config import RunConfig, resolve_layer_ids
+from .models import load_model
+from .pipeline import run
+from .source import open_source
+from .tokenize import Sample, SampleBuilder
+
+MODES = ("forward_only", "streamx", "naive")
+
+
+class PeakRSS:
+    """Peak resident memory while a block runs (sampled; ru_maxrss only ever grows per process)."""
+
+    def __enter__(self) -> PeakRSS:
+        self.peak, self._stop = _rss(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: the process-wide high-water mark
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def forward_only(model, batches: list[Batch], device: torch.device) -> dict[str, Any]:
+    with torch.inference_mode():
+        for batch in batches:
+            model.model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                        use_cache=False)
+    _sync(device)
+    return {"bytes_written": 0}
+
+
+def naive(model, samples: list[Sample], layer_ids: list[int], device: torch.device, out_dir: Path) -> dict[str, Any]:
+    written = 0
+    with torch.inference_mode():
+        for sample in samples:
+            out = model(input_ids=sample.input_ids[None].to(device), output_hidden_states=True)
+            hidden = torch.stack([out.hidden_states[i][0] for i in layer_ids], dim=1).to(torch.bfloat16).cpu()
+            path = out_dir / f"{sample.row_id}.safetensors"
+            save_file({"hidden_states": hidden, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask},
+                      str(path))
+            written += path.stat().st_size
+    return {"bytes_written": written}
+
+
+def machine() -> dict[str, Any]:
+    info = {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    return info
+
+
+def bench(config: RunConfig, rounds: int = 2, progress: bool = True,
+          log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the three modes `rounds` times each, interleaved; figures are totals over the rounds."""
+    if not progress:
+        transformers.utils.logging.disable_progress_bar()
+    loaded = load_model(config.model, config.dtype, config.device, config.attn_implementation)
+    model, tokenizer, info = loaded
+    device = next(model.parameters()).device
+    layer_ids = resolve_layer_ids(config.layers, info.num_layers)
+    builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
+    source = open_source(config.data, config.split, config.max_samples)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    batches = [b for window in iter_windows(source, config.sort_window)
+               for b in iter_batches([builder(r) for r in window], config.token_budget, config.max_batch_size, pad_id)
+               if isinstance(b, Batch)]
+    samples = [s for b in batches for s in b.samples]
+    if not samples:
+        raise ValueError("no usable samples in the data")
+    real = sum(len(s.input_ids) for s in samples)
+    padded = sum(b.padded_tokens for b in batches)
+
+    totals = {m: {"seconds": 0.0, "peak_rss_bytes": 0, "peak_device_bytes": 0, "bytes_written": 0} for m in MODES}
+    stages: dict[str, float] = {}
+    fills: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="streamx-bench-") as tmp:
+        for r in range(rounds):
+            order = MODES[r % 3:] + MODES[: r % 3]
+            for mode in order:
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                with PeakRSS() as rss:
+                    t0 = time.perf_counter()
+                    if mode == "forward_only":
+                        out = forward_only(model, batches, device)
+                    elif mode == "streamx":
+                        cfg = config.replace(out=str(Path(tmp) / f"round{r}.zarr"), overwrite=True)
+                        summary = run(cfg, progress=False, log=log, loaded=loaded)
+                        out = {"bytes_written": _dir_bytes(Path(cfg.out))}
+                        for k, v in summary.stage_seconds.items():
+                            stages[k] = stages.get(k, 0.0) + v
+                        fills = summary.queue_fill
+                    else:
+                        naive_dir = Path(tmp) / f"naive{r}"
+                        naive_dir.mkdir()
+                        out = naive(model, samples, layer_ids, device, naive_dir)
+                    seconds = time.perf_counter() - t0
+                t = totals[mode]
+                t["seconds"] += seconds
+                t["peak_rss_bytes"] = max(t["peak_rss_bytes"], rss.peak)
+                t["bytes_written"] = out["bytes_written"]  # per round
+                if device.type == "cuda":
+                    t["peak_device_bytes"] = max(t["peak_device_bytes"], torch.cuda.max_memory_allocated(device))
+                if progress:
+                    log(f"round {r + 1}/{rounds} {mode:<12} {len(samples) / seconds:8.2f} samples/s "
+                        f"{real / seconds:10,.0f} tokens/s")
+
+    report: dict[str, Any] = {}
+    for mode in MODES:
+        t = totals[mode]
+        report[mode] = {
+            "samples_per_s": rounds * len(samples) / t["seconds"],
+            "tokens_per_s": rounds * real / t["seconds"],
+            "seconds": t["seconds"] / rounds,
+            "padding_efficiency": 1.0 if mode == "naive" else real / padded,
+            "peak_rss_bytes": t["peak_rss_bytes"],
+            "peak_device_bytes": t["peak_device_bytes"],
+            "bytes_written_per_token": t["bytes_written"] / real,
+        }
+    busy = {k: v / rounds for k, v in stages.items()}
+    report["streamx"]["stage_seconds"] = busy
+    report["streamx"]["queue_fill"] = fills
+    # threads overlap: the stage whose busy time is closest to the wall time bounds the run
+    threads = {"producer (source, tokenize, batching)": busy.get("source_tokenize", 0) + busy.get("batching", 0),
+               "model (forward, pack)": busy.get("forward", 0) + busy.get("pack", 0) + busy.get("d2h", 0),
+               "writer (store)": busy.get("write", 0)}
+    report["streamx"]["bottleneck"] = max(threads, key=threads.get)
+    report["ratios"] = {
+        "streamx_vs_forward_only": report["streamx"]["tokens_per_s"] / report["forward_only"]["tokens_per_s"],
+        "streamx_vs_naive": report["streamx"]["tokens_per_s"] / report["naive"]["tokens_per_s"],
+    }
+    report["workload"] = {"samples": len(samples), "tokens": real, "padded_tokens": padded, "batches": len(batches),
+                          "layer_ids": layer_ids, "rounds": rounds}
+    report["machine"] = machine()
+    report["model"] = {"model": info.model, "architecture": info.architecture, "num_layers": info.num_layers,
+                       "hidden_size": info.hidden_size, "dtype": info.dtype, "device": info.device}
+    report["config"] = config.to_dict()
+    return report
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def format_report(report: dict[str, Any]) -> str:
+    w = report["workload"]
+    lines = [f"{report['model']['model']} on {report['model']['device']} ({report['model']['dtype']}), "
+             f"{w['samples']} samples, {w['tokens']:,} tokens, layers {w['layer_ids']}, {w['rounds']} rounds",
+             f"{'mode':<14}{'samples/s':>11}{'tokens/s':>12}{'pad eff':>9}{'peak RSS':>11}{'dev mem':>10}{'B/token':>10}"]
+    for mode in MODES:
+        m = report[mode]
+        lines.append(f"{mode:<14}{m['samples_per_s']:>11.2f}{m['tokens_per_s']:>12,.0f}{m['padding_efficiency']:>9.1%}"
+                     f"{m['peak_rss_bytes'] / 2**30:>9.2f}GB{m['peak_device_bytes'] / 2**30:>8.2f}GB"
+                     f"{m['bytes_written_per_token']:>10,.0f}")
+    r = report["ratios"]
+    lines.append(f"streamx / forward_only = {r['streamx_vs_forward_only']:.3f}x, "
+                 f"streamx / naive = {r['streamx_vs_naive']:.2f}x")
+    s = report["streamx"]
+    lines.append("streamx stage busy time (s/round): " + ", ".join(f"{k} {v:.2f}" for k, v in s["stage_seconds"].items()))
+    lines.append("queue fill: " + ", ".join(f"{k} {v:.0%}" for k, v in s["queue_fill"].items())
+                 + f"; bottleneck: {s['bottleneck']}")
+    return "\n".join(lines)
