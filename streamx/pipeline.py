@@ -181,7 +181,7 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
     to_write: queue.Queue = queue.Queue(maxsize=config.queue_batches)
     counts = WriteCounts()
     times = StageTimes()
-    fill = {"batches": [], "to_write": []}  # queue sizes seen by each consumer
+    fill = {"batches": [0, 0], "to_write": [0, 0]}  # [sum of queue sizes seen by the consumer, reads]
 
     def produce() -> None:
         for window in iter_windows(source, config.sort_window):
@@ -220,7 +220,8 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
     try:
         with LayerCapture(model, layer_ids, pack_fn) as capture:
             for item in _drain(batches, stop, [producer, writer_thread]):
-                fill["batches"].append(batches.qsize() + 1)
+                fill["batches"][0] += batches.qsize() + 1
+                fill["batches"][1] += 1
                 if isinstance(item, Reject):
                     _put(to_write, item, stop)
                     bar.update(1)
@@ -255,7 +256,7 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
         trainable_tokens=counts.trainable_tokens, rejects=counts.rejects, reject_counts=dict(counts.reject_counts),
         hidden_bytes=counts.bytes, real_tokens=real, padded_tokens=padded, resumed_rows=len(done),
         seconds=time.perf_counter() - started, stage_seconds=stage_seconds,
-        queue_fill={name: sum(v) / len(v) / config.queue_batches if v else 0.0 for name, v in fill.items()},
+        queue_fill={name: total / max(reads, 1) / config.queue_batches for name, (total, reads) in fill.items()},
         store_samples=store_commit["samples"],
         store_tokens=store_commit["tokens"],
     )

@@ -153,7 +153,7 @@ class WriteCounts:
 
 
 def write_loop(items: queue.Queue, writer: PartWriter, counts: WriteCounts, stop: threading.Event,
-               done: set[int], max_reject_fraction: float, times: StageTimes, fill: dict[str, list[int]],
+               done: set[int], max_reject_fraction: float, times: StageTimes, fill: dict[str, list[int]],  # fill: [sum of sizes, reads]
                min_rows_for_rate: int = 100) -> None:
     """The writer thread's body: PackedBatch / Reject items until a None sentinel, then close.
     Rows in `done` (committed by an earlier run, recomputed with their batch) are dropped."""
@@ -194,7 +194,8 @@ def write_loop(items: queue.Queue, writer: PartWriter, counts: WriteCounts, stop
             if stop.is_set():
                 return
             continue
-        fill["to_write"].append(items.qsize() + 1)
+        fill["to_write"][0] += items.qsize() + 1
+        fill["to_write"][1] += 1
         if item is None:
             with times.measure("write"):
                 writer.close()
