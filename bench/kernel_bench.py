@@ -88,7 +88,6 @@ def run(args: argparse.Namespace) -> list[dict]:
                                  pct_of_copy=100 * seconds["copy"] / s))
             if cuda:
                 rows += host_handoff(packed, hidden, index, name, args.iters, device)
-            del hidden, index, packed, src, dst
     return rows
 
 
@@ -108,7 +107,8 @@ def host_handoff(packed: torch.Tensor, hidden: torch.Tensor, index: torch.Tensor
             pack_into_triton(host, k, hidden, index)
 
     out_bytes = packed.numel() * packed.element_size()
-    seconds = {"device + async D2H": timed(device_then_copy, iters, device), "mapped pinned host": timed(mapped, iters, device)}
+    seconds = {"device + async D2H": timed(device_then_copy, iters, device),
+               "mapped pinned host": timed(mapped, iters, device)}
     base = seconds["device + async D2H"]
     return [dict(table="host", device=str(device), dtype=name, tokens=packed.shape[0], H=packed.shape[2], K=K,
                  method=m, ms_per_batch=s * 1e3, host_gb_per_s=out_bytes / s / 1e9, speedup=base / s)

@@ -6,8 +6,9 @@ b * S + t. Each program copies a [BLOCK_N, BLOCK_H] tile: it reads the rows stra
 strided activation and writes bf16, so nothing is materialised in between.
 
 On CUDA tensors the compiled kernel runs; on CPU tensors the same kernel runs under Triton's
-interpreter (tests, and `--kernel triton` on a CPU machine). A packed buffer in pinned host
-memory with CUDA activations is written directly over the bus (mapped memory, UVA).
+interpreter (tests, and `--kernel triton` on a CPU machine). With CUDA activations, packed may
+also be pinned host memory, written directly over the bus (mapped via UVA; checked by the CUDA
+tests, measured by bench/kernel_bench.py).
 """
 
 from __future__ import annotations

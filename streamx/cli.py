@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional
@@ -42,6 +43,7 @@ def run(
     overwrite: Optional[bool] = typer.Option(None, "--overwrite", help="Delete an existing store at --out and start over."),
     dtype: Optional[str] = typer.Option(None, help="Compute dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."),
     device: Optional[str] = typer.Option(None, help="auto (CUDA when present), cpu, cuda, cuda:N."),
+    device_map: Optional[str] = typer.Option(None, help="Split a model larger than one GPU over the visible GPUs, e.g. auto or balanced (accelerate)."),
     attn_implementation: Optional[str] = typer.Option(None, help="transformers attention implementation: sdpa, eager, flash_attention_2, ..."),
     kernel: Optional[str] = typer.Option(None, help="Pack path: auto (Triton on CUDA), torch, triton."),
     max_length: Optional[int] = typer.Option(None, help="Maximum tokens per sample."),
@@ -65,6 +67,9 @@ def run(
     except Exception as err:  # noqa: BLE001 - every failure is one line for the user
         _fail(err)
     rejects = ", ".join(f"{k}: {v}" for k, v in sorted(summary.reject_counts.items())) or "none"
+    if summary.rank:  # under torchrun, rank 0 prints the whole summary
+        typer.echo(f"[rank {summary.rank}] committed {summary.samples:,} samples, rejected {summary.rejects:,} ({rejects})")
+        return
     typer.echo(
         f"committed {summary.samples:,} samples ({summary.tokens:,} tokens, {summary.trainable_tokens:,} trainable) "
         f"in {summary.seconds:.0f} s; rejected {summary.rejects:,} ({rejects})\n"
@@ -112,6 +117,38 @@ def inspect(
         state = "complete" if part["closed"] else "interrupted (re-run the same command to resume)"
         lines.append(f"part         {name}: {part['samples']:,} samples, {part['tokens']:,} tokens, {state}")
     typer.echo("\n".join(lines))
+
+
+@app.command()
+def convert(
+    store: str = typer.Argument(..., help="Store path; a store written by several processes converts as one."),
+    out: str = typer.Option(..., "--out", help="Output directory, the `speculators train --data-path`. Re-running resumes."),
+    fmt: str = typer.Option("speculators", "--format", help="Output format: speculators (Arrow rows + hs_{i}.safetensors)."),
+    seed: int = typer.Option(0, help="Row shuffle seed (speculators validates on the last rows)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an --out that holds another conversion."),
+    workers: int = typer.Option(4, help="Threads reading the store and writing files."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
+) -> None:
+    """Write a store as speculators training data and print the `speculators train` flags to use."""
+    from .convert import FORMATS, convert as run_convert
+
+    try:
+        if fmt not in FORMATS:
+            raise ValueError(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
+        summary = run_convert(store, out, seed=seed, overwrite=overwrite, workers=workers, progress=progress,
+                              log=lambda m: typer.echo(m, err=True))
+    except Exception as err:  # noqa: BLE001
+        _fail(err)
+    skipped = ", ".join(f"{k}: {v}" for k, v in sorted(summary.skipped.items())) or "none"
+    commands = {algo: shlex.join(argv) for algo, argv in summary.commands.items()}
+    typer.echo(
+        f"{summary.rows:,} rows ({summary.tokens:,} tokens, {summary.trainable_tokens:,} trainable) in {out} "
+        f"({summary.seconds:.0f} s); skipped {skipped}"
+        + (f"; {summary.kept_files:,} hs files were already written" if summary.kept_files else "")
+        + f"\ntrain an EAGLE-3 draft:\n  {commands['eagle3']}\nor a DFlash draft:\n  {commands['dflash']}\n"
+        f"(add --draft-vocab-size N for a reduced draft vocabulary counted in token_freq.pt; "
+        f"these commands are saved in {out}/streamx_meta.json)"
+    )
 
 
 def main() -> None:

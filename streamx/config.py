@@ -29,7 +29,8 @@ class RunConfig:
     overwrite: bool = False
     # model execution
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"  # auto: cuda when available
+    device: str = "auto"  # auto: cuda when available (this process's GPU under torchrun)
+    device_map: str | None = None  # e.g. "auto": split a model larger than one GPU (accelerate)
     attn_implementation: str | None = None  # transformers' default when unset
     kernel: str = "auto"  # pack path: auto (triton on CUDA), torch, triton
     # tokenization

@@ -30,16 +30,16 @@ from . import __version__
 from .batching import Batch, iter_batches, iter_windows
 from .capture import LayerCapture, sample_is_finite
 from .config import RunConfig, resolve_layer_ids
+from .distributed import init_from_env
 from .models import ModelInfo, load_model
 from .pack import select_pack_fn
 from .source import open_source
-from .store import STORE_FORMAT, Layout, create_or_open, done_row_ids, make_layout
+from .store import STORE_FORMAT, Layout, create_or_open, done_row_ids, make_layout, open_for_append, open_store
 from .timing import StageTimes
 from .tokenize import REJECT_REASONS, Reject, SampleBuilder
 from .transfer import HostTransfer
 from .writer import PackedBatch, PartWriter, WriteCounts, write_loop
 
-PART_NAME = "part-00000"
 CONVENTION = (
     "speculators: id 0 = embeddings output (input of layer 0); id k = output of decoder layer k-1 "
     "(input of layer k); id L = output of the last decoder layer, before the final norm"
@@ -65,6 +65,7 @@ class RunSummary:
     queue_fill: dict[str, float]  # mean occupancy (0..1) of the two bounded queues when read
     store_samples: int = 0  # the whole store after this run
     store_tokens: int = 0
+    rank: int = 0  # this process's rank under torchrun
 
     @property
     def padding_efficiency(self) -> float:
@@ -162,17 +163,23 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
     started = time.perf_counter()
     if not progress:
         transformers.utils.logging.disable_progress_bar()  # its weight-loading bar too
-    model, tokenizer, info = loaded or load_model(config.model, config.dtype, config.device,
-                                                  config.attn_implementation)
+    rank = init_from_env()
+    model, tokenizer, info = loaded or load_model(config.model, config.dtype, rank.device(config.device),
+                                                  config.attn_implementation, config.device_map)
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
     source = open_source(config.data, config.split, config.max_samples)
     layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor)
-    root = create_or_open(config.out, store_metadata(config, info, builder, layer_ids, layout), config.overwrite)
+    metadata = store_metadata(config, info, builder, layer_ids, layout)
+    if rank.is_main:  # creates (or checks and reopens) the store before any other rank opens it
+        create_or_open(config.out, metadata, config.overwrite)
+    rank.barrier()
+    root = open_for_append(config.out, metadata)
     done = done_row_ids(root)
-    if done:
+    rank.barrier()  # every rank has read the same committed set before any rank commits more
+    if done and rank.is_main:
         log(f"resuming {config.out}: {len(done)} rows already committed")
-    writer = PartWriter(root, PART_NAME, layout)
+    writer = PartWriter(root, rank.part_name, layout)
 
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -185,6 +192,8 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
 
     def produce() -> None:
         for window in iter_windows(source, config.sort_window):
+            if (window[0].row_id // config.sort_window) % rank.world_size != rank.rank:
+                continue  # another rank's window
             if all(row.row_id in done for row in window):
                 continue
             with times.measure("source_tokenize"):
@@ -208,7 +217,10 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
     transfer = HostTransfer(device, config.token_budget, len(layer_ids), info.hidden_size,
                             num_buffers=config.queue_batches + 2, stop=stop)
     total = None if source.num_rows is None else max(0, source.num_rows - len(done))
-    bar = tqdm(total=total, unit="sample", disable=not progress, dynamic_ncols=True, desc="streamx run")
+    if total is not None and rank.world_size > 1:
+        total = -(-total // rank.world_size)  # about this rank's share
+    bar = tqdm(total=total, unit="sample", disable=not progress, dynamic_ncols=True,
+               desc="streamx run" if rank.world_size == 1 else f"streamx run [rank {rank.rank}]")
     real = padded = 0
     pack = select_pack_fn(config.kernel, device)
 
@@ -248,7 +260,8 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
         bar.close()
         producer.join(timeout=5)
         writer_thread.join(timeout=30)
-    store_commit = writer.commit
+    rank.barrier()  # the store is complete when every rank has closed its part
+    store = open_store(config.out)
     stage_seconds = times.totals()
     stage_seconds["forward"] = stage_seconds.get("forward", 0.0) - stage_seconds.get("pack", 0.0)  # hooks run inside
     return RunSummary(
@@ -257,6 +270,6 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
         hidden_bytes=counts.bytes, real_tokens=real, padded_tokens=padded, resumed_rows=len(done),
         seconds=time.perf_counter() - started, stage_seconds=stage_seconds,
         queue_fill={name: total / max(reads, 1) / config.queue_batches for name, (total, reads) in fill.items()},
-        store_samples=store_commit["samples"],
-        store_tokens=store_commit["tokens"],
+        store_samples=len(store),
+        store_tokens=store.num_tokens, rank=rank.rank,
     )

@@ -127,15 +127,20 @@ def create_or_open(path: str, metadata: dict[str, Any], overwrite: bool = False)
         except OSError as err:
             raise StoreError(f"cannot write the store at {path}: {err.strerror or err}") from None
         return root
+    root = open_for_append(path, metadata)
+    root.attrs["streamx"] = {**metadata, "created": root.attrs["streamx"].get("created", metadata.get("created"))}
+    return root
+
+
+def open_for_append(path: str, metadata: dict[str, Any]) -> zarr.Group:
+    """Open an existing store for writing more parts/samples; refuse one made by an incompatible run."""
     root = zarr.open_group(path, mode="r+")
-    existing = root.attrs["streamx"]
-    theirs, ours = existing.get("compat", {}), metadata["compat"]
+    theirs, ours = root.attrs["streamx"].get("compat", {}), metadata["compat"]
     diff = [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
     if diff:
         detail = "; ".join(f"{k}: store has {theirs.get(k)!r}, this run {ours.get(k)!r}" for k in diff)
         raise StoreError(f"{path} was written by an incompatible run ({detail}); pass --overwrite to start over "
                          "or choose another --out")
-    root.attrs["streamx"] = {**metadata, "created": existing.get("created", metadata.get("created"))}
     return root
 
 

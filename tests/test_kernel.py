@@ -104,7 +104,7 @@ def test_rounding_is_nearest_even_like_torch():
         pack_into_triton(packed, 0, hidden, index, block_n=4096, block_h=1)
         got, want = packed.flatten(), values.to(torch.bfloat16)
         nan = want.isnan()
-        assert nan.any() == values.isnan().any() and torch.equal(got.isnan(), nan)  # NaN bits differ across torch builds
+        assert nan.any() and torch.equal(got.isnan(), nan)  # any NaN: its bits differ across torch builds
         assert torch.equal(bits(got[~nan]), bits(want[~nan]))
 
 
