@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -149,6 +148,36 @@ def convert(
         f"(add --draft-vocab-size N for a reduced draft vocabulary counted in token_freq.pt; "
         f"these commands are saved in {out}/streamx_meta.json)"
     )
+
+
+@app.command()
+def bench(
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML run settings (default: configs/default.yaml)."),
+    model: Optional[str] = typer.Option(None, help="Hub id, local HF directory, or 'smollm2-135m-instruct'."),
+    data: Optional[str] = typer.Option(None, help="Data, as for `streamx run`."),
+    layers: Optional[str] = typer.Option(None, help="Layer ids or a preset, as for `streamx run`."),
+    max_samples: Optional[int] = typer.Option(None, help="Use only the first N rows."),
+    token_budget: Optional[int] = typer.Option(None, help="Max padded tokens per forward pass."),
+    dtype: Optional[str] = typer.Option(None, help="Compute dtype (auto: bf16 on CUDA, fp32 on CPU)."),
+    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:N."),
+    rounds: int = typer.Option(2, help="Rounds of each mode, interleaved so that machine drift hits all modes."),
+    skip_naive: bool = typer.Option(False, "--skip-naive", help="Leave out the (slow) naive per-sample mode."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full report as JSON here."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Print each round as it finishes."),
+) -> None:
+    """Measure streamx against the plain forward pass and the naive per-sample approach, in one process."""
+    from .bench import MODES, bench as run_bench, format_report
+
+    try:
+        cfg = load_config(config, model=model, data=data, layers=layers, max_samples=max_samples,
+                          token_budget=token_budget, dtype=dtype, device=device)
+        modes = tuple(m for m in MODES if not (skip_naive and m == "naive"))
+        report = run_bench(cfg, rounds=rounds, progress=progress, log=lambda m: typer.echo(m, err=True), modes=modes)
+        if json_out is not None:
+            json_out.write_text(json.dumps(report, indent=2))
+    except Exception as err:  # noqa: BLE001
+        _fail(err)
+    typer.echo(format_report(report))
 
 
 def main() -> None:
