@@ -1,0 +1,340 @@
+"""`streamx convert`: store -> speculators training data, checked file by file against the store and, in
+an isolated venv, with speculators' own loader, drafts and target reconstruction (tests/speculators_check.py)."""
+
+import fcntl
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from datasets import load_from_disk
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+import streamx.convert as convert_module
+from streamx.cli import app
+from streamx.config import load_config
+from streamx.convert import ConvertError, convert
+from streamx.models import cache_dir, load_model
+from streamx.pipeline import run
+from streamx.store import bf16_to_bits, create_or_open, make_layout, open_store
+from streamx.writer import PartWriter
+
+LAYERS = [1, 2, 4]  # the tiny model has L = 4
+# speculators 0.9.0 pins transformers<=5.19, datasets<=5.1, torch<=2.14.1: it lives in its own venv. torch 2.13.0
+# is pinned first (the CPU build here, ~1.5 GB venv instead of ~6 GB with 2.14.1's CUDA build); torchvision 0.28
+# is the one matching it (pip would otherwise upgrade torch for 0.29).
+SPECULATORS_PINS = ("torch==2.13.0", "torchvision==0.28.*", "speculators==0.9.0")
+
+
+def make_store(model_dir, data, out, layers=",".join(map(str, LAYERS)), loaded=None, **kw):
+    cfg = dict(model=model_dir, data=data, out=str(out), layers=layers, token_budget=512, max_length=256,
+               sort_window=16, chunk_tokens=16, shard_tokens=64)
+    run(load_config(None, **{**cfg, **kw}), progress=False, log=lambda m: None, loaded=loaded)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tiny_chat_model_dir, chat_jsonl, tmp_path_factory):
+    return make_store(tiny_chat_model_dir, chat_jsonl, tmp_path_factory.mktemp("store") / "s.zarr")
+
+
+def copy_store(src, dst, parts):
+    """A store with src's metadata whose samples are `parts`: lists of (row_id, input_ids, loss_mask, hidden)."""
+    meta = open_store(src).metadata
+    root = create_or_open(str(dst), meta)
+    layout = make_layout(meta["num_slots"], meta["hidden_size"], 16, 64)
+    for k, samples in enumerate(parts):
+        writer = PartWriter(root, f"part-{k:05d}", layout)
+        for row, ids, mask, hidden in samples:
+            writer.append(row, ids.numpy(), mask.numpy().astype(np.uint8), bf16_to_bits(hidden))
+        writer.close()
+    return str(dst)
+
+
+def tree(path):
+    """Every file under path -> its bytes."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(Path(path).rglob("*")) if p.is_file()}
+
+
+def hs_file(out, i):
+    with safe_open(str(Path(out) / "hidden_states" / f"hs_{i}.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+def test_output_is_the_store_in_speculators_format(tiny_store, tmp_path):
+    out = tmp_path / "spec"
+    summary = convert(tiny_store, str(out), seed=0, block_rows=5, progress=False)
+    store = open_store(tiny_store)
+    n = len(store)
+    assert summary.rows == n and summary.skipped == {} and summary.tokens == store.num_tokens
+
+    ds = load_from_disk(str(out))
+    assert ds.column_names == ["input_ids", "loss_mask", "seq_len"] and len(ds) == n
+    assert ds.format["type"] == "torch"
+    assert {k: str(v) for k, v in ds.features.items()} == {"input_ids": "List(Value('int64'))",
+                                                           "loss_mask": "List(Value('int64'))",
+                                                           "seq_len": "Value('int64')"}
+    assert sorted(os.listdir(out / "hidden_states")) == sorted(f"hs_{i}.safetensors" for i in range(n))
+
+    stored = {row: store.sample(row) for row in store.row_ids().tolist()}
+    order = []
+    for i in range(n):
+        row = ds[i]
+        f = hs_file(out, i)
+        hs, ids = f["hidden_states"], f["token_ids"]
+        assert set(f) == {"hidden_states", "token_ids"}
+        assert hs.dtype == torch.bfloat16 and hs.is_contiguous() and ids.dtype == torch.int64
+        T = len(row["input_ids"])
+        assert hs.shape == (T, len(LAYERS), 64) and row["seq_len"] == T
+        assert row["input_ids"].dtype == torch.int64 and row["loss_mask"].dtype == torch.int64
+        assert torch.equal(ids, row["input_ids"])
+        # which source row is this? the one with these ids and bit-identical hidden states
+        match = [r for r, s in stored.items()
+                 if torch.equal(s.input_ids, ids) and torch.equal(bits(s.hidden_states), bits(hs))]
+        assert len(match) == 1
+        s = stored[match[0]]
+        assert torch.equal(row["loss_mask"], s.loss_mask)
+        # the last slot is the store's id-L slot (pre-norm), bit for bit
+        assert torch.equal(bits(hs[:, -1]), bits(s.hidden_states[:, LAYERS.index(4)]))
+        order.append(match[0])
+    assert sorted(order) == sorted(stored) and order != sorted(order)  # every row once, shuffled
+
+    meta = json.loads((out / "streamx_meta.json").read_text())
+    assert meta["layer_ids"] == LAYERS and meta["target_layer_ids"] == [1, 2] and meta["num_layers"] == 4
+    assert meta["last_id_is_pre_norm"] and meta["layer_convention"] == "speculators"
+    assert meta["counts"] == {"rows": n, "tokens": store.num_tokens, "skipped": 0,
+                              "trainable_tokens": int(sum(s.loss_mask.sum() for s in stored.values()))}
+    assert meta["source"]["store"] == str(Path(tiny_store).resolve())
+    for algo in ("eagle3", "dflash"):
+        argv = meta["speculators_train_argv"][algo]
+        assert argv[:2] == ["speculators", "train"]
+        flags = " ".join(argv)
+        assert f"--data-path {out.resolve()}" in flags and "--on-missing raise" in flags
+        assert "--target-layer-ids 1 2 " in flags and f"--speculator-type {algo}" in flags
+    assert sorted(os.listdir(out)) == ["data-00000-of-00001.arrow", "dataset_info.json", "hidden_states",
+                                       "state.json", "streamx_meta.json", "token_freq.pt"]
+
+
+def test_token_freq_counts_loss_mask_tokens(tiny_store, tmp_path):
+    convert(tiny_store, str(tmp_path / "spec"), progress=False)
+    want = Counter()
+    for s in open_store(tiny_store).samples():
+        want.update(int(t) for t, m in zip(s.input_ids.tolist(), s.loss_mask.tolist()) if m == 1)
+    got = torch.load(tmp_path / "spec" / "token_freq.pt", weights_only=True)
+    assert got == dict(want) and all(type(k) is int and type(v) is int for k, v in got.items())
+
+
+def test_shuffle_depends_only_on_seed_and_row_ids(tiny_store, tmp_path):
+    """The same rows written by two processes, in another order, convert to the same bytes."""
+    store = open_store(tiny_store)
+    samples = [(s.row_id, s.input_ids, s.loss_mask, s.hidden_states) for s in store.samples()]
+    two_parts = copy_store(tiny_store, tmp_path / "two.zarr", [samples[1::2], samples[::2][::-1]])
+    assert len(open_store(two_parts).parts) == 2
+    convert(tiny_store, str(tmp_path / "a"), seed=7, progress=False)
+    convert(two_parts, str(tmp_path / "b"), seed=7, progress=False)
+    a, b = tree(tmp_path / "a"), tree(tmp_path / "b")
+    a.pop("streamx_meta.json"), b.pop("streamx_meta.json")  # names its own source and output paths
+    assert a == b
+    convert(tiny_store, str(tmp_path / "c"), seed=8, progress=False)
+    c = tree(tmp_path / "c")
+    assert c["hidden_states/hs_0.safetensors"] != a["hidden_states/hs_0.safetensors"]
+
+
+def test_interrupted_convert_resumes_to_identical_output(tiny_store, tmp_path, monkeypatch):
+    out = tmp_path / "spec"
+    convert(tiny_store, str(out), seed=3, block_rows=4, progress=False)
+    reference = tree(out)
+    shutil.rmtree(out)
+
+    writes = []
+    real_write = convert_module._write_hs
+
+    def crash_after_ten(path, sample):
+        if len(writes) == 10:
+            raise OSError("simulated crash")
+        writes.append(path)
+        real_write(path, sample)
+
+    monkeypatch.setattr(convert_module, "_write_hs", crash_after_ten)
+    with pytest.raises(OSError, match="simulated crash"):
+        convert(tiny_store, str(out), seed=3, block_rows=4, progress=False, workers=1)
+    monkeypatch.undo()
+    # nothing but complete files under final names; the dataset, token_freq.pt and the meta come last
+    assert not any((out / name).exists() for name in ("streamx_meta.json", "token_freq.pt", "state.json"))
+    written = sorted((out / "hidden_states").iterdir())
+    assert len(written) == 10
+    for path in written:
+        f = hs_file(out, int(path.stem[3:]))
+        assert f["hidden_states"].shape[0] == f["token_ids"].shape[0]
+    (out / "hidden_states" / ".hs_11.safetensors.tmp-1-2").write_bytes(b"torn")  # a kill mid-write leaves this
+
+    summary = convert(tiny_store, str(out), seed=3, block_rows=4, progress=False)
+    assert summary.kept_files == 2  # hs files of the unfinished block written before the crash
+    assert tree(out) == reference
+
+    for i in (0, 5, summary.rows - 1):  # files lost after completion are written again, identically
+        (out / "hidden_states" / f"hs_{i}.safetensors").unlink()
+    (out / "token_freq.pt").unlink()
+    assert not convert(tiny_store, str(out), seed=3, block_rows=4, progress=False).already_complete
+    assert tree(out) == reference
+    assert convert(tiny_store, str(out), seed=3, block_rows=4, progress=False).already_complete
+
+
+def test_samples_in_flight_are_bounded(tiny_store, tmp_path, monkeypatch):
+    """Memory does not grow with the store: reads run at most a few samples ahead of slow writes."""
+    live, peak, lock = [0], [0], threading.Lock()
+    real_load, real_write = convert_module._load, convert_module._write_hs
+
+    def load(*args):
+        with lock:
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        return real_load(*args)
+
+    def slow_write(path, sample):
+        time.sleep(0.02)
+        real_write(path, sample)
+        with lock:
+            live[0] -= 1
+
+    monkeypatch.setattr(convert_module, "_load", load)
+    monkeypatch.setattr(convert_module, "_write_hs", slow_write)
+    summary = convert(tiny_store, str(tmp_path / "spec"), workers=2, block_rows=1000, progress=False)
+    depth = 2 * 2  # convert's samples in flight per stage for 2 workers
+    assert summary.rows > 4 * depth and peak[0] <= 2 * depth + 2
+
+
+def test_other_conversion_in_out_is_refused_unless_overwrite(tiny_store, tmp_path):
+    out = tmp_path / "spec"
+    convert(tiny_store, str(out), seed=0, progress=False)
+    with pytest.raises(ConvertError, match="--overwrite"):
+        convert(tiny_store, str(out), seed=1, progress=False)
+    convert(tiny_store, str(out), seed=1, overwrite=True, progress=False)
+    convert(tiny_store, str(tmp_path / "fresh"), seed=1, progress=False)
+    a, b = tree(out), tree(tmp_path / "fresh")
+    assert a.pop("streamx_meta.json") != b.pop("streamx_meta.json") and a == b
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ConvertError, match="not a streamx conversion"):
+        convert(tiny_store, str(tmp_path / "other"), progress=False)
+
+
+def test_invalid_samples_are_skipped_and_reported(tiny_store, tmp_path):
+    store = open_store(tiny_store)
+    samples = [(s.row_id, s.input_ids, s.loss_mask, s.hidden_states.clone()) for s in store.samples()]
+    samples[3][3][1, 0, 5] = float("nan")
+    samples[6][1][2] = -1
+    bad = copy_store(tiny_store, tmp_path / "bad.zarr", [samples, samples[:1]])  # row 0 written twice
+    summary = convert(bad, str(tmp_path / "spec"), progress=False, block_rows=4)
+    assert summary.skipped == {"bad_token_id": 1, "duplicate_row": 1, "non_finite": 1}
+    assert summary.rows == len(samples) - 2
+    assert len(load_from_disk(str(tmp_path / "spec"))) == summary.rows
+    assert sorted(os.listdir(tmp_path / "spec" / "hidden_states")) == sorted(
+        f"hs_{i}.safetensors" for i in range(summary.rows))
+    meta = json.loads((tmp_path / "spec" / "streamx_meta.json").read_text())
+    assert sorted((e["row_id"], e["reason"]) for e in meta["skipped_examples"]) == sorted(
+        [(samples[3][0], "non_finite"), (samples[6][0], "bad_token_id"), (samples[0][0], "duplicate_row")])
+
+
+def test_store_without_last_layer_is_refused_in_one_line(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    no_last = make_store(tiny_chat_model_dir, chat_jsonl, tmp_path / "a.zarr", layers="1,2", max_samples=4)
+    with pytest.raises(ConvertError, match=r"without 4 .*--layers 1,2,4"):
+        convert(no_last, str(tmp_path / "spec"), progress=False)
+    result = CliRunner().invoke(app, ["convert", no_last, "--out", str(tmp_path / "spec")])
+    assert result.exit_code == 1 and result.stderr.strip().count("\n") == 0
+    assert result.stderr.startswith("error: ") and "--layers 1,2,4" in result.stderr
+    only_last = make_store(tiny_chat_model_dir, chat_jsonl, tmp_path / "b.zarr", layers="4", max_samples=4)
+    with pytest.raises(ConvertError, match=r"only layer id 4.*--layers eagle3"):
+        convert(only_last, str(tmp_path / "spec"), progress=False)
+    assert not (tmp_path / "spec").exists()
+
+
+def test_cli_convert_prints_the_train_commands(tiny_store, tmp_path):
+    out = tmp_path / "spec"
+    result = CliRunner().invoke(app, ["convert", tiny_store, "--out", str(out), "--seed", "2", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    meta = json.loads((out / "streamx_meta.json").read_text())
+    for algo in ("eagle3", "dflash"):
+        assert meta["speculators_train"][algo] in result.stdout
+    assert meta["shuffle"]["seed"] == 2
+    bad = CliRunner().invoke(app, ["convert", tiny_store, "--out", str(tmp_path / "x"), "--format", "eagle"])
+    assert bad.exit_code == 1 and "--format must be one of speculators" in bad.stderr
+
+
+# -- the proof: speculators' own loader and drafts, in an isolated venv
+
+
+@pytest.fixture(scope="session")
+def speculators_python() -> str:
+    """A venv with speculators==0.9.0 (cached per machine; a half-built one is rebuilt), its python."""
+    root = cache_dir() / "venvs" / "speculators-0.9.0"
+    python, ready = root / "bin" / "python", root / ".streamx-ready"
+    key = f"{sys.version} {' '.join(SPECULATORS_PINS)}"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / "speculators-0.9.0.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per machine
+        if not (ready.exists() and ready.read_text() == key and python.exists()):
+            shutil.rmtree(root, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+            pip = [str(python), "-m", "pip", "--disable-pip-version-check", "--quiet"]
+            subprocess.run([*pip, "install", *SPECULATORS_PINS], check=True, timeout=3600)
+            # speculators declares torchvision and torchaudio but never imports them; PyPI's torchvision is built
+            # for CUDA torch and fails to load next to a CPU torch, which breaks transformers' imports
+            subprocess.run([*pip, "uninstall", "--yes", "torchvision", "torchaudio"], check=True)
+            ready.write_text(key)
+    return str(python)
+
+
+def test_speculators_trains_eagle3_and_dflash_on_converted_data(smollm2_dir, speculators_python, tmp_path):
+    loaded = load_model(smollm2_dir, dtype="float32", device="cpu")
+    specs = {}
+    for algo, layers in (("eagle3", "2,15,27,30"), ("dflash", "dflash")):
+        store = make_store(smollm2_dir, "chatterbot:english", tmp_path / f"{algo}.zarr", layers=layers,
+                           max_samples=12, token_budget=2048, max_length=512, dtype="float32", loaded=loaded)
+        convert(store, str(tmp_path / algo), seed=0, progress=False)
+        specs[algo] = (open_store(store), json.loads((tmp_path / algo / "streamx_meta.json").read_text()))
+    del loaded
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONNOUSERSITE="1")
+    cmd = [speculators_python, str(Path(__file__).with_name("speculators_check.py")),
+           *(f"{algo}={tmp_path / algo}" for algo in specs), "--scratch", str(tmp_path / "scratch"),
+           "--extra", "dflash=--draft-vocab-size,2048"]  # a reduced vocabulary from token_freq.pt
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert result["versions"]["speculators"] == "0.9.0"
+
+    for algo, (store, meta) in specs.items():
+        r = result[algo]
+        n, aux = len(store), meta["target_layer_ids"]
+        assert aux == [i for i in store.layer_ids if i != 30] and r["target_layer_ids"] == aux
+        assert r["aux_features"] == len(aux) * 576
+        assert r["rows"] == {"train": int(n * 0.9), "val": n - int(n * 0.9)} and r["val_start"] == int(n * 0.9)
+        shifted = n if algo == "eagle3" else 0  # EAGLE-3 drops one token per row at load time
+        assert sum(r["tokens_loaded"].values()) == store.num_tokens - shifted and r["dropped_rows"] == 0
+        assert math.isfinite(r["loss"]) and r["loss"] > 0
+        assert r["grads"] > 0 and r["grads_finite"] and r["grad_norm"] > 0
+        t = r["targets"]
+        assert t["rows"] == n and t["tokens"] == store.num_tokens
+        # the slot speculators loads as the verifier's last state is its pre-norm output, within 2 bf16 ulps
+        assert t["last_slot_vs_pre_norm_rel"] < 2**-7
+        # and the logits speculators rebuilds from it are the verifier's, up to that rounding
+        assert t["max_abs_diff"] < 0.02 * t["logit_scale"] and t["argmax_agreement"] > 0.98
+        assert t["double_norm_max_abs_diff"] > 10 * t["max_abs_diff"]  # the check tells a post-norm slot apart
+    assert result["dflash"]["draft_vocab_size"] == 2048 and result["dflash"]["draft_vocab_has_every_trained_token"]
+    assert result["eagle3"]["draft_vocab_size"] == 49152
