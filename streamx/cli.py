@@ -77,7 +77,8 @@ def run(
         f"hidden states written: {_gb(summary.hidden_bytes)}; padding efficiency {summary.padding_efficiency:.1%}"
         + (f"; {summary.resumed_rows:,} rows were already committed" if summary.resumed_rows else "")
         + f"\nstore: {summary.out} ({summary.store_samples:,} samples, {summary.store_tokens:,} tokens in total)\n"
-        f"next: streamx inspect {summary.out}   |   python: streamx.open_store({summary.out!r}).sample(row_id)"
+        f"next: streamx inspect {summary.out}   |   streamx convert {summary.out} --out SPEC_DIR (speculators "
+        f"training data)   |   python: streamx.open_store({summary.out!r}).sample(row_id)"
     )
 
 
