@@ -23,11 +23,13 @@ class Batch:
     input_ids: torch.Tensor  # int64 [B, S], right-padded
     attention_mask: torch.Tensor  # int64 [B, S]
     token_index: torch.Tensor  # int64 [N]: flat b * S + t of every real token, sample after sample
+    sample_index: torch.Tensor  # int64 [N]: which sample (0..B-1) each real token belongs to
 
     def pin_memory(self) -> None:
         self.input_ids = self.input_ids.pin_memory()
         self.attention_mask = self.attention_mask.pin_memory()
         self.token_index = self.token_index.pin_memory()
+        self.sample_index = self.sample_index.pin_memory()
 
     @property
     def lengths(self) -> list[int]:
@@ -51,7 +53,8 @@ def make_batch(samples: list[Sample], pad_token_id: int) -> Batch:
         input_ids[b, : lengths[b]] = sample.input_ids
         attention_mask[b, : lengths[b]] = 1
     token_index = torch.nonzero(attention_mask.flatten(), as_tuple=True)[0]
-    return Batch(samples, input_ids, attention_mask, token_index)
+    sample_index = torch.repeat_interleave(torch.arange(B), torch.tensor(lengths))
+    return Batch(samples, input_ids, attention_mask, token_index, sample_index)
 
 
 def cut_window(samples: list[Sample], token_budget: int, max_batch_size: int) -> list[list[Sample]]:

@@ -122,6 +122,7 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
     real = sum(len(s.input_ids) for s in samples)
     padded = sum(b.padded_tokens for b in batches)
 
+    forward_only(model, batches[:2], device)  # warm-up: kernels picked, caches and allocator primed
     totals = {m: {"seconds": 0.0, "peak_rss_bytes": 0, "peak_device_bytes": 0, "bytes_written": 0} for m in modes}
     stages: dict[str, float] = {}
     fills: dict[str, float] = {}

@@ -130,13 +130,10 @@ class LayerCapture:
         self.close()
 
 
-def sample_is_finite(packed: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """[B] bool: every captured value of sample b is finite (NaN/Inf samples are rejected, not stored)."""
+def sample_is_finite(packed: torch.Tensor, sample_index: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """[B] bool: every captured value of sample b is finite (NaN/Inf samples are rejected, not stored).
+    sample_index [N] maps each packed token to its sample; computed on the host, so no device sync here."""
     token_ok = torch.isfinite(packed).flatten(1).all(dim=1)
-    sample_of_token = torch.repeat_interleave(  # output_size given: no device sync on CUDA
-        torch.arange(len(lengths), device=packed.device), torch.tensor(lengths).to(packed.device),
-        output_size=packed.shape[0],
-    )
-    bad = torch.zeros(len(lengths), device=packed.device, dtype=torch.int32)
-    bad.index_add_(0, sample_of_token, (~token_ok).to(torch.int32))
+    bad = torch.zeros(num_samples, device=packed.device, dtype=torch.int32)
+    bad.index_add_(0, sample_index.to(packed.device, non_blocking=True), (~token_ok).to(torch.int32))
     return bad == 0

@@ -242,7 +242,7 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
                                      device=device)
                 with times.measure("forward", device):
                     capture.forward(item, packed)
-                    finite = sample_is_finite(packed, item.lengths)
+                    finite = sample_is_finite(packed, item.sample_index, len(item.samples))
                 with times.measure("d2h", device):
                     host = transfer.start(packed, finite)
                 _put(to_write, PackedBatch(item.samples, host), stop)

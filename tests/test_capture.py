@@ -109,4 +109,5 @@ def test_layer_id_errors_name_the_range():
 def test_non_finite_samples_are_flagged():
     packed = torch.randn(10, 2, 8).to(torch.bfloat16)
     packed[6, 1, 3] = float("inf")
-    assert sample_is_finite(packed, [4, 3, 3]).tolist() == [True, False, True]
+    sample_index = torch.tensor([0] * 4 + [1] * 3 + [2] * 3)
+    assert sample_is_finite(packed, sample_index, 3).tolist() == [True, False, True]

@@ -12,6 +12,7 @@ import pytest
 import torch
 import zarr
 
+from streamx.convert import convert
 from streamx.store import open_store
 
 
@@ -87,3 +88,11 @@ def test_s3_store_run_kill_resume_equals_local(tiny_chat_model_dir, chat_jsonl, 
         a, b = ref.sample(row), got.sample(row)
         assert torch.equal(a.input_ids, b.input_ids)
         assert torch.equal(a.hidden_states.view(torch.int16), b.hidden_states.view(torch.int16)), row
+
+    # converting the remote store gives the same training files as converting the local one
+    convert(str(local), str(tmp_path / "spec-local"), progress=False, log=lambda m: None)
+    convert(remote, str(tmp_path / "spec-remote"), progress=False, log=lambda m: None)
+    local_files = sorted((tmp_path / "spec-local" / "hidden_states").iterdir())
+    assert len(local_files) == len(ref)
+    for f in local_files:
+        assert f.read_bytes() == (tmp_path / "spec-remote" / "hidden_states" / f.name).read_bytes(), f.name
