@@ -1,6 +1,6 @@
 """Sweep token budget, number of captured layers and sequence lengths; write JSON and PNG plots.
 
-Each point is one `streamx.bench.bench` call (streamx and forward_only interleaved in one
+Plots need matplotlib (`pip install -e '.[bench]'`). Each point is one `streamx.bench.bench` call (streamx and forward_only interleaved in one
 process), so every figure is a ratio measured under the same machine conditions.
 
     python bench/sweep.py --data chatterbot:english --max-samples 200 --out bench/results/sweep
@@ -65,12 +65,16 @@ def main() -> None:
     parser.add_argument("--max-samples", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", default="bench/results/sweep")
+    parser.add_argument("--replot", action="store_true", help="only redraw the PNG from an existing --out JSON")
     args = parser.parse_args()
+    out = Path(args.out)
+    if args.replot:
+        plot(json.loads(out.with_suffix(".json").read_text()), out)
+        return
     results = {"token_budget": [point(args, token_budget=b, max_length=min(b, 2048)) for b in BUDGETS],
                "layers": [point(args, layers=ids) for ids in LAYER_SETS]}
     if args.long_data:
         results["long"] = [point(argparse.Namespace(**{**vars(args), "data": args.long_data}), token_budget=4096)]
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     plot(results, out)
