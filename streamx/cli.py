@@ -6,7 +6,7 @@ import json
 import os
 import shlex
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -15,6 +15,17 @@ from .config import load_config
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
                   help="Stream a causal LM's selected hidden states over a chat dataset into a Zarr store "
                        "for speculative-decoding drafter training.")
+
+
+# Options shared by `run` and `bench` (both build a RunConfig: file < flags).
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML file of run settings (default: configs/default.yaml); flags override it.")]
+ModelOpt = Annotated[Optional[str], typer.Option(help="Hub id, local HF directory, or 'smollm2-135m-instruct' (embedded).")]
+DataOpt = Annotated[Optional[str], typer.Option(help="jsonl/json/parquet/arrow file, save_to_disk directory, datasets name, or 'chatterbot:english' (embedded).")]
+MaxSamplesOpt = Annotated[Optional[int], typer.Option(help="Use only the first N rows of the source.")]
+LayersOpt = Annotated[Optional[str], typer.Option(help="Layer ids, e.g. '2,15,27,30', or a preset: eagle3 = [2, L//2, L-3, L], dflash = 5 spread ids + L. Id 0 = embeddings, id k = output of layer k-1, id L = last layer before the final norm.")]
+DtypeOpt = Annotated[Optional[str], typer.Option(help="Compute dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16.")]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="auto (CUDA when present), cpu, cuda, cuda:N.")]
+TokenBudgetOpt = Annotated[Optional[int], typer.Option(help="Max padded tokens (batch x longest) per forward pass.")]
 
 
 def _fail(err: BaseException) -> None:
@@ -32,22 +43,22 @@ def _gb(n: int) -> str:
 
 @app.command()
 def run(
-    config: Optional[Path] = typer.Option(None, "--config", help="YAML file of run settings (default: configs/default.yaml); flags override it."),
-    model: Optional[str] = typer.Option(None, help="Hub id, local HF directory, or 'smollm2-135m-instruct' (embedded)."),
-    data: Optional[str] = typer.Option(None, help="jsonl/json/parquet/arrow file, save_to_disk directory, datasets name, or 'chatterbot:english' (embedded)."),
+    config: ConfigOpt = None,
+    model: ModelOpt = None,
+    data: DataOpt = None,
     split: Optional[str] = typer.Option(None, help="Dataset split (datasets names and directories)."),
-    max_samples: Optional[int] = typer.Option(None, help="Use only the first N rows of the source."),
-    layers: Optional[str] = typer.Option(None, help="Layer ids, e.g. '2,15,27,30', or a preset: eagle3 = [2, L//2, L-3, L], dflash = 5 spread ids + L. Id 0 = embeddings, id k = output of layer k-1, id L = last layer before the final norm."),
+    max_samples: MaxSamplesOpt = None,
+    layers: LayersOpt = None,
     out: Optional[str] = typer.Option(None, help="Store path (.zarr). An existing compatible store is resumed."),
     overwrite: Optional[bool] = typer.Option(None, "--overwrite", help="Delete an existing store at --out and start over."),
-    dtype: Optional[str] = typer.Option(None, help="Compute dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."),
-    device: Optional[str] = typer.Option(None, help="auto (CUDA when present), cpu, cuda, cuda:N."),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     device_map: Optional[str] = typer.Option(None, help="Split a model larger than one GPU over the visible GPUs, e.g. auto or balanced (accelerate)."),
     attn_implementation: Optional[str] = typer.Option(None, help="transformers attention implementation: sdpa, eager, flash_attention_2, ..."),
     kernel: Optional[str] = typer.Option(None, help="Pack path: auto (Triton on CUDA), torch, triton."),
     max_length: Optional[int] = typer.Option(None, help="Maximum tokens per sample."),
     truncation: Optional[str] = typer.Option(None, help="Longer samples: truncate (cut) or skip (reject as too_long)."),
-    token_budget: Optional[int] = typer.Option(None, help="Max padded tokens (batch x longest) per forward pass."),
+    token_budget: TokenBudgetOpt = None,
     max_batch_size: Optional[int] = typer.Option(None, help="Max samples per forward pass."),
     sort_window: Optional[int] = typer.Option(None, help="Consecutive source rows sorted by length together before batching (more: less padding, more host memory)."),
     chunk_tokens: Optional[int] = typer.Option(None, help="Tokens per Zarr chunk (0: ~4 MiB)."),
@@ -153,14 +164,14 @@ def convert(
 
 @app.command()
 def bench(
-    config: Optional[Path] = typer.Option(None, "--config", help="YAML run settings (default: configs/default.yaml)."),
-    model: Optional[str] = typer.Option(None, help="Hub id, local HF directory, or 'smollm2-135m-instruct'."),
-    data: Optional[str] = typer.Option(None, help="Data, as for `streamx run`."),
-    layers: Optional[str] = typer.Option(None, help="Layer ids or a preset, as for `streamx run`."),
-    max_samples: Optional[int] = typer.Option(None, help="Use only the first N rows."),
-    token_budget: Optional[int] = typer.Option(None, help="Max padded tokens per forward pass."),
-    dtype: Optional[str] = typer.Option(None, help="Compute dtype (auto: bf16 on CUDA, fp32 on CPU)."),
-    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:N."),
+    config: ConfigOpt = None,
+    model: ModelOpt = None,
+    data: DataOpt = None,
+    layers: LayersOpt = None,
+    max_samples: MaxSamplesOpt = None,
+    token_budget: TokenBudgetOpt = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     rounds: int = typer.Option(2, help="Rounds of each mode, interleaved so that machine drift hits all modes."),
     skip_naive: bool = typer.Option(False, "--skip-naive", help="Leave out the (slow) naive per-sample mode."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full report as JSON here."),

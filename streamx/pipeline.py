@@ -142,14 +142,19 @@ def _put(q: queue.Queue, item: Any, stop: threading.Event) -> None:
 
 def _drain(q: queue.Queue, stop: threading.Event, workers: list[_Worker]) -> Iterator[Any]:
     """Items until the None sentinel; raises a worker's error as soon as one stops."""
-    while True:
+
+    def raise_worker_error() -> None:
         for w in workers:
             if w.error is not None:
                 raise w.error
+
+    while True:
+        raise_worker_error()
         try:
             item = q.get(timeout=0.1)
         except queue.Empty:
-            if stop.is_set():
+            if stop.is_set():  # a worker records its error before it sets stop: look again
+                raise_worker_error()
                 raise RuntimeError("a pipeline thread stopped without an error")
             continue
         if item is None:
