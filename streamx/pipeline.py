@@ -12,11 +12,10 @@ re-raises it; whatever was committed stays committed and a re-run resumes from i
 from __future__ import annotations
 
 import hashlib
-import json
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any

@@ -18,7 +18,6 @@ from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
-import torch
 import zarr
 
 from .store import PARTS, EMPTY_COMMIT, Layout, bf16_to_bits, create_part
