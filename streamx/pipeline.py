@@ -33,7 +33,7 @@ from .distributed import init_from_env
 from .models import ModelInfo, load_model
 from .pack import select_pack_fn
 from .source import open_source
-from .store import STORE_FORMAT, Layout, create_or_open, done_row_ids, make_layout, open_for_append, open_store
+from .store import STORE_FORMAT, Layout, create_or_open, make_layout, open_for_append, open_store
 from .timing import StageTimes
 from .tokenize import REJECT_REASONS, Reject, SampleBuilder
 from .transfer import HostTransfer
@@ -179,7 +179,7 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
         create_or_open(config.out, metadata, config.overwrite)
     rank.barrier()
     root = open_for_append(config.out, metadata)
-    done = done_row_ids(root)
+    done = open_store(config.out).done_row_ids()
     rank.barrier()  # every rank has read the same committed set before any rank commits more
     if done and rank.is_main:
         log(f"resuming {config.out}: {len(done)} rows already committed")

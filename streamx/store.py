@@ -193,6 +193,10 @@ class Store:
             out += [(int(r), reasons[int(c)]) for r, c in zip(part["reject_row_id"][:n], part["reject_reason"][:n])]
         return out
 
+    def done_row_ids(self) -> set[int]:
+        """Rows a resumed run must not process again: committed samples and committed rejects."""
+        return set(self._rows.tolist()) | {row for row, _ in self.rejected()}
+
     def _read(self, i: int) -> StoredSample:
         part = self._part_list[int(self._part_ids[i])]
         a = int(self._offsets[i])
@@ -241,16 +245,6 @@ class Store:
 
 def open_store(path: str) -> Store:
     return Store(path)
-
-
-def done_row_ids(root: zarr.Group) -> set[int]:
-    """Rows a resumed run must not process again: committed samples and committed rejects."""
-    done: set[int] = set()
-    for _, part in root[PARTS].groups():
-        commit = part.attrs["commit"]
-        done.update(part["sample_row_id"][: commit["samples"]].tolist())
-        done.update(part["reject_row_id"][: commit["rejects"]].tolist())
-    return done
 
 
 def to_json(summary: dict[str, Any]) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -146,9 +146,7 @@ class WriteCounts:
     trainable_tokens: int = 0
     rejects: int = 0
     bytes: int = 0
-
-    def __post_init__(self) -> None:
-        self.reject_counts: dict[str, int] = {}
+    reject_counts: dict[str, int] = field(default_factory=dict)
 
 
 def write_loop(items: queue.Queue, writer: PartWriter, counts: WriteCounts, stop: threading.Event,

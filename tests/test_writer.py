@@ -5,7 +5,7 @@ import pytest
 import torch
 import zarr
 
-from streamx.store import Store, StoreError, bf16_to_bits, create_or_open, done_row_ids, make_layout
+from streamx.store import Store, StoreError, bf16_to_bits, create_or_open, make_layout
 from streamx.tokenize import REJECT_REASONS, Reject
 from streamx.writer import PartWriter
 
@@ -69,7 +69,7 @@ def test_uncommitted_tail_is_absent_then_resumed(tmp_path, samples):
     writer.reject(Reject(8, "too_long", "y"))  # after the last shard: not committed
     # "crash": no close. Samples ending at or before token 32 are committed, the one ending at 36 is not.
     assert sorted(Store(path).row_ids().tolist()) == [100, 101, 102, 103, 104]
-    assert done_row_ids(zarr.open_group(path)) == {100, 101, 102, 103, 104, 7}
+    assert Store(path).done_row_ids() == {100, 101, 102, 103, 104, 7}
 
     root = create_or_open(path, meta())
     writer = PartWriter(root, "part-00000", LAYOUT)
