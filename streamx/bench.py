@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import platform
 import resource
+import shutil
 import tempfile
 import threading
 import time
@@ -30,6 +31,7 @@ from .models import load_model
 from .pipeline import run
 from .source import open_source
 from .tokenize import Sample, SampleBuilder
+from .writebench import write_ceiling
 
 MODES = ("forward_only", "streamx", "naive")
 
@@ -99,14 +101,17 @@ def machine() -> dict[str, Any]:
 
 
 def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callable[[str], None] = print,
-          modes: tuple[str, ...] = MODES) -> dict[str, Any]:
-    """Run the modes `rounds` times each, interleaved; figures are totals over the rounds."""
+          modes: tuple[str, ...] = MODES, out_dir: str | None = None, ceiling_bytes: int = 1 << 30) -> dict[str, Any]:
+    """Run the modes `rounds` times each, interleaved; figures are totals over the rounds. Stores and
+    naive files go to a temporary folder in `out_dir` (default: the system's), whose plain sequential
+    write speed is measured too (`ceiling_bytes` per pass), so the report can say whether disk binds."""
     unknown = set(modes) - set(MODES)
     if unknown or "streamx" not in modes:
         raise ValueError(f"modes must include streamx and be among {', '.join(MODES)}; got {', '.join(modes)}")
     if not progress:
         transformers.utils.logging.disable_progress_bar()
-    loaded = load_model(config.model, config.dtype, config.device, config.attn_implementation)
+    loaded = load_model(config.model, config.dtype, config.device, config.attn_implementation,
+                        random_weights=config.random_weights, tokenizer=config.tokenizer)
     model, tokenizer, info = loaded
     device = next(model.parameters()).device
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
@@ -123,10 +128,12 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
     padded = sum(b.padded_tokens for b in batches)
 
     forward_only(model, batches[:2], device)  # warm-up: kernels picked, caches and allocator primed
-    totals = {m: {"seconds": 0.0, "peak_rss_bytes": 0, "peak_device_bytes": 0, "bytes_written": 0} for m in modes}
+    totals = {m: {"seconds": 0.0, "rounds": [], "peak_rss_bytes": 0, "peak_device_bytes": 0, "bytes_written": 0}
+              for m in modes}
     stages: dict[str, float] = {}
     fills: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="streamx-bench-") as tmp:
+    ceiling = write_ceiling(out_dir, ceiling_bytes)
+    with tempfile.TemporaryDirectory(prefix="streamx-bench-", dir=out_dir) as tmp:
         for r in range(rounds):
             order = modes[r % len(modes):] + modes[: r % len(modes)]
             for mode in order:
@@ -140,6 +147,7 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
                         cfg = config.replace(out=str(Path(tmp) / f"round{r}.zarr"), overwrite=True)
                         summary = run(cfg, progress=False, log=log, loaded=loaded)
                         out = {"bytes_written": _dir_bytes(Path(cfg.out))}
+                        shutil.rmtree(cfg.out)  # a round's store can be GBs: keep one at a time
                         for k, v in summary.stage_seconds.items():
                             stages[k] = stages.get(k, 0.0) + v
                         fills = summary.queue_fill
@@ -147,9 +155,11 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
                         naive_dir = Path(tmp) / f"naive{r}"
                         naive_dir.mkdir()
                         out = naive(model, samples, layer_ids, device, naive_dir)
+                        shutil.rmtree(naive_dir)
                     seconds = time.perf_counter() - t0
                 t = totals[mode]
                 t["seconds"] += seconds
+                t["rounds"].append(seconds)
                 t["peak_rss_bytes"] = max(t["peak_rss_bytes"], rss.peak)
                 t["bytes_written"] = out["bytes_written"]  # per round
                 if device.type == "cuda":
@@ -164,6 +174,7 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
         report[mode] = {
             "samples_per_s": rounds * len(samples) / t["seconds"],
             "tokens_per_s": rounds * real / t["seconds"],
+            "rounds_tokens_per_s": [real / seconds for seconds in t["rounds"]],  # drift and warm-up show here
             "seconds": t["seconds"] / rounds,
             "padding_efficiency": 1.0 if mode == "naive" else real / padded,
             "peak_rss_bytes": t["peak_rss_bytes"],
@@ -171,22 +182,38 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
             "bytes_written_per_token": t["bytes_written"] / real,
         }
     busy = {k: v / rounds for k, v in stages.items()}
-    report["streamx"]["stage_seconds"] = busy
-    report["streamx"]["queue_fill"] = fills
-    # threads overlap: the stage whose busy time is closest to the wall time bounds the run
-    threads = {"producer (source, tokenize, batching)": busy.get("source_tokenize", 0) + busy.get("batching", 0),
-               "model (forward, pack)": busy.get("forward", 0) + busy.get("pack", 0) + busy.get("d2h", 0),
-               "writer (store)": busy.get("write", 0)}
-    report["streamx"]["bottleneck"] = max(threads, key=threads.get)
+    s = report["streamx"]
+    s["stage_seconds"] = busy
+    s["queue_fill"] = fills
+    state_bytes = real * len(layer_ids) * info.hidden_size * 2  # per round
+    s["write_ceiling_bytes_per_s"] = ceiling
+    s["writer_bytes_per_s"] = state_bytes / busy["write"] if busy.get("write") else None
+    s["bytes_per_s_at_forward_only"] = state_bytes / report["forward_only"]["seconds"] if "forward_only" in report else None
+    s["bottleneck"] = bottleneck(busy, state_bytes, ceiling, device.type == "cuda")
     report["ratios"] = {f"streamx_vs_{m}": report["streamx"]["tokens_per_s"] / report[m]["tokens_per_s"]
                         for m in modes if m != "streamx"}
     report["workload"] = {"samples": len(samples), "tokens": real, "padded_tokens": padded, "batches": len(batches),
                           "layer_ids": layer_ids, "rounds": rounds}
     report["machine"] = machine()
     report["model"] = {"model": info.model, "architecture": info.architecture, "num_layers": info.num_layers,
-                       "hidden_size": info.hidden_size, "dtype": info.dtype, "device": info.device}
+                       "hidden_size": info.hidden_size, "dtype": info.dtype, "device": info.device,
+                       "random_weights": info.random_weights}
     report["config"] = config.to_dict()
     return report
+
+
+def bottleneck(busy: dict[str, float], state_bytes: int, ceiling: float, cuda: bool) -> str:
+    """The stage thread whose busy time is closest to the wall time bounds the run (they overlap).
+    The writer's busy time includes waiting for the filesystem: when writing the bytes at the
+    measured ceiling would take most of it, the disk binds rather than the writer's own work."""
+    model = "GPU stage (forward, pack, copy to host)" if cuda else "model stage (forward, pack)"
+    threads = {"producer (source, tokenize, batching)": busy.get("source_tokenize", 0) + busy.get("batching", 0),
+               model: busy.get("forward", 0) + busy.get("pack", 0) + busy.get("d2h", 0),
+               "writer": busy.get("write", 0)}
+    name = max(threads, key=threads.get)
+    if name == "writer" and state_bytes / ceiling >= 0.8 * threads["writer"]:
+        return "disk (the writer moves bytes at the filesystem's plain write speed)"
+    return name
 
 
 def _dir_bytes(path: Path) -> int:
@@ -206,6 +233,13 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(", ".join(f"streamx / {k.removeprefix('streamx_vs_')} = {v:.3f}x" for k, v in report["ratios"].items()))
     s = report["streamx"]
     lines.append("streamx stage busy time (s/round): " + ", ".join(f"{k} {v:.2f}" for k, v in s["stage_seconds"].items()))
+    rates = [f"write ceiling {s['write_ceiling_bytes_per_s'] / 1e9:.2f} GB/s (plain sequential writes to the output "
+             f"filesystem, measured in this run)"]
+    if s["writer_bytes_per_s"]:
+        rates.append(f"writer {s['writer_bytes_per_s'] / 1e9:.2f} GB/s while busy")
+    if s["bytes_per_s_at_forward_only"]:
+        rates.append(f"the forward pass's rate needs {s['bytes_per_s_at_forward_only'] / 1e9:.2f} GB/s")
+    lines.append("; ".join(rates))
     lines.append("queue fill: " + ", ".join(f"{k} {v:.0%}" for k, v in s["queue_fill"].items())
                  + f"; bottleneck: {s['bottleneck']}")
     return "\n".join(lines)

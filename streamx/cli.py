@@ -26,6 +26,8 @@ LayersOpt = Annotated[Optional[str], typer.Option(help="Layer ids, e.g. '2,15,27
 DtypeOpt = Annotated[Optional[str], typer.Option(help="Compute dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16.")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="auto (CUDA when present), cpu, cuda, cuda:N.")]
 TokenBudgetOpt = Annotated[Optional[int], typer.Option(help="Max padded tokens (batch x longest) per forward pass.")]
+RandomWeightsOpt = Annotated[Optional[bool], typer.Option("--random-weights", help="Build the model from its config (hub id, directory with config.json, or a config .json file) with random weights, on the device, reading no weights: dry runs and benchmarks. Stores say so; convert refuses them.")]
+TokenizerOpt = Annotated[Optional[str], typer.Option(help="Tokenizer hub id or directory, when not the model's own (needed with --random-weights from a config file).")]
 
 
 def _fail(err: BaseException) -> None:
@@ -51,6 +53,8 @@ def run(
     layers: LayersOpt = None,
     out: Optional[str] = typer.Option(None, help="Store path (.zarr). An existing compatible store is resumed."),
     overwrite: Optional[bool] = typer.Option(None, "--overwrite", help="Delete an existing store at --out and start over."),
+    random_weights: RandomWeightsOpt = None,
+    tokenizer: TokenizerOpt = None,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
     device_map: Optional[str] = typer.Option(None, help="Split a model larger than one GPU over the visible GPUs, e.g. auto or balanced (accelerate)."),
@@ -138,6 +142,8 @@ def convert(
     seed: int = typer.Option(0, help="Row shuffle seed (speculators validates on the last rows)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an --out that holds another conversion."),
     workers: int = typer.Option(4, help="Threads reading the store and writing files."),
+    allow_random_weights: bool = typer.Option(False, "--allow-random-weights", help="Convert a store made with "
+                                              "--random-weights anyway (for testing the output, not for training)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Write a store as speculators training data and print the `speculators train` flags to use."""
@@ -147,7 +153,7 @@ def convert(
         if fmt not in FORMATS:
             raise ValueError(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
         summary = run_convert(store, out, seed=seed, overwrite=overwrite, workers=workers, progress=progress,
-                              log=lambda m: typer.echo(m, err=True))
+                              log=lambda m: typer.echo(m, err=True), allow_random_weights=allow_random_weights)
     except Exception as err:  # noqa: BLE001
         _fail(err)
     skipped = ", ".join(f"{k}: {v}" for k, v in sorted(summary.skipped.items())) or "none"
@@ -172,24 +178,51 @@ def bench(
     token_budget: TokenBudgetOpt = None,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
+    random_weights: RandomWeightsOpt = None,
+    tokenizer: TokenizerOpt = None,
+    out: Optional[str] = typer.Option(None, "--out", help="Folder on the filesystem to measure: the temporary stores "
+                                      "go there and its plain write speed is measured (default: the system's temp folder)."),
     rounds: int = typer.Option(2, help="Rounds of each mode, interleaved so that machine drift hits all modes."),
     skip_naive: bool = typer.Option(False, "--skip-naive", help="Leave out the (slow) naive per-sample mode."),
+    writer_only: bool = typer.Option(False, "--writer-only", help="Measure only the store writer on synthetic batches "
+                                     "against plain sequential writes (no model, no data)."),
+    processes: str = typer.Option("1,2", help="--writer-only: writer process counts to measure, e.g. 1,2,4,8."),
+    gib: float = typer.Option(2.0, "--gib", help="--writer-only: GiB of hidden states per pass (all processes together)."),
+    slots: int = typer.Option(6, help="--writer-only: layer slots K per token."),
+    hidden_size: int = typer.Option(4096, help="--writer-only: hidden size H."),
+    sample_tokens: int = typer.Option(800, help="--writer-only: mean sample length in tokens."),
+    sync: bool = typer.Option(False, "--sync", help="--writer-only: time until the bytes are on disk (os.sync), not "
+                              "only in the page cache."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full report as JSON here."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Print each round as it finishes."),
 ) -> None:
-    """Measure streamx against the plain forward pass and the naive per-sample approach, in one process."""
+    """Measure streamx against the plain forward pass and the naive per-sample approach, in one process
+    (or, with --writer-only, the store writer against the filesystem)."""
     from .bench import MODES, bench as run_bench, format_report
+    from .writebench import WriteWorkload, format_writer_report, writer_bench
 
+    log = (lambda m: typer.echo(m, err=True)) if progress else (lambda m: None)
     try:
-        cfg = load_config(config, model=model, data=data, layers=layers, max_samples=max_samples,
-                          token_budget=token_budget, dtype=dtype, device=device)
-        modes = tuple(m for m in MODES if not (skip_naive and m == "naive"))
-        report = run_bench(cfg, rounds=rounds, progress=progress, log=lambda m: typer.echo(m, err=True), modes=modes)
+        if writer_only:
+            counts = tuple(int(p) for p in processes.split(",") if p.strip())
+            if not counts or min(counts) < 1:
+                raise ValueError(f"--processes must be positive integers, e.g. 1,2,4; got {processes!r}")
+            workload = WriteWorkload(total_bytes=int(gib * 2**30), num_slots=slots, hidden_size=hidden_size,
+                                     sample_tokens=sample_tokens, rounds=rounds, sync=sync)
+            report = writer_bench(workload, out, counts, log=log)
+            text = format_writer_report(report)
+        else:
+            cfg = load_config(config, model=model, data=data, layers=layers, max_samples=max_samples,
+                              token_budget=token_budget, dtype=dtype, device=device, random_weights=random_weights,
+                              tokenizer=tokenizer)
+            modes = tuple(m for m in MODES if not (skip_naive and m == "naive"))
+            report = run_bench(cfg, rounds=rounds, progress=progress, log=log, modes=modes, out_dir=out)
+            text = format_report(report)
         if json_out is not None:
             json_out.write_text(json.dumps(report, indent=2))
     except Exception as err:  # noqa: BLE001
         _fail(err)
-    typer.echo(format_report(report))
+    typer.echo(text)
 
 
 def main() -> None:

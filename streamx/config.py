@@ -27,6 +27,8 @@ class RunConfig:
     layers: str = "eagle3"  # a preset (eagle3, dflash) or comma-separated layer ids, e.g. "2,15,27,30"
     out: str = "streamx-out/store.zarr"
     overwrite: bool = False
+    random_weights: bool = False  # build the model from its config with random weights: dry runs and benchmarks
+    tokenizer: str | None = None  # tokenizer hub id or directory, when not the model's own
     # model execution
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when available (this process's GPU under torchrun)

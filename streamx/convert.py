@@ -114,11 +114,15 @@ def train_commands(out: str, verifier: str, target_layer_ids: list[int]) -> dict
 
 
 def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, workers: int = 4,
-            block_rows: int = BLOCK_ROWS, progress: bool = True, log: Callable[[str], None] = print) -> ConvertSummary:
+            block_rows: int = BLOCK_ROWS, progress: bool = True, log: Callable[[str], None] = print,
+            allow_random_weights: bool = False) -> ConvertSummary:
     """Write the speculators training data for `store_path` into `out`; re-running resumes an interrupted convert."""
     started = time.perf_counter()
     store = open_store(store_path)
     aux = check_store(store)
+    if store.metadata["model"].get("random_weights") and not allow_random_weights:
+        raise ConvertError(f"{store_path} was made with --random-weights: its states train nothing; "
+                           "pass --allow-random-weights to convert it anyway")
     all_rows = store.row_ids()
     order = training_order(all_rows, seed)
     if not order.size:

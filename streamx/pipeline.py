@@ -169,7 +169,10 @@ def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = p
         transformers.utils.logging.disable_progress_bar()  # its weight-loading bar too
     rank = init_from_env()
     model, tokenizer, info = loaded or load_model(config.model, config.dtype, rank.device(config.device),
-                                                  config.attn_implementation, config.device_map)
+                                                  config.attn_implementation, config.device_map,
+                                                  config.random_weights, config.tokenizer)
+    if info.random_weights and rank.is_main:
+        log(f"{config.model}: random weights (--random-weights); the store is for measurement, not training")
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
     source = open_source(config.data, config.split, config.max_samples)

@@ -19,14 +19,17 @@ module (`open_store(path).sample(row_id)`), never the arrays' shapes.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
 import numpy as np
 import torch
 import zarr
+from zarr.storage import LocalStore
 
 STORE_FORMAT = "streamx-store/1"
 PARTS = "parts"
@@ -95,14 +98,56 @@ def create_part(root: zarr.Group, name: str, layout: Layout) -> zarr.Group:
     K, H, c, s = layout.num_slots, layout.hidden_size, layout.chunk_tokens, layout.shard_tokens
     part.create_array("hidden_states", shape=(0, K, H), dtype="uint16", chunks=(c, K, H), shards=(s, K, H),
                       compressors=_codecs(layout.compressor), fill_value=0)
-    # token ids and masks are tiny next to the states: zstd keeps their partly filled chunks small
+    # token ids and masks share the states' token grid and stay uncompressed, so the writer streams them
+    # too (store.streamable_dir); compressing them would save ~0.1% of the store for a zarr encode per shard
     for name_, dtype in (("input_ids", "int64"), ("loss_mask", "uint8")):
-        part.create_array(name_, shape=(0,), dtype=dtype, chunks=(c,), shards=(s,), compressors=_codecs("zstd"),
-                          fill_value=0)
+        part.create_array(name_, shape=(0,), dtype=dtype, chunks=(c,), shards=(s,), compressors=None, fill_value=0)
     for name_, dtype in (*((a, "int64") for a in (*SAMPLE_ARRAYS, "reject_row_id")), ("reject_reason", "uint8")):
         part.create_array(name_, shape=(0,), dtype=dtype, chunks=(INDEX_CHUNK,), compressors=_codecs("zstd"),
                           fill_value=0)
     return part
+
+
+# -- shard files written directly (writer.StreamedShards)
+#
+# With no compressor, the Zarr v3 sharding codec lays a shard of a token-major array out as its
+# chunks' raw bytes in token order (chunk i = tokens [i*c, (i+1)*c) verbatim), then an index of one
+# (offset, nbytes) little-endian uint64 pair per chunk, then the index's crc32c. So the writer can
+# stream a shard's bytes from the host batch straight into the file, without zarr's per-chunk
+# encode, fill-value scan and concatenation, and zarr reads the file as if it had written it.
+
+_UNUSED_CHUNK = np.iinfo(np.uint64).max  # index entry of a chunk that holds nothing (reads as fill value)
+
+
+def _streamable_codecs(arr: zarr.Array) -> list[dict[str, Any]]:
+    little = {"name": "bytes", "configuration": {"endian": "little"}}
+    inner = {"name": "bytes"} if arr.dtype.itemsize == 1 else little  # one-byte values have no byte order
+    return [{"name": "sharding_indexed", "configuration": {
+        "chunk_shape": list(arr.chunks), "codecs": [inner], "index_codecs": [little, {"name": "crc32c"}],
+        "index_location": "end"}}]
+
+
+def streamable_dir(arr: zarr.Array) -> Path | None:
+    """The array's local directory when its shard files may be written directly: a local store and
+    exactly the uncompressed layout above. None otherwise (zarr writes its shards)."""
+    store = arr.store_path.store
+    codecs = json.loads(json.dumps(arr.metadata.to_dict()["codecs"]))
+    if not isinstance(store, LocalStore) or sys.byteorder != "little" or codecs != _streamable_codecs(arr):
+        return None
+    return Path(store.root) / arr.path
+
+
+def shard_key(arr: zarr.Array, shard: int) -> str:
+    """The key of shard number `shard` (along tokens), relative to the array's directory."""
+    return arr.metadata.encode_chunk_key((shard,) + (0,) * (arr.ndim - 1))
+
+
+def shard_index(filled_chunks: int, chunks_per_shard: int, chunk_nbytes: int) -> bytes:
+    """The index a shard file ends with when its first `filled_chunks` chunks hold data, in order."""
+    index = np.full((chunks_per_shard, 2), _UNUSED_CHUNK, dtype="<u8")
+    index[:filled_chunks, 0] = np.arange(filled_chunks, dtype="<u8") * chunk_nbytes
+    index[:filled_chunks, 1] = chunk_nbytes
+    return index.tobytes() + np.uint32(google_crc32c.value(index.tobytes())).astype("<u4").tobytes()
 
 
 def _is_store(path: str) -> bool:

@@ -4,23 +4,34 @@ Commit protocol. Token arrays are written in whole shards (`shard_tokens`), in o
 each shard the part's commit record (one small JSON document, replaced atomically) is
 advanced to cover every sample and reject whose data is now fully written. A sample is
 therefore either committed or absent: a kill at any moment loses at most the uncommitted
-tail, which a re-run recomputes (its rows are not in the commit). A resumed writer reloads
-the committed tokens of the last partial shard into its buffer, so shards are always
-written whole, and overwrites whatever lies beyond the commit.
+tail, which a re-run recomputes (its rows are not in the commit). A resumed writer rewrites
+the committed tokens of the last partial shard into the shard it continues, so shards are
+always written whole, and overwrites whatever lies beyond the commit.
+
+Speed. The hidden states are nearly all the bytes. With no compressor on a local store, each
+shard file is streamed: a sample's states go from the host batch to the file by one write call,
+no copy and no encode (store.shard_path), and the file is renamed into place when the shard is
+full. Otherwise (compressed arrays, object stores, and the small token-id and mask arrays) a
+shard is collected in a host buffer and written through zarr.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from dataclasses import dataclass, field
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import zarr
 
-from .store import PARTS, EMPTY_COMMIT, Layout, bf16_to_bits, create_part
+from .store import (PARTS, EMPTY_COMMIT, TOKEN_ARRAYS, Layout, bf16_to_bits, create_part, shard_index, shard_key,
+                    streamable_dir)
 from .tokenize import REJECT_REASONS, Reject, Sample
 from .timing import StageTimes
 from .transfer import HostBatch
@@ -32,7 +43,82 @@ class PackedBatch:
     host: HostBatch  # their hidden states [N, K, H] and per-sample finite flags
 
 
+class ShardSink(Protocol):
+    """Receives one token array's values shard by shard, in order."""
+
+    def write(self, values: np.ndarray) -> None: ...  # the next tokens of the current shard
+
+    def seal(self, start: int, tokens: int) -> Callable[[], None]:
+        """End the current shard (at token `start`, holding `tokens`); return the work that puts it
+        in place, which the committer runs while the next shard is being written."""
+        ...
+
+
+class StreamedShards:
+    """Shard files written as their bytes arrive, then renamed into place whole."""
+
+    def __init__(self, arr: zarr.Array, chunk_tokens: int, shard_tokens: int, start: int):
+        self.arr, self.chunk_tokens, self.shard_tokens = arr, chunk_tokens, shard_tokens
+        self.start = start  # first token of the shard being written
+        self.dir = streamable_dir(arr)
+        self.token_nbytes = int(np.prod(arr.shape[1:], dtype=np.int64)) * arr.dtype.itemsize
+        self.fd: int | None = None
+        self.tmp: Path | None = None
+        for stale in self.dir.glob("streamx-shard-*.partial"):  # a killed writer's; one writer per part
+            stale.unlink()
+
+    def write(self, values: np.ndarray) -> None:
+        if self.fd is None:
+            self.tmp = self.dir / f"streamx-shard-{self.start // self.shard_tokens:06d}.partial"
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        _write_all(self.fd, memoryview(np.ascontiguousarray(values)).cast("B"))
+
+    def seal(self, start: int, tokens: int) -> Callable[[], None]:
+        fd, tmp, self.fd, self.start = self.fd, self.tmp, None, start + tokens
+        return lambda: self.finish(fd, tmp, start, tokens)
+
+    def finish(self, fd: int, tmp: Path, start: int, tokens: int) -> None:
+        """Pad the last chunk, append the shard index, and rename the file into place."""
+        chunks = -(-tokens // self.chunk_tokens)
+        padding = (chunks * self.chunk_tokens - tokens) * self.token_nbytes  # a partial last chunk is stored whole
+        _write_all(fd, memoryview(bytes(padding)))
+        _write_all(fd, memoryview(shard_index(chunks, self.shard_tokens // self.chunk_tokens,
+                                              self.chunk_tokens * self.token_nbytes)))
+        os.close(fd)
+        target = self.dir / shard_key(self.arr, start // self.shard_tokens)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, target)  # readers see the old file or the whole new one, never a torn one
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class BufferedShards:
+    """Shards collected in host memory, then written through zarr (which encodes and compresses);
+    two buffers, so that the next shard fills while the committer writes the last one."""
+
+    def __init__(self, arr: zarr.Array, chunk_tokens: int, shard_tokens: int, start: int):
+        self.arr = arr
+        self.buffers = [np.empty((shard_tokens, *arr.shape[1:]), dtype=arr.dtype) for _ in range(2)]
+        self.tokens = 0
+
+    def write(self, values: np.ndarray) -> None:
+        self.buffers[0][self.tokens : self.tokens + len(values)] = values
+        self.tokens += len(values)
+
+    def seal(self, start: int, tokens: int) -> Callable[[], None]:
+        sealed = self.buffers[0]
+        self.buffers.reverse()  # the committer is done with the other one: one shard in flight at most
+        self.tokens = 0
+        return lambda: self.arr.__setitem__(slice(start, start + tokens), sealed[:tokens])
+
+
 class PartWriter:
+    """Appends samples to one part. The caller's thread writes the bytes; a committer thread puts
+    each full shard in place and then commits it, in order, while the next shard is written."""
+
     def __init__(self, root: zarr.Group, part_name: str, layout: Layout):
         parts = root.require_group(PARTS)
         self.part = parts[part_name] if part_name in parts else create_part(root, part_name, layout)
@@ -41,45 +127,44 @@ class PartWriter:
         self.commit: dict[str, Any] = {**EMPTY_COMMIT, **self.part.attrs["commit"], "closed": False}
         self.sizes = {name: arr.shape[0] for name, arr in self.arrays.items()}
         committed = self.commit["tokens"]
-        self.flushed = committed // self.shard * self.shard  # tokens written in whole shards
+        self.flushed = committed // self.shard * self.shard  # tokens handed to the committer in whole shards
         self.end = committed  # tokens appended so far (committed + pending)
-        _, K, H = self.arrays["hidden_states"].shape
-        self.buffers = {
-            "hidden_states": np.empty((self.shard, K, H), dtype=np.uint16),
-            "input_ids": np.empty(self.shard, dtype=np.int64),
-            "loss_mask": np.empty(self.shard, dtype=np.uint8),
-        }
-        for name, buffer in self.buffers.items():  # the committed part of the last, partial shard
-            buffer[: committed - self.flushed] = self.arrays[name][self.flushed : committed]
+        self.sinks: dict[str, ShardSink] = {}
+        for name in TOKEN_ARRAYS:
+            arr = self.arrays[name]
+            sink = StreamedShards if streamable_dir(arr) else BufferedShards
+            self.sinks[name] = sink(arr, arr.chunks[0], arr.shards[0], self.flushed)
+            if committed > self.flushed:  # the committed part of the last, partial shard
+                self.sinks[name].write(arr[self.flushed : committed])
         self.pending_samples: list[tuple[int, int, int, int]] = []  # (row_id, offset, length, trainable)
         self.pending_rejects: list[Reject] = []
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamx-commit")
+        self._committing: Future | None = None
 
-    # -- appending
+    # -- appending (the caller's thread)
 
     def append(self, row_id: int, input_ids: np.ndarray, loss_mask: np.ndarray, hidden_bits: np.ndarray) -> None:
         T = len(input_ids)
         self.pending_samples.append((row_id, self.end, T, int(loss_mask.sum())))
+        values = {"hidden_states": hidden_bits, "input_ids": input_ids, "loss_mask": loss_mask}
         done = 0
         while done < T:
-            fill = self.end - self.flushed
-            n = min(T - done, self.shard - fill)
-            self.buffers["hidden_states"][fill : fill + n] = hidden_bits[done : done + n]
-            self.buffers["input_ids"][fill : fill + n] = input_ids[done : done + n]
-            self.buffers["loss_mask"][fill : fill + n] = loss_mask[done : done + n]
+            n = min(T - done, self.shard - (self.end - self.flushed))
+            for name, sink in self.sinks.items():
+                sink.write(values[name][done : done + n])
             self.end += n
             done += n
             if self.end - self.flushed == self.shard:
-                self._write_tokens(self.shard)
-                self.flushed += self.shard
-                self._commit(self.flushed)
+                self._end_shard(self.shard)
 
     def reject(self, reject: Reject) -> None:
         self.pending_rejects.append(reject)
 
     def close(self) -> None:
         """Write the last partial shard, commit everything and trim the arrays to the commit."""
-        self._write_tokens(self.end - self.flushed)
-        self._commit(self.end)
+        self._end_shard(self.end - self.flushed)
+        self.wait_committed()
+        self._committer.shutdown()
         self.commit["closed"] = True
         for name, arr in self.arrays.items():
             n = self._committed_size(name)
@@ -87,32 +172,52 @@ class PartWriter:
                 arr.resize((n, *arr.shape[1:]))
         self.part.attrs["commit"] = self.commit
 
-    # -- storage
-
-    def _committed_size(self, name: str) -> int:
-        if name in self.buffers:
-            return self.commit["tokens"]
-        return self.commit["samples"] if name.startswith("sample_") else self.commit["rejects"]
-
-    def _write(self, name: str, start: int, values: np.ndarray) -> None:
-        arr = self.arrays[name]
-        stop = start + len(values)
-        if self.sizes[name] < stop:
-            arr.resize((stop, *arr.shape[1:]))
-            self.sizes[name] = stop
-        arr[start:stop] = values
-
-    def _write_tokens(self, n: int) -> None:
-        if n:
-            for name, buffer in self.buffers.items():
-                self._write(name, self.flushed, buffer[:n])
-
-    def _commit(self, upto_tokens: int) -> None:
+    def _end_shard(self, tokens: int) -> None:
+        """Hand the shard ending here, and the samples and rejects it completes, to the committer."""
+        finishers = [sink.seal(self.flushed, tokens) for sink in self.sinks.values()] if tokens else []
+        self.flushed += tokens
         ready = 0
-        while ready < len(self.pending_samples) and sum(self.pending_samples[ready][1:3]) <= upto_tokens:
+        while ready < len(self.pending_samples) and sum(self.pending_samples[ready][1:3]) <= self.flushed:
             ready += 1
         samples, self.pending_samples = self.pending_samples[:ready], self.pending_samples[ready:]
         rejects, self.pending_rejects = self.pending_rejects, []
+        self.wait_committed()  # one shard in flight at most (bounded memory); its error surfaces here
+        self._committing = self._committer.submit(self._publish, self.flushed, finishers, samples, rejects)
+
+    def wait_committed(self) -> None:
+        """Until every full shard handed over so far is in place and committed."""
+        if self._committing is not None:
+            committing, self._committing = self._committing, None
+            committing.result()
+
+    # -- storage (the committer thread)
+
+    def _publish(self, stop: int, finishers: list[Callable[[], None]], samples: list[tuple[int, int, int, int]],
+                 rejects: list[Reject]) -> None:
+        for name in self.sinks:
+            self._grow(name, stop)
+        for finish in finishers:
+            finish()
+        self._commit(samples, rejects)
+
+    def _committed_size(self, name: str) -> int:
+        if name in self.sinks:
+            return self.commit["tokens"]
+        return self.commit["samples"] if name.startswith("sample_") else self.commit["rejects"]
+
+    def _grow(self, name: str, stop: int) -> None:
+        """Make room for `stop` entries. Arrays grow by doubling (a resize is a metadata write, as dear
+        as a commit) and close() trims them: readers go by the commit record, never by shapes."""
+        arr = self.arrays[name]
+        if self.sizes[name] < stop:
+            self.sizes[name] = max(stop, 2 * self.sizes[name])
+            arr.resize((self.sizes[name], *arr.shape[1:]))
+
+    def _write(self, name: str, start: int, values: np.ndarray) -> None:
+        self._grow(name, start + len(values))
+        self.arrays[name][start : start + len(values)] = values
+
+    def _commit(self, samples: list[tuple[int, int, int, int]], rejects: list[Reject]) -> None:
         if not samples and not rejects:
             return
         c = self.commit

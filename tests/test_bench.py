@@ -2,15 +2,16 @@
 
 import json
 
-from streamx.bench import MODES, bench, format_report
+from streamx.bench import MODES, bench, bottleneck, format_report
 from streamx.config import load_config
 from streamx.store import open_store
+from streamx.writebench import WriteWorkload, format_writer_report, writer_bench
 
 
 def test_bench_report(tiny_chat_model_dir, chat_jsonl, tmp_path):
     cfg = load_config(None, model=tiny_chat_model_dir, data=chat_jsonl, max_samples=12, layers="1,4",
                       token_budget=512, max_length=256)
-    report = bench(cfg, rounds=2, progress=False)
+    report = bench(cfg, rounds=2, progress=False, out_dir=str(tmp_path), ceiling_bytes=64 << 20)
     expected_tokens = sum(len(s.input_ids) for s in _stored(cfg, tmp_path))
     assert report["workload"]["samples"] == 12 and report["workload"]["tokens"] == expected_tokens
     for mode in MODES:
@@ -23,6 +24,7 @@ def test_bench_report(tiny_chat_model_dir, chat_jsonl, tmp_path):
     assert report["naive"]["bytes_written_per_token"] >= 2 * 64 * 2
     assert set(report["streamx"]["stage_seconds"]) >= {"source_tokenize", "forward", "pack", "write"}
     assert report["streamx"]["bottleneck"]
+    assert report["streamx"]["write_ceiling_bytes_per_s"] > 0 and report["streamx"]["writer_bytes_per_s"] > 0
     r = report["ratios"]
     assert abs(r["streamx_vs_forward_only"] - report["streamx"]["tokens_per_s"] / report["forward_only"]["tokens_per_s"]) < 1e-9
     assert abs(r["streamx_vs_naive"] - report["streamx"]["tokens_per_s"] / report["naive"]["tokens_per_s"]) < 1e-9
@@ -36,3 +38,29 @@ def _stored(cfg, tmp_path):
 
     run(cfg.replace(out=str(tmp_path / "ref.zarr")), progress=False)
     return list(open_store(str(tmp_path / "ref.zarr")).samples())
+
+
+def test_writer_bench_report(tmp_path):
+    """--writer-only: every pass of every process is measured, and the writer's passes committed all
+    their bytes (the bench checks the store); no speed is asserted."""
+    w = WriteWorkload(total_bytes=24 << 20, num_slots=2, hidden_size=512, sample_tokens=300, batch_tokens=2048,
+                      rounds=2)
+    report = writer_bench(w, str(tmp_path), processes=(1, 2), log=lambda m: None)
+    assert set(report["processes"]) == {1, 2}
+    for p, m in report["processes"].items():
+        for mode in ("plain", "writer"):
+            assert len(m[mode]["rounds_bytes_per_s"]) == 2 and min(m[mode]["rounds_bytes_per_s"]) > 0
+            # each process writes its share, whole tokens only
+            assert m[mode]["bytes_per_pass"] == p * (w.total_bytes // p // w.token_bytes) * w.token_bytes
+        assert m["ratio"] == m["writer"]["bytes_per_s"] / m["plain"]["bytes_per_s"]
+    assert not list(tmp_path.iterdir())  # scratch files removed
+    assert "writer/plain" in format_writer_report(report)
+
+
+def test_bottleneck_names_the_disk_only_when_the_writer_waits_on_it():
+    busy = {"source_tokenize": 0.1, "forward": 2.0, "pack": 0.1, "write": 5.0}
+    gb = 10**9
+    assert bottleneck(busy, state_bytes=5 * gb, ceiling=1.0 * gb, cuda=True).startswith("disk")
+    assert bottleneck(busy, state_bytes=5 * gb, ceiling=4.0 * gb, cuda=True) == "writer"
+    assert bottleneck({**busy, "write": 1.0}, state_bytes=5 * gb, ceiling=1.0 * gb, cuda=True).startswith("GPU stage")
+    assert bottleneck({**busy, "write": 1.0}, state_bytes=5 * gb, ceiling=1.0 * gb, cuda=False).startswith("model stage")

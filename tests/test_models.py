@@ -225,3 +225,23 @@ def test_hub_id_from_offline_cache_records_commit(tiny_llama_dir, tmp_path):
     assert info["path"] == info["model"] == "streamx-test/tiny-llama"
     assert info["revision"] == commit
     assert info["weights_fingerprint"] == fingerprint_weights(tiny_llama_dir)
+
+
+def test_random_weights_from_a_config_file_read_no_weights(tmp_path, smollm2_dir):
+    """--random-weights: the model is built from a config .json alone (no weight file anywhere),
+    reproducibly, with the tokenizer from elsewhere; its info says so."""
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path / "tiny.json"
+    path.write_text(config.to_json_string())
+    with pytest.raises(ValueError, match="needs --tokenizer"):
+        load_model(str(path), dtype="float32", device="cpu", random_weights=True)
+    lm, tok, info = load_model(str(path), dtype="float32", device="cpu", random_weights=True, tokenizer=smollm2_dir)
+    assert info.random_weights and info.weights_fingerprint.startswith("random-init:") and info.num_layers == 3
+    assert tok.eos_token == "<|im_end|>"
+    torch.manual_seed(models.RANDOM_SEED)  # the documented seed rebuilds the same weights independently
+    reference = LlamaForCausalLM(config)
+    for (name, p), (ref_name, q) in zip(lm.state_dict().items(), reference.state_dict().items(), strict=True):
+        assert name == ref_name and torch.equal(p, q), name
+    again = load_model(str(path), dtype="float32", device="cpu", random_weights=True, tokenizer=smollm2_dir)[2]
+    assert again.weights_fingerprint == info.weights_fingerprint

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,25 +204,26 @@ def test_no_chat_template_is_fatal_with_one_line(tiny_chat_model_dir, chat_jsonl
 
 
 def test_disk_full_keeps_committed_data_and_resumes(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
-    from streamx.writer import PartWriter
+    from streamx.writer import StreamedShards
 
     out = tmp_path / "s.zarr"
-    real_write = PartWriter._write_tokens
+    real_finish = StreamedShards.finish
     calls = []
 
-    def fail_on_sixth_shard(self, n):
-        calls.append(n)
-        if len(calls) == 6:
-            raise OSError(28, "No space left on device")
-        real_write(self, n)
+    def fail_on_sixth_shard(self, *args):  # the sixth shard's states are written, its index is not
+        if self.arr.name.endswith("hidden_states"):
+            calls.append(args)
+            if len(calls) == 6:
+                raise OSError(28, "No space left on device")
+        real_finish(self, *args)
 
-    monkeypatch.setattr(PartWriter, "_write_tokens", fail_on_sixth_shard)
+    monkeypatch.setattr(StreamedShards, "finish", fail_on_sixth_shard)
     with pytest.raises(OSError, match="No space left"):
         run(config(tiny_chat_model_dir, chat_jsonl, out), progress=False)
     partial = open_store(str(out))
     assert 0 < len(partial) and partial.num_tokens <= 5 * 64  # the five shards written before the failure
     kept = {r: partial.sample(r) for r in partial.row_ids().tolist()}
-    monkeypatch.setattr(PartWriter, "_write_tokens", real_write)
+    monkeypatch.setattr(StreamedShards, "finish", real_finish)
     run(config(tiny_chat_model_dir, chat_jsonl, out), progress=False)
     final = open_store(str(out))
     assert len(final) == sum(1 for _ in open(chat_jsonl)) and final.summary()["duplicate_rows"] == 0
@@ -268,3 +270,18 @@ def test_producer_streams_with_bounded_read_ahead(tiny_chat_model_dir, tmp_path,
     # at most: the window being tokenized + batches in the queue + the one being handed over
     bound = cfg.sort_window * 2 + (cfg.queue_batches + 2) * cfg.max_batch_size
     assert max(lead) <= bound and yielded[0] == 400
+
+
+def test_random_weights_store_is_marked_and_convert_refuses_it(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    from streamx.convert import ConvertError, convert
+
+    config_file = tmp_path / "config.json"  # the model's config alone: no weights next to it
+    config_file.write_text((Path(tiny_chat_model_dir) / "config.json").read_text())
+    out = tmp_path / "random.zarr"
+    run(config(str(config_file), chat_jsonl, out, random_weights=True, tokenizer=tiny_chat_model_dir, max_samples=6),
+        progress=False)
+    store = open_store(str(out))
+    assert len(store) == 6 and store.metadata["model"]["random_weights"] is True
+    with pytest.raises(ConvertError, match="--random-weights"):
+        convert(str(out), str(tmp_path / "spec"), progress=False)
+    assert convert(str(out), str(tmp_path / "spec"), progress=False, allow_random_weights=True).rows == 6

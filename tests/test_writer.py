@@ -5,12 +5,13 @@ import pytest
 import torch
 import zarr
 
-from streamx.store import Store, StoreError, bf16_to_bits, create_or_open, make_layout
+from streamx.store import EMPTY_COMMIT, Store, StoreError, bf16_to_bits, create_or_open, create_part, make_layout
 from streamx.tokenize import REJECT_REASONS, Reject
 from streamx.writer import PartWriter
 
 K, H = 3, 8
 LAYOUT = make_layout(K, H, chunk_tokens=4, shard_tokens=8)
+ZSTD_LAYOUT = make_layout(K, H, chunk_tokens=4, shard_tokens=8, compressor="zstd")
 
 
 def meta(**compat):
@@ -48,9 +49,10 @@ def samples():
     return [random_sample(100 + i, n, g) for i, n in enumerate(lengths)]
 
 
-def test_roundtrip_bit_exact(tmp_path, samples):
+@pytest.mark.parametrize("layout", [LAYOUT, ZSTD_LAYOUT], ids=["streamed", "zstd-through-zarr"])
+def test_roundtrip_bit_exact(tmp_path, samples, layout):
     root = create_or_open(str(tmp_path / "s.zarr"), meta())
-    writer = PartWriter(root, "part-00000", LAYOUT)
+    writer = PartWriter(root, "part-00000", layout)
     for s in samples:
         append(writer, s)
     writer.close()
@@ -59,25 +61,78 @@ def test_roundtrip_bit_exact(tmp_path, samples):
     assert arr.shape == (sum(len(s[1]) for s in samples), K, H)  # real tokens only, no padding
 
 
-def test_uncommitted_tail_is_absent_then_resumed(tmp_path, samples):
+@pytest.mark.parametrize("layout", [LAYOUT, ZSTD_LAYOUT], ids=["streamed", "zstd-through-zarr"])
+def test_uncommitted_tail_is_absent_then_resumed(tmp_path, samples, layout):
     path = str(tmp_path / "s.zarr")
     root = create_or_open(path, meta())
-    writer = PartWriter(root, "part-00000", LAYOUT)
+    writer = PartWriter(root, "part-00000", layout)
     writer.reject(Reject(7, "too_long", "x"))  # committed with the next shard
     for s in samples[:6]:  # 3+5+1+12+7+8 = 36 tokens: shards 0..3 written (32 tokens)
         append(writer, s)
     writer.reject(Reject(8, "too_long", "y"))  # after the last shard: not committed
+    writer.wait_committed()  # the committer has caught up with the appends (as it does at most one shard behind)
     # "crash": no close. Samples ending at or before token 32 are committed, the one ending at 36 is not.
     assert sorted(Store(path).row_ids().tolist()) == [100, 101, 102, 103, 104]
     assert Store(path).done_row_ids() == {100, 101, 102, 103, 104, 7}
 
     root = create_or_open(path, meta())
-    writer = PartWriter(root, "part-00000", LAYOUT)
+    writer = PartWriter(root, "part-00000", layout)
     for s in samples[5:]:  # the uncommitted sample again, then the rest
         append(writer, s)
     writer.close()
     assert_stored(path, samples)
     assert Store(path).rejected() == [(7, "too_long")]
+    assert not list(tmp_path.rglob("*.partial"))  # the crashed run's half-written shard was reused, then renamed
+
+
+def test_streamed_shards_are_the_bytes_zarr_writes(tmp_path, samples):
+    """The shard files the writer streams are byte for byte what zarr-python itself writes for the
+    same values (full shards and the partial last one), so any Zarr v3 reader reads them."""
+    path = tmp_path / "s.zarr"
+    writer = PartWriter(create_or_open(str(path), meta()), "part-00000", LAYOUT)
+    for s in samples:
+        append(writer, s)
+    writer.close()
+    ours = zarr.open_group(str(path), mode="r")["parts/part-00000"]
+    reference = create_part(zarr.open_group(str(tmp_path / "ref.zarr"), mode="w"), "part-00000", LAYOUT)
+    values = {"hidden_states": np.concatenate([bf16_to_bits(s[3]) for s in samples]),
+              "input_ids": np.concatenate([s[1] for s in samples]), "loss_mask": np.concatenate([s[2] for s in samples])}
+    n = len(values["input_ids"])
+    assert n % LAYOUT.shard_tokens and n % LAYOUT.chunk_tokens  # the last shard and its last chunk are partial
+    for name, v in values.items():
+        reference[name].resize(v.shape)
+        reference[name][:] = v  # zarr-python's own encoding
+        assert np.array_equal(ours[name][:], v)
+        shards = sorted((path / "parts/part-00000" / name / "c").rglob("*"))
+        shards = [f for f in shards if f.is_file()]
+        assert len(shards) == -(-n // LAYOUT.shard_tokens)
+        for f in shards:
+            twin = tmp_path / "ref.zarr" / f.relative_to(path)
+            assert f.read_bytes() == twin.read_bytes(), f"{f.relative_to(path)} differs from zarr's encoding"
+
+
+def test_resumes_a_store_with_compressed_token_ids(tmp_path, samples):
+    """Stores written before the ids and masks were streamed keep them zstd-compressed: a resumed
+    writer appends to them through zarr."""
+    path = str(tmp_path / "s.zarr")
+    root = create_or_open(path, meta())
+    part = root.require_group("parts").create_group("part-00000", attributes={"commit": dict(EMPTY_COMMIT)})
+    c, s = LAYOUT.chunk_tokens, LAYOUT.shard_tokens
+    part.create_array("hidden_states", shape=(0, K, H), dtype="uint16", chunks=(c, K, H), shards=(s, K, H),
+                      fill_value=0)
+    for name, dtype in (("input_ids", "int64"), ("loss_mask", "uint8")):
+        part.create_array(name, shape=(0,), dtype=dtype, chunks=(c,), shards=(s,),
+                          compressors=[zarr.codecs.ZstdCodec(level=1)], fill_value=0)
+    for name in ("sample_row_id", "sample_offset", "sample_length", "reject_row_id", "reject_reason"):
+        part.create_array(name, shape=(0,), dtype="uint8" if name == "reject_reason" else "int64", chunks=(1024,),
+                          fill_value=0)
+    for chunk in (samples[:3], samples[3:]):
+        writer = PartWriter(create_or_open(path, meta()), "part-00000", LAYOUT)
+        assert type(writer.sinks["input_ids"]).__name__ == "BufferedShards"
+        for sample in chunk:
+            append(writer, sample)
+        writer.close()
+    assert_stored(path, samples)
 
 
 def test_resume_after_clean_close_appends_into_partial_shard(tmp_path, samples):

@@ -1,0 +1,63 @@
+"""The rows bench/RESULTS.md records, from the JSON files bench/gpu_check.sh wrote.
+
+    python bench/gpu_summary.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def model_rows(out: Path) -> list[str]:
+    rows = ["| model (bytes/token stored) | forward_only tok/s | streamx tok/s | streamx / forward_only | "
+            "per round streamx / forward_only | busy s: write / forward | write ceiling GB/s | bottleneck | naive tok/s |",
+            "| --- | ---: | ---: | ---: | --- | --- | ---: | --- | ---: |"]
+    for f in sorted(out.glob("qwen*.json")):
+        r = json.loads(f.read_text())
+        s, fo, m = r["streamx"], r["forward_only"], r["model"]
+        per_round = " ".join(f"{a / b:.2f}" for a, b in zip(s["rounds_tokens_per_s"], fo["rounds_tokens_per_s"]))
+        busy = s["stage_seconds"]
+        naive = f"{r['naive']['tokens_per_s']:,.0f}" if "naive" in r else "-"
+        bytes_per_token = len(r["workload"]["layer_ids"]) * m["hidden_size"] * 2
+        rows.append(f"| {f.stem}: {m['architecture']}, {m['num_layers']} layers, H {m['hidden_size']} "
+                    f"({bytes_per_token / 1e3:.0f} KB), {r['workload']['samples']} rows, "
+                    f"pad eff {s['padding_efficiency']:.1%} | {fo['tokens_per_s']:,.0f} | {s['tokens_per_s']:,.0f} | "
+                    f"{r['ratios']['streamx_vs_forward_only']:.3f}x | {per_round} | {busy.get('write', 0):.1f} / "
+                    f"{busy.get('forward', 0):.1f} | {s['write_ceiling_bytes_per_s'] / 1e9:.2f} | {s['bottleneck']} | "
+                    f"{naive} |")
+    return rows
+
+
+def writer_rows(out: Path) -> list[str]:
+    rows = ["| filesystem | processes | plain GB/s | writer GB/s | writer / plain | best passes |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for f in sorted(out.glob("writer_*.json")):
+        r = json.loads(f.read_text())
+        for p, m in r["processes"].items():
+            rows.append(f"| {f.stem.removeprefix('writer_')} ({r['directory']}) | {p} | "
+                        f"{m['plain']['bytes_per_s'] / 1e9:.2f} | {m['writer']['bytes_per_s'] / 1e9:.2f} | "
+                        f"{m['ratio']:.3f} | {m['best_ratio']:.3f} |")
+    return rows
+
+
+def kernel_rows(out: Path) -> list[str]:
+    f = out / "kernel.json"
+    if not f.exists():
+        return []
+    rows = ["| dtype | tokens | method | GB/s | % of copy |", "| --- | ---: | --- | ---: | ---: |"]
+    for r in json.loads(f.read_text())["rows"]:
+        if r["table"] == "pack":
+            rows.append(f"| {r['dtype']} | {r['tokens']} | {r['method']} | {r['gb_per_s']:.0f} | {r['pct_of_copy']:.0f}% |")
+    return rows
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    for section in (model_rows(out), writer_rows(out), kernel_rows(out)):
+        print("\n".join(section) + "\n")
+
+
+if __name__ == "__main__":
+    main()
