@@ -233,13 +233,17 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(", ".join(f"streamx / {k.removeprefix('streamx_vs_')} = {v:.3f}x" for k, v in report["ratios"].items()))
     s = report["streamx"]
     lines.append("streamx stage busy time (s/round): " + ", ".join(f"{k} {v:.2f}" for k, v in s["stage_seconds"].items()))
-    rates = [f"write ceiling {s['write_ceiling_bytes_per_s'] / 1e9:.2f} GB/s (plain sequential writes to the output "
+    rates = [f"write ceiling {_rate(s['write_ceiling_bytes_per_s'])} (plain sequential writes to the output "
              f"filesystem, measured in this run)"]
     if s["writer_bytes_per_s"]:
-        rates.append(f"writer {s['writer_bytes_per_s'] / 1e9:.2f} GB/s while busy")
+        rates.append(f"writer {_rate(s['writer_bytes_per_s'])} while busy")
     if s["bytes_per_s_at_forward_only"]:
-        rates.append(f"the forward pass's rate needs {s['bytes_per_s_at_forward_only'] / 1e9:.2f} GB/s")
+        rates.append(f"the forward pass's rate needs {_rate(s['bytes_per_s_at_forward_only'])}")
     lines.append("; ".join(rates))
     lines.append("queue fill: " + ", ".join(f"{k} {v:.0%}" for k, v in s["queue_fill"].items())
                  + f"; bottleneck: {s['bottleneck']}")
     return "\n".join(lines)
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e8 else f"{bytes_per_s / 1e6:.1f} MB/s"
