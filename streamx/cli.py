@@ -2,32 +2,58 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
+from collections.abc import Callable
+from dataclasses import fields
+from inspect import Parameter, Signature, signature
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional, get_args, get_type_hints
 
 import typer
 
-from .config import load_config
+from .config import RunConfig, load_config
 
-app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Stream a causal LM's selected hidden states over a chat dataset into a Zarr store "
                        "for speculative-decoding drafter training.")
 
 
-# Options shared by `run` and `bench` (both build a RunConfig: file < flags).
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML file of run settings (default: configs/default.yaml); flags override it.")]
-ModelOpt = Annotated[Optional[str], typer.Option(help="Hub id, local HF directory, or 'smollm2-135m-instruct' (embedded).")]
-DataOpt = Annotated[Optional[str], typer.Option(help="jsonl/json/parquet/arrow file, save_to_disk directory, datasets name, or 'chatterbot:english' (embedded).")]
-MaxSamplesOpt = Annotated[Optional[int], typer.Option(help="Use only the first N rows of the source.")]
-LayersOpt = Annotated[Optional[str], typer.Option(help="Layer ids, e.g. '2,15,27,30', or a preset: eagle3 = [2, L//2, L-3, L], dflash = 5 spread ids + L. Id 0 = embeddings, id k = output of layer k-1, id L = last layer before the final norm.")]
-DtypeOpt = Annotated[Optional[str], typer.Option(help="Compute dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16.")]
-DeviceOpt = Annotated[Optional[str], typer.Option(help="auto (CUDA when present), cpu, cuda, cuda:N.")]
-TokenBudgetOpt = Annotated[Optional[int], typer.Option(help="Max padded tokens (batch x longest) per forward pass.")]
-RandomWeightsOpt = Annotated[Optional[bool], typer.Option("--random-weights", help="Build the model from its config (hub id, directory with config.json, or a config .json file) with random weights, on the device, reading no weights: dry runs and benchmarks. Stores say so; convert refuses them.")]
-TokenizerOpt = Annotated[Optional[str], typer.Option(help="Tokenizer hub id or directory, when not the model's own (needed with --random-weights from a config file).")]
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML file of run settings; flags override it. "
+                                                    "The defaults shown are configs/default.yaml's.")]
+
+
+def with_run_settings(command: Callable[..., None]) -> Callable[..., None]:
+    """Give a command one option per RunConfig field (its declared help, the effective default shown)
+    plus --config. The command's first parameter receives the RunConfig: defaults < --config < flags."""
+    own = list(signature(command).parameters.values())[1:]
+    hints = get_type_hints(RunConfig)
+    shown = load_config(None).to_dict()  # the dataclass defaults, then configs/default.yaml
+    settings = []
+    for f in fields(RunConfig):
+        kind = next(t for t in (*get_args(hints[f.name]), hints[f.name]) if t is not type(None))
+        flag = "--" + f.name.replace("_", "-")
+        decl = f"{flag}/--no-{flag[2:]}" if kind is bool else flag
+        default = "unset" if shown[f.name] is None else str(shown[f.name]).lower() if kind is bool else str(shown[f.name])
+        option = typer.Option(None, decl, help=f"{f.metadata['help']}  [default: {default}]", show_default=False)
+        settings.append(Parameter(f.name, Parameter.KEYWORD_ONLY, default=option,
+                                          annotation=Optional[kind]))
+    config = Parameter("config", Parameter.KEYWORD_ONLY, default=None, annotation=ConfigOpt)
+
+    @functools.wraps(command)
+    def wrapper(*, config: Path | None = None, **options: Any) -> None:
+        overrides = {f.name: options.pop(f.name) for f in fields(RunConfig)}
+        try:
+            run_config = load_config(config, **overrides)
+        except Exception as err:  # noqa: BLE001 - a bad setting is one line for the user
+            _fail(err)
+        command(run_config, **options)
+
+    wrapper.__signature__ = Signature([config, *settings, *(p.replace(kind=Parameter.KEYWORD_ONLY)
+                                                                      for p in own)])
+    return wrapper
 
 
 def _fail(err: BaseException) -> None:
@@ -44,39 +70,15 @@ def _gb(n: int) -> str:
 
 
 @app.command()
+@with_run_settings
 def run(
-    config: ConfigOpt = None,
-    model: ModelOpt = None,
-    data: DataOpt = None,
-    split: Optional[str] = typer.Option(None, help="Dataset split (datasets names and directories)."),
-    max_samples: MaxSamplesOpt = None,
-    layers: LayersOpt = None,
-    out: Optional[str] = typer.Option(None, help="Store path (.zarr). An existing compatible store is resumed."),
-    overwrite: Optional[bool] = typer.Option(None, "--overwrite", help="Delete an existing store at --out and start over."),
-    random_weights: RandomWeightsOpt = None,
-    tokenizer: TokenizerOpt = None,
-    dtype: DtypeOpt = None,
-    device: DeviceOpt = None,
-    device_map: Optional[str] = typer.Option(None, help="Split a model larger than one GPU over the visible GPUs, e.g. auto or balanced (accelerate)."),
-    attn_implementation: Optional[str] = typer.Option(None, help="transformers attention implementation: sdpa, eager, flash_attention_2, ..."),
-    kernel: Optional[str] = typer.Option(None, help="Pack path: auto (Triton on CUDA), torch, triton."),
-    max_length: Optional[int] = typer.Option(None, help="Maximum tokens per sample."),
-    truncation: Optional[str] = typer.Option(None, help="Longer samples: truncate (cut) or skip (reject as too_long)."),
-    token_budget: TokenBudgetOpt = None,
-    max_batch_size: Optional[int] = typer.Option(None, help="Max samples per forward pass."),
-    sort_window: Optional[int] = typer.Option(None, help="Consecutive source rows sorted by length together before batching (more: less padding, more host memory)."),
-    chunk_tokens: Optional[int] = typer.Option(None, help="Tokens per Zarr chunk (0: ~4 MiB)."),
-    shard_tokens: Optional[int] = typer.Option(None, help="Tokens per shard file, a multiple of chunk_tokens (0: ~256 MiB)."),
-    compressor: Optional[str] = typer.Option(None, help="none or zstd."),
-    max_reject_fraction: Optional[float] = typer.Option(None, help="Stop when more than this fraction of rows is rejected."),
+    cfg: RunConfig,
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the live progress bar."),
 ) -> None:
     """Run the model over the data and write the selected layers' hidden states to a store."""
     from .pipeline import run as run_pipeline
 
     try:
-        overrides = {k: v for k, v in locals().items() if k not in ("config", "progress", "run_pipeline")}
-        cfg = load_config(config, **overrides)
         summary = run_pipeline(cfg, progress=progress, log=lambda m: typer.echo(m, err=True))
     except Exception as err:  # noqa: BLE001 - every failure is one line for the user
         _fail(err)
@@ -169,54 +171,47 @@ def convert(
 
 
 @app.command()
+@with_run_settings
 def bench(
-    config: ConfigOpt = None,
-    model: ModelOpt = None,
-    data: DataOpt = None,
-    layers: LayersOpt = None,
-    max_samples: MaxSamplesOpt = None,
-    token_budget: TokenBudgetOpt = None,
-    dtype: DtypeOpt = None,
-    device: DeviceOpt = None,
-    random_weights: RandomWeightsOpt = None,
-    tokenizer: TokenizerOpt = None,
-    out: Optional[str] = typer.Option(None, "--out", help="Folder on the filesystem to measure: the temporary stores "
-                                      "go there and its plain write speed is measured (default: the system's temp folder)."),
+    cfg: RunConfig,
     rounds: int = typer.Option(2, help="Rounds of each mode, interleaved so that machine drift hits all modes."),
-    skip_naive: bool = typer.Option(False, "--skip-naive", help="Leave out the (slow) naive per-sample mode."),
-    writer_only: bool = typer.Option(False, "--writer-only", help="Measure only the store writer on synthetic batches "
-                                     "against plain sequential writes (no model, no data)."),
+    skip_naive: bool = typer.Option(False, "--skip-naive/--with-naive", help="Leave out the (slow) naive per-sample "
+                                    "mode."),
+    writer_only: bool = typer.Option(False, "--writer-only/--full", help="Measure only the store writer on synthetic "
+                                     "batches against plain sequential writes (no model, no data)."),
     processes: str = typer.Option("1,2", help="--writer-only: writer process counts to measure, e.g. 1,2,4,8."),
-    gib: float = typer.Option(2.0, "--gib", help="--writer-only: GiB of hidden states per pass (all processes together)."),
+    gib: float = typer.Option(2.0, "--gib", help="--writer-only: GiB of hidden states per pass (all processes "
+                              "together)."),
     slots: int = typer.Option(6, help="--writer-only: layer slots K per token."),
     hidden_size: int = typer.Option(4096, help="--writer-only: hidden size H."),
     sample_tokens: int = typer.Option(800, help="--writer-only: mean sample length in tokens."),
-    sync: bool = typer.Option(False, "--sync", help="--writer-only: time until the bytes are on disk (os.sync), not "
-                              "only in the page cache."),
+    sync: bool = typer.Option(False, "--sync/--no-sync", help="--writer-only: time until the bytes are on disk "
+                              "(os.sync), not only in the page cache."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full report as JSON here."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Print each round as it finishes."),
 ) -> None:
-    """Measure streamx against the plain forward pass and the naive per-sample approach, in one process
-    (or, with --writer-only, the store writer against the filesystem)."""
+    """Measure streamx against the plain forward pass and the naive per-sample approach, in one process,
+    or with --writer-only the store writer against the filesystem. Temporary stores go in the folder
+    of --out, whose plain write speed is measured in the same run."""
     from .bench import MODES, bench as run_bench, format_report
     from .writebench import WriteWorkload, format_writer_report, writer_bench
 
     log = (lambda m: typer.echo(m, err=True)) if progress else (lambda m: None)
+    scratch = str(Path(cfg.out).parent) if "://" not in cfg.out else None
     try:
+        if scratch:
+            Path(scratch).mkdir(parents=True, exist_ok=True)
         if writer_only:
             counts = tuple(int(p) for p in processes.split(",") if p.strip())
             if not counts or min(counts) < 1:
                 raise ValueError(f"--processes must be positive integers, e.g. 1,2,4; got {processes!r}")
             workload = WriteWorkload(total_bytes=int(gib * 2**30), num_slots=slots, hidden_size=hidden_size,
                                      sample_tokens=sample_tokens, rounds=rounds, sync=sync)
-            report = writer_bench(workload, out, counts, log=log)
+            report = writer_bench(workload, scratch, counts, log=log)
             text = format_writer_report(report)
         else:
-            cfg = load_config(config, model=model, data=data, layers=layers, max_samples=max_samples,
-                              token_budget=token_budget, dtype=dtype, device=device, random_weights=random_weights,
-                              tokenizer=tokenizer)
             modes = tuple(m for m in MODES if not (skip_naive and m == "naive"))
-            report = run_bench(cfg, rounds=rounds, progress=progress, log=log, modes=modes, out_dir=out)
+            report = run_bench(cfg, rounds=rounds, progress=progress, log=log, modes=modes, out_dir=scratch)
             text = format_report(report)
         if json_out is not None:
             json_out.write_text(json.dumps(report, indent=2))

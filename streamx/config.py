@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -17,38 +17,58 @@ KERNELS = ("auto", "torch", "triton")
 COMPRESSORS = ("none", "zstd")
 
 
+def setting(default: Any, help: str) -> Any:
+    """A RunConfig field and its help, declared once: the CLI's options are generated from these."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class RunConfig:
     # what to run
-    model: str = "smollm2-135m-instruct"
-    data: str = "chatterbot:english"
-    split: str = "train"
-    max_samples: int | None = None
-    layers: str = "eagle3"  # a preset (eagle3, dflash) or comma-separated layer ids, e.g. "2,15,27,30"
-    out: str = "streamx-out/store.zarr"
-    overwrite: bool = False
-    random_weights: bool = False  # build the model from its config with random weights: dry runs and benchmarks
-    tokenizer: str | None = None  # tokenizer hub id or directory, when not the model's own
+    model: str = setting("smollm2-135m-instruct", "Hub id, local HF directory, or 'smollm2-135m-instruct' (the "
+                         "embedded default, shipped by a pip package).")
+    data: str = setting("chatterbot:english", "A .jsonl/.json/.parquet/.arrow file, a save_to_disk directory, a "
+                        "datasets hub name, or 'chatterbot:english' (the embedded default).")
+    split: str = setting("train", "Dataset split (datasets names and directories).")
+    max_samples: int | None = setting(None, "Use only the first N rows of the source.")
+    layers: str = setting("eagle3", "Layer ids, e.g. '2,15,27,30', or a preset: eagle3 = [2, L//2, L-3, L], dflash = "
+                          "5 spread ids + L. Id 0 = embeddings, id k = output of layer k-1, id L = the last layer's "
+                          "output before the final norm.")
+    out: str = setting("streamx-out/store.zarr", "Store path (a local .zarr folder or s3://...). An existing "
+                       "compatible store is resumed.")
+    overwrite: bool = setting(False, "Delete an existing store at --out and start over.")
+    random_weights: bool = setting(False, "Build the model from its config (a hub id, a folder with config.json, or "
+                                   "a config .json file) with random weights, on the device, reading no weights: dry "
+                                   "runs and benchmarks. Stores say so; convert refuses them.")
+    tokenizer: str | None = setting(None, "Tokenizer hub id or folder, when not the model's own (needed with "
+                                    "--random-weights from a config file).")
     # model execution
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"  # auto: cuda when available (this process's GPU under torchrun)
-    device_map: str | None = None  # e.g. "auto": split a model larger than one GPU (accelerate)
-    attn_implementation: str | None = None  # transformers' default when unset
-    kernel: str = "auto"  # pack path: auto (triton on CUDA), torch, triton
+    dtype: str = setting("auto", "Compute dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, "
+                         "float16.")
+    device: str = setting("auto", "auto (CUDA when present; this process's GPU under torchrun), cpu, cuda, cuda:N.")
+    device_map: str | None = setting(None, "Split a model larger than one GPU over the visible GPUs, e.g. auto or "
+                                     "balanced (accelerate).")
+    attn_implementation: str | None = setting(None, "transformers attention implementation (sdpa, eager, "
+                                              "flash_attention_2, ...); transformers' default when unset.")
+    kernel: str = setting("auto", "Pack path: auto (Triton on CUDA, torch elsewhere), torch, triton.")
     # tokenization
-    max_length: int = 4096
-    truncation: str = "truncate"  # truncate: cut to max_length; skip: reject longer rows
+    max_length: int = setting(4096, "Maximum tokens per sample.")
+    truncation: str = setting("truncate", "Longer samples: truncate (cut to --max-length) or skip (reject as "
+                              "too_long).")
     # batching
-    token_budget: int = 4096  # max padded tokens (batch x longest) per forward
-    max_batch_size: int = 256
-    sort_window: int = 1024  # consecutive source rows sorted by length together; larger = less padding, more memory
-    queue_batches: int = 4  # bounded hand-off queues between stages
+    token_budget: int = setting(4096, "Max padded tokens (batch x longest) per forward pass.")
+    max_batch_size: int = setting(256, "Max samples per forward pass.")
+    sort_window: int = setting(1024, "Consecutive source rows sorted by length together before batching (more: "
+                               "less padding, more host memory).")
+    queue_batches: int = setting(4, "Batches each bounded hand-off queue between stages holds.")
     # storage
-    chunk_tokens: int = 0  # 0: about 4 MiB of hidden states per chunk
-    shard_tokens: int = 0  # 0: about 256 MiB per shard file (many chunks each)
-    compressor: str = "none"  # bf16 activations barely compress; zstd costs writer CPU
+    chunk_tokens: int = setting(0, "Tokens per Zarr chunk, the unit a reader fetches (0: about 4 MiB of states).")
+    shard_tokens: int = setting(0, "Tokens per shard file, a multiple of --chunk-tokens (0: about 256 MiB).")
+    compressor: str = setting("none", "Hidden-state compressor: none or zstd (bf16 activations barely compress; "
+                              "zstd costs writer CPU and takes zarr's slower write path).")
     # safety
-    max_reject_fraction: float = 0.5  # stop when more rows than this are rejected (after 100 rows)
+    max_reject_fraction: float = setting(0.5, "Stop when more than this fraction of rows is rejected (checked after "
+                                         "100 rows).")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -1,4 +1,4 @@
-"""`streamx convert`: a store -> the directory `speculators train --data-path DIR` reads (FORMATS.md section 2).
+"""`streamx convert`: a store -> the directory `speculators train --data-path DIR` reads (docs/speculators.md).
 
     DIR/data-*.arrow, dataset_info.json, state.json   input_ids, loss_mask (int64), seq_len; torch format; shuffled
     DIR/hidden_states/hs_{i}.safetensors            hidden_states bf16 [T, K, H] (ascending ids, last = id L

@@ -3,7 +3,7 @@
 `pack_into(packed, slot, hidden, token_index)` is what the capture hooks call, once per
 selected layer: packed is [N, K, H] bfloat16, hidden is [B, S, H] (any float dtype, H
 contiguous), token_index holds the flat b * S + t of the N real tokens. The torch path runs
-everywhere; the Triton kernel (streamx_kernels) takes the same arguments.
+everywhere; the Triton kernel (kernels/, installed as streamx_kernels) takes the same arguments.
 """
 
 from __future__ import annotations
@@ -11,6 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+try:  # triton ships for Linux only; elsewhere the torch path is the only one
+    from streamx_kernels.pack import pack_into_triton
+except ImportError as err:
+    pack_into_triton, _no_triton = None, err
 
 PackFn = Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], None]
 
@@ -28,10 +33,8 @@ def select_pack_fn(kernel: str, device: torch.device) -> PackFn:
     """auto: the Triton kernel on CUDA when it is available, else torch."""
     if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
         return pack_into_torch
-    try:
-        from streamx_kernels.pack import pack_into_triton
-    except ImportError as err:
+    if pack_into_triton is None:
         if kernel == "triton":
-            raise RuntimeError(f"--kernel triton is not available: {err}") from err
+            raise RuntimeError(f"--kernel triton is not available: {_no_triton}")
         return pack_into_torch
     return pack_into_triton

@@ -73,7 +73,7 @@ class RunSummary:
 
 def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, layer_ids: list[int],
                    layout: Layout) -> dict[str, Any]:
-    """Everything FORMATS.md section 3 asks a store to record; `compat` decides whether a re-run may resume."""
+    """What a store records (docs/store.md, "Metadata"); `compat` decides whether a re-run may resume."""
     template = builder.tokenizer.chat_template or ""
     compat = {
         "model": info.weights_fingerprint,

@@ -9,6 +9,21 @@ import pytest
 
 from streamx.models import EMBEDDED_MODEL, load_model, resolve_model_path
 
+# Tests that load the embedded model (directly or through a fixture built on it), build the
+# speculators venv or start an S3 server are integration tests: `pytest -m "not integration"` runs
+# the rest (stages on plain Python objects and tiny in-memory models) in seconds.
+INTEGRATION_FIXTURES = {"smollm2_dir", "speculators_python", "s3_env"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "integration: needs the embedded model, a venv, a server or subprocesses")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:

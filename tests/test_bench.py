@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from streamx.bench import MODES, bench, bottleneck, format_report
 from streamx.config import load_config
 from streamx.store import open_store
@@ -40,6 +42,7 @@ def _stored(cfg, tmp_path):
     return list(open_store(str(tmp_path / "ref.zarr")).samples())
 
 
+@pytest.mark.integration  # spawns writer processes
 def test_writer_bench_report(tmp_path):
     """--writer-only: every pass of every process is measured, and the writer's passes committed all
     their bytes (the bench checks the store); no speed is asserted."""

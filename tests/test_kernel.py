@@ -8,7 +8,7 @@ which imports triton). The CUDA tests run the compiled kernel where a GPU is pre
 import pytest
 import torch
 
-import streamx_kernels.pack as kernel_pack
+import streamx.pack as streamx_pack
 from streamx.config import load_config
 from streamx.pack import select_pack_fn
 from streamx.pipeline import run
@@ -126,7 +126,7 @@ def test_pipeline_store_is_identical_with_torch_and_triton(tiny_chat_model_dir, 
         calls.append(args[1])
         pack_into_triton(*args, **kw)
 
-    monkeypatch.setattr(kernel_pack, "pack_into_triton", counted)  # select_pack_fn imports it at run time
+    monkeypatch.setattr(streamx_pack, "pack_into_triton", counted)  # what select_pack_fn hands out
     stores = {}
     for kernel in ("torch", "triton"):
         cfg = load_config(None, model=tiny_chat_model_dir, data=chat_jsonl, out=str(tmp_path / f"{kernel}.zarr"),

@@ -1,0 +1,55 @@
+"""The command line is generated from RunConfig: every setting declared once, flags > --config > defaults."""
+
+from dataclasses import fields
+
+import typer
+from typer.testing import CliRunner
+
+from streamx.cli import app, with_run_settings
+from streamx.config import RunConfig, load_config
+
+runner = CliRunner()
+
+
+def probe_app(seen: dict) -> typer.Typer:
+    probe = typer.Typer()
+
+    @probe.command()
+    @with_run_settings
+    def main(cfg: RunConfig, extra: int = typer.Option(1, help="A command's own option.")) -> None:
+        seen.update(cfg=cfg, extra=extra)
+
+    return probe
+
+
+def test_flags_override_the_config_file_which_overrides_the_defaults(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("max_length: 512\ntoken_budget: 1024\noverwrite: true\nlayers: [1, 2]\n")
+    seen: dict = {}
+    result = runner.invoke(probe_app(seen), ["--config", str(config), "--token-budget", "2048", "--no-overwrite",
+                                             "--extra", "3"])
+    assert result.exit_code == 0, result.output
+    cfg = seen["cfg"]
+    assert (cfg.token_budget, cfg.overwrite) == (2048, False)  # flags
+    assert (cfg.max_length, cfg.layers) == (512, "1,2")  # the file
+    assert cfg.sort_window == RunConfig().sort_window and seen["extra"] == 3  # defaults, the command's own option
+
+
+def test_a_bad_setting_is_one_line(tmp_path):
+    result = runner.invoke(probe_app({}), ["--truncation", "sometimes"])
+    assert result.exit_code == 1
+    assert result.output.strip() == "error: truncation must be one of truncate, skip; got 'sometimes'"
+
+
+def test_help_lists_every_setting_with_its_help_and_effective_default():
+    text = runner.invoke(app, ["run", "--help"], terminal_width=200, max_content_width=200).output
+    entries = {line.split()[0]: " ".join(line.split()) for line in text.split("\n  --")[1:]}  # one per option
+    defaults = load_config(None).to_dict()  # configs/default.yaml over the dataclass
+    for f in fields(RunConfig):
+        entry = entries[f.name.replace("_", "-")]
+        assert " ".join(f.metadata["help"].split()) in entry
+        value = defaults[f.name]
+        shown = "unset" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        assert entry.endswith(f"[default: {shown}]"), entry
+    assert "overwrite / --no-overwrite" in entries["overwrite"] and "<bool>" not in text
+    assert entries["max-length"].endswith("[default: 2048]")  # the yaml's value, not the dataclass's 4096
