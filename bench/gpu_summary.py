@@ -12,12 +12,14 @@ from pathlib import Path
 
 def model_rows(out: Path) -> list[str]:
     rows = ["| model (bytes/token stored) | forward_only tok/s | streamx tok/s | streamx / forward_only | "
-            "per round streamx / forward_only | busy s: write / forward | write ceiling GB/s | bottleneck | naive tok/s |",
+            "per round streamx / forward_only | busy s: write / forward | write ceiling GB/s | bottleneck | "
+            "naive tok/s |",
             "| --- | ---: | ---: | ---: | --- | --- | ---: | --- | ---: |"]
     for f in sorted(out.glob("qwen*.json")):
         r = json.loads(f.read_text())
         s, fo, m = r["streamx"], r["forward_only"], r["model"]
-        per_round = " ".join(f"{a / b:.2f}" for a, b in zip(s["rounds_tokens_per_s"], fo["rounds_tokens_per_s"]))
+        per_round = " ".join(f"{a / b:.2f}" for a, b in zip(s["rounds_tokens_per_s"], fo["rounds_tokens_per_s"],
+                                                                     strict=True))
         busy = s["stage_seconds"]
         naive = f"{r['naive']['tokens_per_s']:,.0f}" if "naive" in r else "-"
         bytes_per_token = len(r["workload"]["layer_ids"]) * m["hidden_size"] * 2
@@ -49,7 +51,8 @@ def kernel_rows(out: Path) -> list[str]:
     rows = ["| dtype | tokens | method | GB/s | % of copy |", "| --- | ---: | --- | ---: | ---: |"]
     for r in json.loads(f.read_text())["rows"]:
         if r["table"] == "pack":
-            rows.append(f"| {r['dtype']} | {r['tokens']} | {r['method']} | {r['gb_per_s']:.0f} | {r['pct_of_copy']:.0f}% |")
+            rows.append(f"| {r['dtype']} | {r['tokens']} | {r['method']} | {r['gb_per_s']:.0f} | "
+                        f"{r['pct_of_copy']:.0f}% |")
     return rows
 
 

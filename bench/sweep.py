@@ -1,6 +1,7 @@
 """Sweep token budget, number of captured layers and sequence lengths; write JSON and PNG plots.
 
-Plots need matplotlib (`pip install -e '.[bench]'`). Each point is one `streamx.bench.bench` call (streamx and forward_only interleaved in one
+Plots need matplotlib (`pip install -e '.[bench]'`). Each point is one `streamx.bench.bench` call (streamx and
+forward_only interleaved in one
 process), so every figure is a ratio measured under the same machine conditions.
 
     python bench/sweep.py --data chatterbot:english --max-samples 200 --out bench/results/sweep
@@ -49,7 +50,7 @@ def plot(results: dict, out: Path) -> None:
     for stage in stages:
         values = [r["stage_seconds"].get(stage, 0.0) for r in results["layers"]]
         c.bar(labels, values, bottom=bottom, label=stage)
-        bottom = [p + v for p, v in zip(bottom, values)]
+        bottom = [p + v for p, v in zip(bottom, values, strict=True)]
     c.set(ylabel="busy seconds per round", title="streamx stage time vs captured layers")
     c.legend(fontsize=8)
     fig.tight_layout()

@@ -25,12 +25,11 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from .batching import Batch, iter_batches, iter_windows
-from .config import RunConfig, resolve_layer_ids
-from .models import load_model
+from .batching import Batch, iter_windows
+from .config import RunConfig
 from .pipeline import run
-from .source import open_source
-from .tokenize import Sample, SampleBuilder
+from .plan import make_plan
+from .tokenize import Sample
 from .writebench import write_ceiling
 
 MODES = ("forward_only", "streamx", "naive")
@@ -110,17 +109,10 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
         raise ValueError(f"modes must include streamx and be among {', '.join(MODES)}; got {', '.join(modes)}")
     if not progress:
         transformers.utils.logging.disable_progress_bar()
-    loaded = load_model(config.model, config.dtype, config.device, config.attn_implementation,
-                        random_weights=config.random_weights, tokenizer=config.tokenizer)
-    model, tokenizer, info = loaded
-    device = next(model.parameters()).device
-    layer_ids = resolve_layer_ids(config.layers, info.num_layers)
-    builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
-    source = open_source(config.data, config.split, config.max_samples)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batches = [b for window in iter_windows(source, config.sort_window)
-               for b in iter_batches([builder(r) for r in window], config.token_budget, config.max_batch_size, pad_id)
-               if isinstance(b, Batch)]
+    plan = make_plan(config, log=log)  # what `streamx run` would do, loaded once for every mode
+    model, info, layer_ids, device = plan.model, plan.info, plan.layer_ids, plan.device
+    batches = [b for window in iter_windows(plan.source, config.sort_window)
+               for b in plan.batches(plan.tokenize(window)) if isinstance(b, Batch)]
     samples = [s for b in batches for s in b.samples]
     if not samples:
         raise ValueError("no usable samples in the data")
@@ -144,10 +136,10 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
                     if mode == "forward_only":
                         out = forward_only(model, batches, device)
                     elif mode == "streamx":
-                        cfg = config.replace(out=str(Path(tmp) / f"round{r}.zarr"), overwrite=True)
-                        summary = run(cfg, progress=False, log=log, loaded=loaded)
-                        out = {"bytes_written": _dir_bytes(Path(cfg.out))}
-                        shutil.rmtree(cfg.out)  # a round's store can be GBs: keep one at a time
+                        store = Path(tmp) / f"round{r}.zarr"
+                        summary = run(plan.replace(out=str(store), overwrite=True), progress=False, log=log)
+                        out = {"bytes_written": _dir_bytes(store)}
+                        shutil.rmtree(store)  # a round's store can be GBs: keep one at a time
                         for k, v in summary.stage_seconds.items():
                             stages[k] = stages.get(k, 0.0) + v
                         fills = summary.queue_fill
@@ -188,7 +180,8 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
     state_bytes = real * len(layer_ids) * info.hidden_size * 2  # per round
     s["write_ceiling_bytes_per_s"] = ceiling
     s["writer_bytes_per_s"] = state_bytes / busy["write"] if busy.get("write") else None
-    s["bytes_per_s_at_forward_only"] = state_bytes / report["forward_only"]["seconds"] if "forward_only" in report else None
+    at_forward = report.get("forward_only", {}).get("seconds")
+    s["bytes_per_s_at_forward_only"] = state_bytes / at_forward if at_forward else None
     s["bottleneck"] = bottleneck(busy, state_bytes, ceiling, device.type == "cuda")
     report["ratios"] = {f"streamx_vs_{m}": report["streamx"]["tokens_per_s"] / report[m]["tokens_per_s"]
                         for m in modes if m != "streamx"}
@@ -224,15 +217,18 @@ def format_report(report: dict[str, Any]) -> str:
     w = report["workload"]
     lines = [f"{report['model']['model']} on {report['model']['device']} ({report['model']['dtype']}), "
              f"{w['samples']} samples, {w['tokens']:,} tokens, layers {w['layer_ids']}, {w['rounds']} rounds",
-             f"{'mode':<14}{'samples/s':>11}{'tokens/s':>12}{'pad eff':>9}{'peak RSS':>11}{'dev mem':>10}{'B/token':>10}"]
+             f"{'mode':<14}{'samples/s':>11}{'tokens/s':>12}{'pad eff':>9}{'peak RSS':>11}{'dev mem':>10}"
+             f"{'B/token':>10}"]
     for mode in (m for m in MODES if m in report):
         m = report[mode]
         lines.append(f"{mode:<14}{m['samples_per_s']:>11.2f}{m['tokens_per_s']:>12,.0f}{m['padding_efficiency']:>9.1%}"
                      f"{m['peak_rss_bytes'] / 2**30:>9.2f}GB{m['peak_device_bytes'] / 2**30:>8.2f}GB"
                      f"{m['bytes_written_per_token']:>10,.0f}")
-    lines.append(", ".join(f"streamx / {k.removeprefix('streamx_vs_')} = {v:.3f}x" for k, v in report["ratios"].items()))
+    lines.append(", ".join(f"streamx / {k.removeprefix('streamx_vs_')} = {v:.3f}x"
+                           for k, v in report["ratios"].items()))
     s = report["streamx"]
-    lines.append("streamx stage busy time (s/round): " + ", ".join(f"{k} {v:.2f}" for k, v in s["stage_seconds"].items()))
+    lines.append("streamx stage busy time (s/round): "
+                 + ", ".join(f"{k} {v:.2f}" for k, v in s["stage_seconds"].items()))
     rates = [f"write ceiling {_rate(s['write_ceiling_bytes_per_s'])} (plain sequential writes to the output "
              f"filesystem, measured in this run)"]
     if s["writer_bytes_per_s"]:

@@ -36,7 +36,8 @@ def with_run_settings(command: Callable[..., None]) -> Callable[..., None]:
         kind = next(t for t in (*get_args(hints[f.name]), hints[f.name]) if t is not type(None))
         flag = "--" + f.name.replace("_", "-")
         decl = f"{flag}/--no-{flag[2:]}" if kind is bool else flag
-        default = "unset" if shown[f.name] is None else str(shown[f.name]).lower() if kind is bool else str(shown[f.name])
+        value = shown[f.name]
+        default = "unset" if value is None else str(value).lower() if kind is bool else str(value)
         option = typer.Option(None, decl, help=f"{f.metadata['help']}  [default: {default}]", show_default=False)
         settings.append(Parameter(f.name, Parameter.KEYWORD_ONLY, default=option,
                                           annotation=Optional[kind]))
@@ -84,7 +85,8 @@ def run(
         _fail(err)
     rejects = ", ".join(f"{k}: {v}" for k, v in sorted(summary.reject_counts.items())) or "none"
     if summary.rank:  # under torchrun, rank 0 prints the whole summary
-        typer.echo(f"[rank {summary.rank}] committed {summary.samples:,} samples, rejected {summary.rejects:,} ({rejects})")
+        typer.echo(f"[rank {summary.rank}] committed {summary.samples:,} samples, rejected {summary.rejects:,} "
+                   f"({rejects})")
         return
     typer.echo(
         f"committed {summary.samples:,} samples ({summary.tokens:,} tokens, {summary.trainable_tokens:,} trainable) "
@@ -108,25 +110,29 @@ def inspect(
     from .store import open_store, to_json
 
     try:
-        summary = open_store(store).summary()
+        opened = open_store(store)
+        summary = opened.summary()
     except Exception as err:  # noqa: BLE001
         _fail(err)
     if as_json:
         typer.echo(to_json(summary))
         return
-    meta = summary["metadata"]
-    model = meta["model"]
+    meta, model = opened.metadata, opened.metadata.model
+    random = "; RANDOM WEIGHTS (--random-weights)" if meta.random_weights else ""
     lines = [
-        f"store        {summary['path']} ({meta['format']})",
-        f"model        {model['model']} ({model['architecture']}, {meta['num_layers']} layers, hidden {meta['hidden_size']}, "
-        f"computed in {model['dtype']}; weights {model['weights_fingerprint'][:12]})",
-        f"layer ids    {meta['layer_ids']} ({meta['layer_convention']}: id {meta['num_layers']} = last layer before the final norm)",
-        f"data         {meta['config']['data']} (split {meta['config']['split']}), max_length {meta['max_length']} ({meta['truncation']})",
+        f"store        {summary['path']} ({meta.format})",
+        f"model        {model['model']} ({model['architecture']}, {meta.num_layers} layers, hidden {meta.hidden_size}, "
+        f"computed in {model['dtype']}; weights {model['weights_fingerprint'][:12]}{random})",
+        f"layer ids    {meta.layer_ids} ({meta.layer_convention}: id {meta.num_layers} = last layer before the final "
+        "norm)",
+        f"data         {meta.config['data']} (split {meta.config['split']}), max_length {meta.max_length} "
+        f"({meta.truncation})",
         f"samples      {summary['samples']:,} committed, {summary['rejected']:,} rejected"
         + (f", {summary['duplicate_rows']} DUPLICATE rows" if summary["duplicate_rows"] else ""),
         f"tokens       {summary['tokens']:,} ({summary['trainable_tokens']:,} trainable)",
-        f"size         {_gb(summary['hidden_state_bytes'])} of bf16 hidden states, {meta['bytes_per_token']:,} bytes/token, "
-        f"chunks {meta['chunk_tokens']} tokens, shards {meta['shard_tokens']} tokens, compressor {meta['compressor']}",
+        f"size         {_gb(summary['hidden_state_bytes'])} of bf16 hidden states, {meta.bytes_per_token:,} "
+        f"bytes/token, chunks {meta.chunk_tokens} tokens, shards {meta.shard_tokens} tokens, compressor "
+        f"{meta.compressor}",
     ]
     for reason, n in sorted(summary["reject_counts"].items(), key=lambda kv: -kv[1]):
         lines.append(f"  rejected {n:>6,} {reason}  (e.g. {summary['reject_examples'].get(reason, '')})")
@@ -139,8 +145,10 @@ def inspect(
 @app.command()
 def convert(
     store: str = typer.Argument(..., help="Store path; a store written by several processes converts as one."),
-    out: str = typer.Option(..., "--out", help="Output directory, the `speculators train --data-path`. Re-running resumes."),
-    fmt: str = typer.Option("speculators", "--format", help="Output format: speculators (Arrow rows + hs_{i}.safetensors)."),
+    out: str = typer.Option(..., "--out", help="Output directory, the `speculators train --data-path`. Re-running "
+                            "resumes."),
+    fmt: str = typer.Option("speculators", "--format", help="Output format: speculators (Arrow rows + "
+                            "hs_{i}.safetensors)."),
     seed: int = typer.Option(0, help="Row shuffle seed (speculators validates on the last rows)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an --out that holds another conversion."),
     workers: int = typer.Option(4, help="Threads reading the store and writing files."),
@@ -149,7 +157,8 @@ def convert(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Write a store as speculators training data and print the `speculators train` flags to use."""
-    from .convert import FORMATS, convert as run_convert
+    from .convert import FORMATS
+    from .convert import convert as run_convert
 
     try:
         if fmt not in FORMATS:
@@ -193,7 +202,8 @@ def bench(
     """Measure streamx against the plain forward pass and the naive per-sample approach, in one process,
     or with --writer-only the store writer against the filesystem. Temporary stores go in the folder
     of --out, whose plain write speed is measured in the same run."""
-    from .bench import MODES, bench as run_bench, format_report
+    from .bench import MODES, format_report
+    from .bench import bench as run_bench
     from .writebench import WriteWorkload, format_writer_report, writer_bench
 
     log = (lambda m: typer.echo(m, err=True)) if progress else (lambda m: None)

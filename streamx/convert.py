@@ -1,32 +1,23 @@
-"""`streamx convert`: a store -> the directory `speculators train --data-path DIR` reads (docs/speculators.md).
+"""`streamx convert`: a store -> the folder `speculators train --data-path DIR` reads (docs/speculators.md).
 
-    DIR/data-*.arrow, dataset_info.json, state.json   input_ids, loss_mask (int64), seq_len; torch format; shuffled
-    DIR/hidden_states/hs_{i}.safetensors            hidden_states bf16 [T, K, H] (ascending ids, last = id L
-                                                    pre-norm) and token_ids int64 [T] == input_ids of row i
-    DIR/token_freq.pt                                {token id: count} over loss-mask-1 tokens (--draft-vocab-size)
-    DIR/streamx_meta.json                            source store, layer ids, counts, the `speculators train` flags
-
-Every file is written under a temporary name in its directory and renamed into place. Rows are
-processed in blocks of training order; a finished block leaves its token columns in a work file
-(DIR/.streamx-convert/), so an interrupted convert re-reads at most one block and keeps the hs
-files already there (atomic, so present means complete). The dataset, token_freq.pt and the
-meta are written last, from the block files, and the work directory is then removed.
+The store's committed samples are read in training order (a seeded shuffle), validated, and
+written as one hs file each (streamx.speculators lays out the folder). Rows go in blocks; a
+finished block leaves its token columns in a work file (DIR/.streamx-convert/), so an
+interrupted convert re-reads at most one block and keeps the hs files already there (atomic, so
+present means complete). The dataset, token_freq.pt and the meta are written last, from the
+block files, and the work folder is then removed.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import os
-import shlex
 import shutil
-import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +27,13 @@ from safetensors import safe_open
 from safetensors.torch import save
 from tqdm import tqdm
 
-from . import __version__
+from . import speculators
 from .config import resolve_layer_ids
+from .speculators import HS_DIR, META, WORK, atomic_write
 from .store import Store, StoredSample, open_store
 
 FORMATS = ("speculators",)
-META = "streamx_meta.json"
-WORK = ".streamx-convert"  # block files and the plan; removed when the conversion completes
-HS_DIR = "hidden_states"
 BLOCK_ROWS = 1024  # resume granularity: an interrupted convert re-reads at most this many rows
-ALGORITHMS = ("eagle3", "dflash")  # both read this data as is (EAGLE-3 shifts at load time, DFlash does not)
-SKIP_EXAMPLES = 20  # skipped rows listed by id in the meta (all are counted)
 
 
 class ConvertError(RuntimeError):
@@ -78,10 +65,10 @@ class _Block:
 def check_store(store: Store) -> list[int]:
     """The ids speculators gets as --target-layer-ids (all but L); raises ConvertError for a store it cannot use."""
     meta, ids = store.metadata, store.layer_ids
-    L = int(meta["num_layers"])
+    L = meta.num_layers
     aux = [i for i in ids if i != L]
     eagle3 = ",".join(map(str, resolve_layer_ids("eagle3", L)))
-    if meta.get("layer_convention") != "speculators" or not meta.get("last_id_is_pre_norm"):
+    if meta.layer_convention != "speculators" or not meta.last_id_is_pre_norm:
         raise ConvertError(f"{store.path} does not use the speculators layer convention with id {L} before the "
                            f"final norm; re-run `streamx run` with this streamx into a new --out")
     if L not in ids:
@@ -106,13 +93,6 @@ def training_order(row_ids: np.ndarray, seed: int) -> np.ndarray:
     return rows[np.random.default_rng(seed).permutation(rows.size)]
 
 
-def train_commands(out: str, verifier: str, target_layer_ids: list[int]) -> dict[str, list[str]]:
-    """`speculators train` argv per algorithm: --on-missing raise (the default, generate, calls a vLLM server)."""
-    base = ["speculators", "train", "--data-path", out, "--verifier-name-or-path", verifier, "--on-missing", "raise",
-            "--target-layer-ids", *map(str, target_layer_ids)]
-    return {algo: [*base, "--speculator-type", algo] for algo in ALGORITHMS}
-
-
 def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, workers: int = 4,
             block_rows: int = BLOCK_ROWS, progress: bool = True, log: Callable[[str], None] = print,
             allow_random_weights: bool = False) -> ConvertSummary:
@@ -120,7 +100,7 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     started = time.perf_counter()
     store = open_store(store_path)
     aux = check_store(store)
-    if store.metadata["model"].get("random_weights") and not allow_random_weights:
+    if store.metadata.random_weights and not allow_random_weights:
         raise ConvertError(f"{store_path} was made with --random-weights: its states train nothing; "
                            "pass --allow-random-weights to convert it anyway")
     all_rows = store.row_ids()
@@ -129,13 +109,16 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
         raise ConvertError(f"{store_path} has no committed samples")
     identity = _identity(store, order, seed, block_rows)
     out_dir = Path(out)
-    complete = _prepare(out_dir, identity, order.size, overwrite)
+    try:
+        complete = speculators.prepare(out_dir, identity, order.size, overwrite)
+    except FileExistsError as err:
+        raise ConvertError(str(err)) from None
     if complete is not None:
         log(f"{out} already holds this conversion; nothing to do")
         return _summary(complete, out, 0, time.perf_counter() - started, already_complete=True)
 
     work, hs_dir = out_dir / WORK, out_dir / HS_DIR
-    K, H = int(store.metadata["num_slots"]), int(store.metadata["hidden_size"])
+    K, H = store.metadata.num_slots, store.metadata.hidden_size
     depth = 2 * max(1, workers)  # samples in flight per stage: bounds memory whatever the store's size
     kept, start, blocks = 0, 0, []
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="convert") as pool, \
@@ -148,7 +131,7 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
                 bar.update(rows.size)
             else:  # not done, or hs files were deleted since
                 block, n_kept = _convert_block(store, rows, start, K, H, hs_dir, pool, depth, bar.update)
-                _atomic(path, lambda tmp, blk=block: _write_block(tmp, blk))
+                atomic_write(path, lambda tmp, blk=block: _write_block(tmp, blk))
                 kept += n_kept
             blocks.append(path)
             start += block.seq_len.size
@@ -158,83 +141,24 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     skipped += [(int(r), "duplicate_row") for r in rows_sorted[1:][rows_sorted[1:] == rows_sorted[:-1]]]
     if not start:
         raise ConvertError(f"every sample of {store_path} failed validation ({_reasons(skipped)}); nothing to train on")
-    totals = _write_dataset(out_dir, blocks, identity["order_sha256"], progress)
-    _atomic(out_dir / "token_freq.pt", lambda tmp: tmp.write_bytes(_token_freq(blocks)))
-    commands = train_commands(str(out_dir.resolve()), store.metadata["model"]["path"], aux)
-    meta = _meta(store, identity, aux, totals, skipped, commands)
-    _atomic(out_dir / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
+    read_blocks = lambda: (_read_block(path) for path in blocks)  # noqa: E731 - read twice, one block at a time
+    totals = speculators.write_dataset(out_dir, read_blocks(), identity["order_sha256"], progress)
+    atomic_write(out_dir / "token_freq.pt", lambda tmp: tmp.write_bytes(speculators.token_freq(read_blocks())))
+    commands = speculators.train_commands(str(out_dir.resolve()), store.metadata.model["path"], aux)
+    meta = speculators.meta(store, identity, aux, totals, skipped, commands)
+    atomic_write(out_dir / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
     shutil.rmtree(work)
     if skipped:
         log(f"skipped {len(skipped)} rows: {_reasons(skipped)} (listed in {META})")
     return _summary(meta, out, kept, time.perf_counter() - started)
 
 
-# -- the output directory: fresh, resumed, complete, or someone else's
-
-
 def _identity(store: Store, order: np.ndarray, seed: int, block_rows: int) -> dict[str, Any]:
     """What a resumed convert must match: the store (its creation and compat record), the training order
     and the block size (block files cover fixed ranges of it)."""
-    return {"store_created": store.metadata.get("created"), "store_compat": store.metadata.get("compat"),
+    return {"store_created": store.metadata.created, "store_compat": asdict(store.metadata.compat),
             "layer_ids": store.layer_ids, "seed": seed, "rows": int(order.size), "block_rows": block_rows,
             "order_sha256": hashlib.sha256(order.astype("<i8").tobytes()).hexdigest()}
-
-
-def _prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool) -> dict[str, Any] | None:
-    """Make `out` ready; returns the meta when it already holds this exact, complete conversion."""
-    meta_path, plan = out / META, out / WORK / "plan.json"
-    found = None
-    if out.exists() and any(out.iterdir()):
-        record = meta_path if meta_path.exists() else plan
-        found = json.loads(record.read_text()) if record.exists() else None
-        if overwrite:
-            _clear(out)
-            found = None
-        elif found is None or found["identity"] != identity:
-            what = "files that are not a streamx conversion" if found is None else \
-                "a conversion of another store, seed or row set"
-            raise ConvertError(f"{out} holds {what}; pass --overwrite to replace it or choose another --out")
-    (out / HS_DIR).mkdir(parents=True, exist_ok=True)
-    for stale in [*(out / HS_DIR).glob(".*.tmp-*"), *out.glob(".*.tmp-*")]:
-        stale.unlink()  # left by a killed convert
-    if found is not None and meta_path.exists():
-        if _complete(out, rows):
-            shutil.rmtree(out / WORK, ignore_errors=True)  # a run killed just before its last step
-            return found
-        meta_path.unlink()  # files were deleted since: convert again (re-reading the store), keeping what is there
-    (out / WORK).mkdir(exist_ok=True)
-    for stale in (out / WORK).glob(".*.tmp-*"):
-        stale.unlink()
-    if not plan.exists():
-        _atomic(plan, lambda tmp: tmp.write_text(json.dumps({"identity": identity}, indent=2) + "\n"))
-    return None
-
-
-def _complete(out: Path, rows: int) -> bool:
-    state = out / "state.json"
-    data = [out / f["filename"] for f in json.loads(state.read_text())["_data_files"]] if state.exists() else []
-    return bool(data) and all(p.exists() for p in [*data, out / "dataset_info.json", out / "token_freq.pt"]) \
-        and all((out / HS_DIR / f"hs_{i}.safetensors").exists() for i in range(rows))
-
-
-def _clear(out: Path) -> None:
-    """--overwrite: remove what a conversion writes (and nothing else)."""
-    for path in [out / HS_DIR, out / WORK, out / META, out / "token_freq.pt", out / "dataset_info.json",
-                 out / "state.json", *out.glob("data-*.arrow")]:
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-
-
-def _atomic(path: Path, write: Callable[[Path], Any]) -> None:
-    """Write through a temporary name in the same directory, then rename: `path` is absent or complete."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # -- one block: read and validate in order, write hs files in parallel
@@ -272,12 +196,6 @@ def _load(store: Store, K: int, H: int, row: int) -> tuple[int, StoredSample, st
     return row, s, problem
 
 
-def _write_hs(path: Path, s: StoredSample) -> None:
-    # serialized in memory and written by Python, so the file gets the usual umask permissions
-    data = save({"hidden_states": s.hidden_states.contiguous(), "token_ids": s.input_ids.to(torch.int64).contiguous()})
-    _atomic(path, lambda tmp: tmp.write_bytes(data))
-
-
 def _convert_block(store: Store, rows: np.ndarray, start: int, K: int, H: int, hs_dir: Path,
                    pool: ThreadPoolExecutor, depth: int, tick: Callable[[int], Any]) -> tuple[_Block, int]:
     """Training indices are given in order to the rows that pass validation, so they are the same on every run."""
@@ -293,7 +211,7 @@ def _convert_block(store: Store, rows: np.ndarray, start: int, K: int, H: int, h
         if path.exists():
             kept += 1  # written by an interrupted run (atomic: present means complete)
         else:
-            writes.append(pool.submit(_write_hs, path, s))
+            writes.append(pool.submit(speculators.write_hs, path, s))
         ids.append(s.input_ids.numpy())
         masks.append(s.loss_mask.numpy().astype(np.uint8))
         lengths.append(len(s.input_ids))
@@ -324,101 +242,8 @@ def _read_block(path: Path) -> _Block:
     return _Block(int(meta["start"]), t["input_ids"], t["loss_mask"], t["seq_len"], skipped)
 
 
-# -- the final files, from the block files
-
-
-def _write_dataset(out: Path, blocks: list[Path], fingerprint: str, progress: bool) -> dict[str, int]:
-    """save_to_disk of the token columns in training order, streamed block by block through an Arrow file."""
-    import datasets
-    import pyarrow as pa
-    from datasets.arrow_writer import ArrowWriter
-
-    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int64")),
-                                  "loss_mask": datasets.List(datasets.Value("int64")),
-                                  "seq_len": datasets.Value("int64")})
-    work = out / WORK
-    arrow, saved = work / "tokens.arrow", work / "dataset"
-    totals = {"rows": 0, "tokens": 0, "trainable_tokens": 0}
-    # a fixed fingerprint (the training order's hash) keeps state.json identical on every run
-    with ArrowWriter(features=features, path=str(arrow), fingerprint=fingerprint) as writer:
-        for path in blocks:
-            b = _read_block(path)
-            offsets = pa.array(np.concatenate([[0], np.cumsum(b.seq_len)]), pa.int32())
-            writer.write_table(pa.table({
-                "input_ids": pa.ListArray.from_arrays(offsets, pa.array(b.input_ids)),
-                "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(b.loss_mask.astype(np.int64))),
-                "seq_len": pa.array(b.seq_len),
-            }))
-            totals["rows"] += b.seq_len.size
-            totals["tokens"] += b.input_ids.size
-            totals["trainable_tokens"] += int(b.loss_mask.sum())
-        writer.finalize()
-    if saved.exists():
-        shutil.rmtree(saved)  # from a killed run
-    bars = datasets.is_progress_bar_enabled()
-    if not progress:
-        datasets.disable_progress_bars()
-    try:
-        ds = datasets.Dataset.from_file(str(arrow))
-        ds.set_format("torch")
-        ds.save_to_disk(str(saved))
-        del ds
-    finally:
-        if bars:
-            datasets.enable_progress_bars()
-    # each file renamed into place (same filesystem); the dataset's json files last
-    files = sorted(p.name for p in saved.iterdir())
-    for name in [*(f for f in files if f.endswith(".arrow")), *(f for f in files if not f.endswith(".arrow"))]:
-        os.replace(saved / name, out / name)
-    return totals
-
-
-def _token_freq(blocks: list[Path]) -> bytes:
-    """torch.save of {token id: count} over loss-mask-1 tokens, the dict speculators' vocab mapping reads."""
-    counts = np.zeros(0, dtype=np.int64)
-    for path in blocks:
-        b = _read_block(path)
-        c = np.bincount(b.input_ids[b.loss_mask == 1])
-        if c.size > counts.size:
-            counts = np.pad(counts, (0, c.size - counts.size))
-        counts[: c.size] += c
-    buf = io.BytesIO()  # saved from memory: torch.save names its archive after a file path, not after a buffer
-    torch.save({int(t): int(counts[t]) for t in np.flatnonzero(counts)}, buf)
-    return buf.getvalue()
-
-
 def _reasons(skipped: list[tuple[int, str]]) -> str:
     return ", ".join(f"{why}: {n}" for why, n in sorted(Counter(why for _, why in skipped).items()))
-
-
-def _meta(store: Store, identity: dict[str, Any], aux: list[int], totals: dict[str, int],
-          skipped: list[tuple[int, str]], commands: dict[str, list[str]]) -> dict[str, Any]:
-    m, summary = store.metadata, store.summary()
-    return {
-        "format": "speculators",
-        "streamx_version": __version__,
-        "model": m["model"],
-        "tokenizer": m["tokenizer"],
-        "layer_ids": store.layer_ids,
-        "target_layer_ids": aux,
-        "num_layers": m["num_layers"],
-        "hidden_size": m["hidden_size"],
-        "layer_convention": m["layer_convention"],
-        "layer_convention_text": m.get("layer_convention_text"),
-        "last_id_is_pre_norm": m["last_id_is_pre_norm"],
-        "hidden_states": "hs_{i}.safetensors: hidden_states bfloat16 [T, K, H], slot j = layer_ids[j], the last "
-                         "slot is id L before the final norm; token_ids int64 [T] == input_ids of dataset row i",
-        "source": {"store": str(Path(store.path).resolve()), "created": m.get("created"), "samples": summary["samples"],
-                   "tokens": summary["tokens"], "rejected_by_run": summary["rejected"], "parts": summary["parts"]},
-        "shuffle": {"seed": identity["seed"], "method": "numpy.random.default_rng(seed).permutation of the sorted "
-                    "unique row ids", "order_sha256": identity["order_sha256"]},
-        "counts": {**totals, "skipped": len(skipped)},
-        "skipped": dict(sorted(Counter(why for _, why in skipped).items())),
-        "skipped_examples": [{"row_id": r, "reason": why} for r, why in skipped[:SKIP_EXAMPLES]],
-        "speculators_train": {algo: shlex.join(argv) for algo, argv in commands.items()},
-        "speculators_train_argv": commands,
-        "identity": identity,
-    }
 
 
 def _summary(meta: dict[str, Any], out: str, kept: int, seconds: float,

@@ -168,6 +168,16 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
         raise _not_found(path, e) from None
 
 
+def read_num_layers(model: str) -> int:
+    """The decoder's layer count from the model's config alone: no weights are read."""
+    path = resolve_model_path(model)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise _not_found(path, e) from None
+    return config.get_text_config().num_hidden_layers
+
+
 def load_model(
     model: str,
     dtype: str = "auto",

@@ -1,8 +1,8 @@
-"""`streamx run`: wires the stages and owns their threads.
+"""`streamx run`: the stages of one run, their threads and the bounded queues between them.
 
-    producer thread   source -> tokenize -> batching          --queue-->
-    main thread       capture/pack on the model's device       --queue-->
-    writer thread     host hand-off -> store part, commits
+    producer thread   source -> tokenize -> batching          --batches-->
+    main thread       capture/pack on the model's device       --to_write-->
+    writer thread     host hand-off -> store part (its committer thread commits shards)
 
 Queues are bounded (`queue_batches`), so host memory does not grow with the dataset. The
 first exception in any thread sets `stop`, every stage winds down, and the main thread
@@ -11,38 +11,27 @@ re-raises it; whatever was committed stays committed and a re-run resumes from i
 
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import transformers
-import zarr
 from tqdm import tqdm
 
-from . import __version__
-from .batching import Batch, iter_batches, iter_windows
+from .batching import Batch, iter_windows
 from .capture import LayerCapture, sample_is_finite
-from .config import RunConfig, resolve_layer_ids
-from .distributed import init_from_env
-from .models import ModelInfo, load_model
+from .config import RunConfig
+from .metrics import QueueFill, StageTimes
 from .pack import select_pack_fn
-from .source import open_source
-from .store import STORE_FORMAT, Layout, create_or_open, make_layout, open_for_append, open_store
-from .timing import StageTimes
-from .tokenize import REJECT_REASONS, Reject, SampleBuilder
+from .plan import RunPlan, make_plan
+from .store import open_for_run, open_store, prepare
+from .tokenize import Reject
 from .transfer import HostTransfer
-from .writer import PackedBatch, PartWriter, WriteCounts, write_loop
-
-CONVENTION = (
-    "speculators: id 0 = embeddings output (input of layer 0); id k = output of decoder layer k-1 "
-    "(input of layer k); id L = output of the last decoder layer, before the final norm"
-)
+from .writer import PackedBatch, PartWriter, RejectRate, write_loop
 
 
 @dataclass
@@ -50,7 +39,7 @@ class RunSummary:
     out: str
     layer_ids: list[int]
     num_layers: int
-    samples: int  # committed by this run
+    samples: int  # committed by this run (this process's part)
     tokens: int
     trainable_tokens: int
     rejects: int
@@ -71,51 +60,7 @@ class RunSummary:
         return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
 
 
-def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, layer_ids: list[int],
-                   layout: Layout) -> dict[str, Any]:
-    """What a store records (docs/store.md, "Metadata"); `compat` decides whether a re-run may resume."""
-    template = builder.tokenizer.chat_template or ""
-    compat = {
-        "model": info.weights_fingerprint,
-        "compute_dtype": info.dtype,
-        "layer_ids": layer_ids,
-        "tokenization": builder.fingerprint,
-        "data": config.data,
-        "split": config.split,
-    }
-    return {
-        "format": STORE_FORMAT,
-        "layer_ids": layer_ids,
-        "layer_convention": "speculators",
-        "layer_convention_text": CONVENTION,
-        "last_id_is_pre_norm": True,
-        "num_layers": info.num_layers,
-        "hidden_size": info.hidden_size,
-        "num_slots": len(layer_ids),
-        "hidden_states_dtype": "bfloat16",
-        "hidden_states_encoding": "uint16 bit pattern of bfloat16 (zarr 3.1 has no bfloat16); bit-exact",
-        "bytes_per_token": layout.bytes_per_token,
-        "chunk_tokens": layout.chunk_tokens,
-        "shard_tokens": layout.shard_tokens,
-        "compressor": layout.compressor,
-        "model": asdict(info),
-        "tokenizer": {
-            "name_or_path": builder.tokenizer.name_or_path,
-            "fingerprint": builder.fingerprint,
-            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
-        },
-        "max_length": config.max_length,
-        "truncation": config.truncation,
-        "config": config.to_dict(),
-        "versions": {"streamx": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-                     "zarr": zarr.__version__},
-        "reject_reasons": list(REJECT_REASONS),
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "compat": compat,
-    }
-
-
-class _Worker(threading.Thread):
+class Worker(threading.Thread):
     """A daemon thread whose exception is kept for the main thread, and which sets `stop`."""
 
     def __init__(self, name: str, target: Callable[[], None], stop: threading.Event):
@@ -130,7 +75,8 @@ class _Worker(threading.Thread):
             self.stop.set()
 
 
-def _put(q: queue.Queue, item: Any, stop: threading.Event) -> None:
+def put(q: queue.Queue, item: Any, stop: threading.Event) -> None:
+    """Put, waiting for room, unless the run stops meanwhile."""
     while not stop.is_set():
         try:
             q.put(item, timeout=0.1)
@@ -139,7 +85,7 @@ def _put(q: queue.Queue, item: Any, stop: threading.Event) -> None:
             continue
 
 
-def _drain(q: queue.Queue, stop: threading.Event, workers: list[_Worker]) -> Iterator[Any]:
+def _drain(q: queue.Queue, stop: threading.Event, workers: list[Worker]) -> Iterator[Any]:
     """Items until the None sentinel; raises a worker's error as soon as one stops."""
 
     def raise_worker_error() -> None:
@@ -154,129 +100,138 @@ def _drain(q: queue.Queue, stop: threading.Event, workers: list[_Worker]) -> Ite
         except queue.Empty:
             if stop.is_set():  # a worker records its error before it sets stop: look again
                 raise_worker_error()
-                raise RuntimeError("a pipeline thread stopped without an error")
+                raise RuntimeError("a pipeline thread stopped without an error") from None
             continue
         if item is None:
             return
         yield item
 
 
-def run(config: RunConfig, progress: bool = True, log: Callable[[str], None] = print,
-        loaded: tuple[Any, Any, ModelInfo] | None = None) -> RunSummary:
-    """Run the pipeline; `loaded` = load_model(...)'s result lets callers (bench) reuse a loaded model."""
-    started = time.perf_counter()
-    if not progress:
-        transformers.utils.logging.disable_progress_bar()  # its weight-loading bar too
-    rank = init_from_env()
-    model, tokenizer, info = loaded or load_model(config.model, config.dtype, rank.device(config.device),
-                                                  config.attn_implementation, config.device_map,
-                                                  config.random_weights, config.tokenizer)
-    if info.random_weights and rank.is_main:
-        log(f"{config.model}: random weights (--random-weights); the store is for measurement, not training")
-    layer_ids = resolve_layer_ids(config.layers, info.num_layers)
-    builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
-    source = open_source(config.data, config.split, config.max_samples)
-    layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor)
-    metadata = store_metadata(config, info, builder, layer_ids, layout)
-    if rank.is_main:  # creates (or checks and reopens) the store before any other rank opens it
-        create_or_open(config.out, metadata, config.overwrite)
-    rank.barrier()
-    root = open_for_append(config.out, metadata)
-    done = open_store(config.out).done_row_ids()
-    rank.barrier()  # every rank has read the same committed set before any rank commits more
-    if done and rank.is_main:
-        log(f"resuming {config.out}: {len(done)} rows already committed")
-    writer = PartWriter(root, rank.part_name, layout)
+class Pipeline:
+    """One process's run: the three stages, the queues between them and what they measure."""
 
-    device = next(model.parameters()).device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    stop = threading.Event()
-    batches: queue.Queue = queue.Queue(maxsize=config.queue_batches)
-    to_write: queue.Queue = queue.Queue(maxsize=config.queue_batches)
-    counts = WriteCounts()
-    times = StageTimes()
-    fill = {"batches": [0, 0], "to_write": [0, 0]}  # [sum of queue sizes seen by the consumer, reads]
+    def __init__(self, plan: RunPlan, writer: PartWriter, done: set[int]):
+        self.plan, self.writer, self.done = plan, writer, done
+        cfg = plan.config
+        self.stop = threading.Event()
+        self.batches: queue.Queue = queue.Queue(maxsize=cfg.queue_batches)
+        self.to_write: queue.Queue = queue.Queue(maxsize=cfg.queue_batches)
+        self.times = StageTimes()
+        self.fill = {"batches": QueueFill(self.batches), "to_write": QueueFill(self.to_write)}
+        self.real_tokens = self.padded_tokens = 0
 
-    def produce() -> None:
-        for window in iter_windows(source, config.sort_window):
-            if (window[0].row_id // config.sort_window) % rank.world_size != rank.rank:
+    def produce(self) -> None:
+        """Producer thread: this rank's windows of source rows, tokenized and batched."""
+        plan, done, rank = self.plan, self.done, self.plan.rank
+        for window in iter_windows(plan.source, plan.config.sort_window):
+            if (window[0].row_id // plan.config.sort_window) % rank.world_size != rank.rank:
                 continue  # another rank's window
             if all(row.row_id in done for row in window):
                 continue
-            with times.measure("source_tokenize"):
-                tokenized = [builder(row) for row in window]
-            with times.measure("batching"):
-                window_batches = list(iter_batches(tokenized, config.token_budget, config.max_batch_size, pad_id))
-            for item in window_batches:
+            with self.times.measure("source_tokenize"):
+                samples = plan.tokenize(window)
+            with self.times.measure("batching"):
+                items = list(plan.batches(samples))
+            for item in items:
                 rows = [item.row_id] if isinstance(item, Reject) else [s.row_id for s in item.samples]
                 if all(r in done for r in rows):  # the writer drops done rows of partly done batches
                     continue
-                if isinstance(item, Batch) and device.type == "cuda":  # pinned: host-to-device copies run async
+                if isinstance(item, Batch) and plan.device.type == "cuda":  # pinned: host-to-device copies run async
                     item.pin_memory()
-                _put(batches, item, stop)
-                if stop.is_set():
+                put(self.batches, item, self.stop)
+                if self.stop.is_set():
                     return
-        _put(batches, None, stop)
+        put(self.batches, None, self.stop)
 
-    producer = _Worker("streamx-producer", produce, stop)
-    writer_thread = _Worker("streamx-writer", lambda: write_loop(to_write, writer, counts, stop, done,
-                                                                 config.max_reject_fraction, times, fill), stop)
-    transfer = HostTransfer(device, config.token_budget, len(layer_ids), info.hidden_size,
-                            num_buffers=config.queue_batches + 2, stop=stop)
-    total = None if source.num_rows is None else max(0, source.num_rows - len(done))
-    if total is not None and rank.world_size > 1:
-        total = -(-total // rank.world_size)  # about this rank's share
-    bar = tqdm(total=total, unit="sample", disable=not progress, dynamic_ncols=True,
-               desc="streamx run" if rank.world_size == 1 else f"streamx run [rank {rank.rank}]")
-    real = padded = 0
-    pack = select_pack_fn(config.kernel, device)
+    def compute(self, workers: list[Worker], bar: tqdm) -> None:
+        """Main thread: each batch through the model with the capture hooks, handed to the writer."""
+        plan, device = self.plan, self.plan.device
+        K, H = len(plan.layer_ids), plan.info.hidden_size
+        transfer = HostTransfer(device, plan.config.token_budget, K, H, num_buffers=plan.config.queue_batches + 2,
+                                stop=self.stop)
+        pack = select_pack_fn(plan.config.kernel, device)
 
-    def pack_fn(packed: torch.Tensor, slot: int, hidden: torch.Tensor, token_index: torch.Tensor) -> None:
-        with times.measure("pack", device):
-            pack(packed, slot, hidden, token_index)
-    producer.start()
-    writer_thread.start()
-    try:
-        with LayerCapture(model, layer_ids, pack_fn) as capture:
-            for item in _drain(batches, stop, [producer, writer_thread]):
-                fill["batches"][0] += batches.qsize() + 1
-                fill["batches"][1] += 1
+        def timed_pack(packed: torch.Tensor, slot: int, hidden: torch.Tensor, token_index: torch.Tensor) -> None:
+            with self.times.measure("pack", device):
+                pack(packed, slot, hidden, token_index)
+
+        with LayerCapture(plan.model, plan.layer_ids, timed_pack) as capture:
+            for item in _drain(self.batches, self.stop, workers):
+                self.fill["batches"].record()
                 if isinstance(item, Reject):
-                    _put(to_write, item, stop)
+                    put(self.to_write, item, self.stop)
                     bar.update(1)
                     continue
-                packed = torch.empty((item.num_tokens, len(layer_ids), info.hidden_size), dtype=torch.bfloat16,
-                                     device=device)
-                with times.measure("forward", device):
+                packed = torch.empty((item.num_tokens, K, H), dtype=torch.bfloat16, device=device)
+                with self.times.measure("forward", device):
                     capture.forward(item, packed)
                     finite = sample_is_finite(packed, item.sample_index, len(item.samples))
-                with times.measure("d2h", device):
+                with self.times.measure("d2h", device):
                     host = transfer.start(packed, finite)
-                _put(to_write, PackedBatch(item.samples, host), stop)
-                real += item.num_tokens
-                padded += item.padded_tokens
+                put(self.to_write, PackedBatch(item.samples, host), self.stop)
+                self.real_tokens += item.num_tokens
+                self.padded_tokens += item.padded_tokens
                 bar.update(len(item.samples))
                 elapsed = max(bar.format_dict["elapsed"], 1e-9)
-                bar.set_postfix(tok_s=f"{real / elapsed:,.0f}", pad_eff=f"{real / padded:.1%}", refresh=False)
-        _put(to_write, None, stop)
-        writer_thread.join()
-        if writer_thread.error is not None:
-            raise writer_thread.error
-    finally:
-        stop.set()  # no-op after a clean finish; otherwise winds the threads down
-        bar.close()
-        producer.join(timeout=5)
-        writer_thread.join(timeout=30)
+                bar.set_postfix(tok_s=f"{self.real_tokens / elapsed:,.0f}",
+                                pad_eff=f"{self.real_tokens / self.padded_tokens:.1%}", refresh=False)
+        put(self.to_write, None, self.stop)
+
+    def run(self, bar: tqdm) -> None:
+        rate = RejectRate(self.plan.config.max_reject_fraction)
+        producer = Worker("streamx-producer", self.produce, self.stop)
+        writer = Worker("streamx-writer", lambda: write_loop(self.to_write, self.writer, self.stop, self.done, rate,
+                                                               self.times, self.fill["to_write"]), self.stop)
+        producer.start()
+        writer.start()
+        try:
+            self.compute([producer, writer], bar)
+            writer.join()
+            if writer.error is not None:
+                raise writer.error
+        finally:
+            self.stop.set()  # no-op after a clean finish; otherwise winds the threads down
+            producer.join(timeout=5)
+            writer.join(timeout=30)
+
+    def stage_seconds(self) -> dict[str, float]:
+        seconds = self.times.totals()
+        seconds["forward"] = seconds.get("forward", 0.0) - seconds.get("pack", 0.0)  # the hooks run inside
+        return seconds
+
+
+def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str], None] = print) -> RunSummary:
+    """Run the pipeline into config.out: a RunConfig is planned first (model loaded); a RunPlan is used as is."""
+    started = time.perf_counter()
+    if not progress:
+        transformers.utils.logging.disable_progress_bar()  # its weight-loading bar too
+    plan = config if isinstance(config, RunPlan) else make_plan(config, log=log)
+    cfg, rank = plan.config, plan.rank
+    if rank.is_main:  # creates (or checks and reopens) the store before any other rank opens it
+        prepare(cfg.out, plan.metadata, cfg.overwrite)
+    rank.barrier()
+    target = open_for_run(cfg.out, plan.metadata, rank.part_name, plan.layout)
+    rank.barrier()  # every rank has read the same committed set before any rank commits more
+    if target.done_rows and rank.is_main:
+        log(f"resuming {cfg.out}: {len(target.done_rows)} rows already committed")
+    writer = PartWriter(target.part)
+    pipeline = Pipeline(plan, writer, target.done_rows)
+
+    total = None if plan.source.num_rows is None else max(0, plan.source.num_rows - len(target.done_rows))
+    if total is not None and rank.world_size > 1:
+        total = -(-total // rank.world_size)  # about this rank's share
+    with tqdm(total=total, unit="sample", disable=not progress, dynamic_ncols=True,
+              desc="streamx run" if rank.world_size == 1 else f"streamx run [rank {rank.rank}]") as bar:
+        pipeline.run(bar)
     rank.barrier()  # the store is complete when every rank has closed its part
-    store = open_store(config.out)
-    stage_seconds = times.totals()
-    stage_seconds["forward"] = stage_seconds.get("forward", 0.0) - stage_seconds.get("pack", 0.0)  # hooks run inside
+    store = open_store(cfg.out)
+    written = writer.this_run()
     return RunSummary(
-        out=config.out, layer_ids=layer_ids, num_layers=info.num_layers, samples=counts.samples, tokens=counts.tokens,
-        trainable_tokens=counts.trainable_tokens, rejects=counts.rejects, reject_counts=dict(counts.reject_counts),
-        hidden_bytes=counts.bytes, real_tokens=real, padded_tokens=padded, resumed_rows=len(done),
-        seconds=time.perf_counter() - started, stage_seconds=stage_seconds,
-        queue_fill={name: total / max(reads, 1) / config.queue_batches for name, (total, reads) in fill.items()},
-        store_samples=len(store),
-        store_tokens=store.num_tokens, rank=rank.rank,
+        out=cfg.out, layer_ids=plan.layer_ids, num_layers=plan.info.num_layers, samples=written.samples,
+        tokens=written.tokens, trainable_tokens=written.trainable_tokens, rejects=written.rejects,
+        reject_counts=written.reject_counts, hidden_bytes=written.tokens * plan.layout.bytes_per_token,
+        real_tokens=pipeline.real_tokens, padded_tokens=pipeline.padded_tokens, resumed_rows=len(target.done_rows),
+        seconds=time.perf_counter() - started, stage_seconds=pipeline.stage_seconds(),
+        queue_fill={name: fill.mean for name, fill in pipeline.fill.items()},
+        store_samples=len(store), store_tokens=store.num_tokens, rank=rank.rank,
     )

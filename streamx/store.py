@@ -18,10 +18,13 @@ module (`open_store(path).sample(row_id)`), never the arrays' shapes.
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +41,105 @@ SAMPLE_ARRAYS = ("sample_row_id", "sample_offset", "sample_length")
 REJECT_ARRAYS = ("reject_row_id", "reject_reason")
 INDEX_CHUNK = 65536  # entries per chunk of the per-sample / per-reject index arrays
 
-EMPTY_COMMIT: dict[str, Any] = {
-    "samples": 0, "tokens": 0, "trainable_tokens": 0, "rejects": 0,
-    "reject_counts": {}, "reject_examples": {}, "closed": False,
-}
+CONVENTION_TEXT = (
+    "speculators: id 0 = embeddings output (input of layer 0); id k = output of decoder layer k-1 "
+    "(input of layer k); id L = output of the last decoder layer, before the final norm"
+)
 
 
 class StoreError(RuntimeError):
     pass
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass(frozen=True)
+class Compat:
+    """What a re-run must match to resume a store; any difference is refused, naming the field."""
+
+    model: str  # the weights fingerprint (models.fingerprint_weights)
+    compute_dtype: str
+    layer_ids: list[int]
+    tokenization: str  # the tokenizer fingerprint (tokenize.tokenizer_fingerprint)
+    data: str
+    split: str
+
+    def differences(self, theirs: dict[str, Any]) -> list[str]:
+        ours = asdict(self)
+        return [f"{k}: store has {theirs.get(k)!r}, this run {ours.get(k)!r}"
+                for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+
+
+@dataclass
+class StoreMetadata:
+    """The store's attrs["streamx"] (docs/store.md, "Metadata")."""
+
+    layer_ids: list[int]  # ascending; slot j of hidden_states holds layer_ids[j]
+    num_layers: int  # L
+    hidden_size: int  # H
+    chunk_tokens: int
+    shard_tokens: int
+    compressor: str
+    model: dict[str, Any]  # models.ModelInfo: name, resolved path, revision, weights fingerprint, ...
+    tokenizer: dict[str, Any]  # name_or_path, fingerprint, chat_template_sha256
+    max_length: int
+    truncation: str
+    config: dict[str, Any]  # the resolved RunConfig
+    versions: dict[str, str]
+    reject_reasons: list[str]  # reject_reason codes index this list
+    compat: Compat
+    created: str = field(default_factory=_now)
+    format: str = STORE_FORMAT
+    layer_convention: str = "speculators"
+    layer_convention_text: str = CONVENTION_TEXT
+    last_id_is_pre_norm: bool = True
+    hidden_states_dtype: str = "bfloat16"
+    hidden_states_encoding: str = "uint16 bit pattern of bfloat16 (zarr 3.1 has no bfloat16); bit-exact"
+
+    @property
+    def num_slots(self) -> int:  # K
+        return len(self.layer_ids)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_slots * self.hidden_size * 2
+
+    @property
+    def random_weights(self) -> bool:
+        return bool(self.model.get("random_weights"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "num_slots": self.num_slots, "bytes_per_token": self.bytes_per_token}
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> StoreMetadata:
+        known = {f.name for f in fields(cls)}
+        values = {k: copy.deepcopy(v) for k, v in record.items() if k in known}
+        return cls(**{**values, "compat": Compat(**values["compat"])})
+
+
+@dataclass
+class Commit:
+    """A part's attrs["commit"]: how much of its arrays is valid. Replaced atomically, as one document."""
+
+    samples: int = 0
+    tokens: int = 0
+    trainable_tokens: int = 0
+    rejects: int = 0
+    reject_counts: dict[str, int] = field(default_factory=dict)
+    reject_examples: dict[str, str] = field(default_factory=dict)  # one example per reason
+    closed: bool = False  # set by a clean close(); False: the part was interrupted
+    updated: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> Commit:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: copy.deepcopy(v) for k, v in record.items() if k in known})  # never alias zarr's attrs
 
 
 @dataclass(frozen=True)
@@ -94,7 +188,7 @@ def _codecs(compressor: str) -> Any:
 
 
 def create_part(root: zarr.Group, name: str, layout: Layout) -> zarr.Group:
-    part = root.require_group(PARTS).create_group(name, attributes={"commit": dict(EMPTY_COMMIT)})
+    part = root.require_group(PARTS).create_group(name, attributes={"commit": Commit().to_json()})
     K, H, c, s = layout.num_slots, layout.hidden_size, layout.chunk_tokens, layout.shard_tokens
     part.create_array("hidden_states", shape=(0, K, H), dtype="uint16", chunks=(c, K, H), shards=(s, K, H),
                       compressors=_codecs(layout.compressor), fill_value=0)
@@ -157,35 +251,62 @@ def _is_store(path: str) -> bool:
         return False
 
 
-def create_or_open(path: str, metadata: dict[str, Any], overwrite: bool = False) -> zarr.Group:
-    """Create the store, or reopen it to resume when its `compat` metadata matches ours."""
+def check_output(path: str, overwrite: bool = False) -> None:
+    """Fail early (before a model is loaded) when `path` cannot become or continue a store: a local
+    folder holding other files, or a place this process may not write."""
+    if "://" in path:
+        return  # object stores: credentials and buckets are checked when the store is created
+    target = Path(path)
+    if target.exists() and not overwrite and any(target.iterdir()) and not _is_store(path):
+        raise StoreError(f"{path} exists and is not a streamx store; choose another --out or pass --overwrite")
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not os.access(existing, os.W_OK):
+        raise StoreError(f"cannot write the store at {path}: {existing} is not writable")
+
+
+def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> None:
+    """Create the store, or check that an existing one may be resumed by this run (its compat record
+    matches) and refresh its metadata. One process (rank 0) calls this before any opens a part."""
     local = "://" not in path
     if overwrite or not _is_store(path):
-        if local and Path(path).exists() and not overwrite and any(Path(path).iterdir()):
-            raise StoreError(f"{path} exists and is not a streamx store; choose another --out or pass --overwrite")
+        check_output(path, overwrite)
         try:
             if local:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
             root = zarr.open_group(path, mode="w")
-            root.attrs["streamx"] = metadata
+            root.attrs["streamx"] = metadata.to_json()
             root.create_group(PARTS)
         except OSError as err:
             raise StoreError(f"cannot write the store at {path}: {err.strerror or err}") from None
-        return root
-    root = open_for_append(path, metadata)
-    root.attrs["streamx"] = {**metadata, "created": root.attrs["streamx"].get("created", metadata.get("created"))}
-    return root
+        return
+    root = _open_compatible(path, metadata)
+    root.attrs["streamx"] = {**metadata.to_json(), "created": root.attrs["streamx"].get("created", metadata.created)}
 
 
-def open_for_append(path: str, metadata: dict[str, Any]) -> zarr.Group:
-    """Open an existing store for writing more parts/samples; refuse one made by an incompatible run."""
+@dataclass
+class RunPart:
+    """What a run writes to: its own part of the store (created when new), and the source rows that
+    some part has already committed, as a sample or a reject, which the run must skip."""
+
+    part: zarr.Group
+    done_rows: set[int]
+
+
+def open_for_run(path: str, metadata: StoreMetadata, part_name: str, layout: Layout) -> RunPart:
+    """Open a prepared store for one writer process (a torchrun rank): its part and the committed rows."""
+    root = _open_compatible(path, metadata)
+    done = Store.from_group(root, path).done_row_ids()
+    parts = root.require_group(PARTS)
+    part = parts[part_name] if part_name in parts else create_part(root, part_name, layout)
+    return RunPart(part, done)
+
+
+def _open_compatible(path: str, metadata: StoreMetadata) -> zarr.Group:
     root = zarr.open_group(path, mode="r+")
-    theirs, ours = root.attrs["streamx"].get("compat", {}), metadata["compat"]
-    diff = [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
-    if diff:
-        detail = "; ".join(f"{k}: store has {theirs.get(k)!r}, this run {ours.get(k)!r}" for k in diff)
-        raise StoreError(f"{path} was written by an incompatible run ({detail}); pass --overwrite to start over "
-                         "or choose another --out")
+    differences = metadata.compat.differences(root.attrs["streamx"].get("compat", {}))
+    if differences:
+        raise StoreError(f"{path} was written by an incompatible run ({'; '.join(differences)}); pass --overwrite "
+                         "to start over or choose another --out")
     return root
 
 
@@ -194,17 +315,28 @@ class Store:
 
     def __init__(self, path: str):
         try:
-            self.root = zarr.open_group(path, mode="r")
-            self.metadata: dict[str, Any] = dict(self.root.attrs["streamx"])
-        except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
+            root = zarr.open_group(path, mode="r")
+        except (FileNotFoundError, zarr.errors.GroupNotFoundError):
             raise StoreError(f"{path} is not a streamx store") from None
-        self.path = path
-        self.parts: dict[str, zarr.Group] = dict(sorted(self.root[PARTS].groups()))
-        self.commits = {name: dict(part.attrs["commit"]) for name, part in self.parts.items()}
+        self._load(root, path)
+
+    @classmethod
+    def from_group(cls, root: zarr.Group, path: str) -> Store:
+        store = cls.__new__(cls)
+        store._load(root, path)
+        return store
+
+    def _load(self, root: zarr.Group, path: str) -> None:
+        if "streamx" not in root.attrs:
+            raise StoreError(f"{path} is not a streamx store")
+        self.root, self.path = root, path
+        self.metadata = StoreMetadata.from_json(dict(root.attrs["streamx"]))
+        self.parts: dict[str, zarr.Group] = dict(sorted(root[PARTS].groups()))
+        self.commits = {name: Commit.from_json(part.attrs["commit"]) for name, part in self.parts.items()}
         # row index: for every committed sample, its part, offset and length (sorted by row id)
         rows, offsets, lengths, part_ids = [], [], [], []
         for i, (name, part) in enumerate(self.parts.items()):
-            n = self.commits[name]["samples"]
+            n = self.commits[name].samples
             rows.append(part["sample_row_id"][:n])
             offsets.append(part["sample_offset"][:n])
             lengths.append(part["sample_length"][:n])
@@ -217,25 +349,26 @@ class Store:
 
     @property
     def layer_ids(self) -> list[int]:
-        return list(self.metadata["layer_ids"])
+        return list(self.metadata.layer_ids)
 
     def __len__(self) -> int:
         return int(self._rows.size)
 
     @property
     def num_tokens(self) -> int:
-        return sum(c["tokens"] for c in self.commits.values())
+        return sum(c.tokens for c in self.commits.values())
 
     def row_ids(self) -> np.ndarray:
         """Committed source rows, in store order."""
         return self._rows.copy()
 
     def rejected(self) -> list[tuple[int, str]]:
-        reasons = self.metadata["reject_reasons"]
+        reasons = self.metadata.reject_reasons
         out = []
         for name, part in self.parts.items():
-            n = self.commits[name]["rejects"]
-            out += [(int(r), reasons[int(c)]) for r, c in zip(part["reject_row_id"][:n], part["reject_reason"][:n])]
+            n = self.commits[name].rejects
+            out += [(int(r), reasons[int(c)]) for r, c in zip(part["reject_row_id"][:n], part["reject_reason"][:n],
+                                                                           strict=True)]
         return out
 
     def done_row_ids(self) -> set[int]:
@@ -268,23 +401,22 @@ class Store:
         counts: dict[str, int] = {}
         examples: dict[str, str] = {}
         for c in self.commits.values():
-            for reason, n in c["reject_counts"].items():
+            for reason, n in c.reject_counts.items():
                 counts[reason] = counts.get(reason, 0) + n
-            examples.update({k: v for k, v in c["reject_examples"].items() if k not in examples})
-        hidden_bytes = self.num_tokens * self.metadata["num_slots"] * self.metadata["hidden_size"] * 2
+            examples.update({k: v for k, v in c.reject_examples.items() if k not in examples})
         return {
             "path": self.path,
             "samples": len(self),
             "tokens": self.num_tokens,
-            "trainable_tokens": sum(c["trainable_tokens"] for c in self.commits.values()),
+            "trainable_tokens": sum(c.trainable_tokens for c in self.commits.values()),
             "rejected": sum(counts.values()),
             "reject_counts": counts,
             "reject_examples": examples,
             "duplicate_rows": int(self._rows.size - np.unique(self._rows).size),
-            "hidden_state_bytes": hidden_bytes,
-            "parts": {name: {k: c[k] for k in ("samples", "tokens", "rejects", "closed")}
+            "hidden_state_bytes": self.num_tokens * self.metadata.bytes_per_token,
+            "parts": {name: {"samples": c.samples, "tokens": c.tokens, "rejects": c.rejects, "closed": c.closed}
                       for name, c in self.commits.items()},
-            "metadata": self.metadata,
+            "metadata": self.metadata.to_json(),
         }
 
 

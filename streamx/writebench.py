@@ -32,11 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .store import STORE_FORMAT, Store, create_or_open, make_layout
-from .timing import StageTimes
+from .metrics import QueueFill, StageTimes
+from .pipeline import Worker, put
+from .store import Compat, Store, StoreMetadata, make_layout, open_for_run, prepare
 from .tokenize import REJECT_REASONS, Sample
 from .transfer import HostBatch
-from .writer import PackedBatch, PartWriter, WriteCounts, write_loop
+from .writer import PackedBatch, PartWriter, RejectRate, write_loop
 
 MODES = ("plain", "writer")
 
@@ -87,7 +88,8 @@ def _plain_pass(directory: Path, batches: list[PackedBatch], file_bytes: int) ->
                 if written % file_bytes == 0:
                     if fd >= 0:
                         os.close(fd)
-                    fd = os.open(directory / f"plain-{written // file_bytes:06d}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                    name = directory / f"plain-{written // file_bytes:06d}"
+                    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 n = os.write(fd, view[: file_bytes - written % file_bytes])
                 view, written = view[n:], written + n
     finally:
@@ -97,39 +99,32 @@ def _plain_pass(directory: Path, batches: list[PackedBatch], file_bytes: int) ->
 
 
 def _open_writer(path: Path, w: WriteWorkload) -> PartWriter:
-    metadata = {"format": STORE_FORMAT, "synthetic": "streamx bench --writer-only", "layer_ids": list(range(w.num_slots)),
-                "num_slots": w.num_slots, "hidden_size": w.hidden_size, "reject_reasons": list(REJECT_REASONS),
-                "compat": {"synthetic": True}}
-    return PartWriter(create_or_open(str(path), metadata), "part-00000", make_layout(w.num_slots, w.hidden_size))
+    layout = make_layout(w.num_slots, w.hidden_size)
+    metadata = StoreMetadata(
+        layer_ids=list(range(w.num_slots)), num_layers=w.num_slots, hidden_size=w.hidden_size,
+        chunk_tokens=layout.chunk_tokens, shard_tokens=layout.shard_tokens, compressor=layout.compressor,
+        model={"model": "synthetic (streamx bench --writer-only)"}, tokenizer={}, max_length=0, truncation="",
+        config={}, versions={}, reject_reasons=list(REJECT_REASONS),
+        compat=Compat(model="synthetic", compute_dtype="bfloat16", layer_ids=list(range(w.num_slots)),
+                      tokenization="", data="synthetic", split=""))
+    prepare(str(path), metadata)
+    return PartWriter(open_for_run(str(path), metadata, "part-00000", layout).part)
 
 
-def _writer_pass(writer: PartWriter, batches: list[PackedBatch]) -> tuple[int, float]:
+def _writer_pass(writer: PartWriter, batches: list[PackedBatch]) -> float:
     """The batches through the writer thread, as `streamx run` hands them over, up to the closed
-    part; (state bytes written, writer busy seconds)."""
+    part; returns the writer's busy seconds."""
     items: queue.Queue = queue.Queue(maxsize=4)
-    counts, times, stop = WriteCounts(), StageTimes(), threading.Event()
-    error: list[BaseException] = []
-
-    def body() -> None:
-        try:
-            write_loop(items, writer, counts, stop, set(), 1.0, times, {"to_write": [0, 0]})
-        except BaseException as err:  # noqa: BLE001 - re-raised below
-            error.append(err)
-            stop.set()
-
-    thread = threading.Thread(target=body, name="streamx-writer")
+    times, stop = StageTimes(), threading.Event()
+    thread = Worker("streamx-writer", lambda: write_loop(items, writer, stop, set(), RejectRate(1.0), times,
+                                                         QueueFill(items)), stop)
     thread.start()
     for item in [*batches, None]:
-        while not stop.is_set():
-            try:
-                items.put(item, timeout=0.1)
-                break
-            except queue.Full:
-                continue
+        put(items, item, stop)
     thread.join()
-    if error:
-        raise error[0]
-    return counts.bytes, times.totals().get("write", 0.0)
+    if thread.error is not None:
+        raise thread.error
+    return times.totals().get("write", 0.0)
 
 
 def _process(rank: int, w: WriteWorkload, directory: str, barrier, results) -> None:
@@ -137,9 +132,11 @@ def _process(rank: int, w: WriteWorkload, directory: str, barrier, results) -> N
     try:
         nbytes = w.total_bytes // (barrier.parties)
         batches = list(_batches(w, nbytes, seed=rank))
+        state_bytes = sum(len(s.input_ids) for b in batches for s in b.samples) * w.token_bytes
         file_bytes = make_layout(w.num_slots, w.hidden_size).shard_tokens * w.token_bytes
         scratch = Path(directory) / f"p{rank}"
-        passes = [("warmup", "plain")] + [(r, m) for r in range(w.rounds) for m in (MODES if r % 2 == 0 else MODES[::-1])]
+        passes = [("warmup", "plain")] + [(r, m) for r in range(w.rounds)
+                                          for m in (MODES if r % 2 == 0 else MODES[::-1])]
         for round_, mode in passes:
             scratch.mkdir(parents=True, exist_ok=True)
             barrier.wait()
@@ -151,7 +148,7 @@ def _process(rank: int, w: WriteWorkload, directory: str, barrier, results) -> N
             if writer is None:
                 written, busy = _plain_pass(scratch, batches, file_bytes), 0.0
             else:
-                written, busy = _writer_pass(writer, batches)
+                written, busy = state_bytes, _writer_pass(writer, batches)
             if w.sync:
                 os.sync()
             end = time.monotonic()
@@ -209,7 +206,8 @@ def writer_bench(w: WriteWorkload, directory: str | None = None, processes: tupl
                 passes = []  # (bytes, seconds) of each round, all processes together
                 for r in range(w.rounds):
                     rs = [x for x in records if x["mode"] == mode and x["round"] == r]
-                    passes.append((sum(x["bytes"] for x in rs), max(x["end"] for x in rs) - min(x["start"] for x in rs)))
+                    seconds = max(x["end"] for x in rs) - min(x["start"] for x in rs)
+                    passes.append((sum(x["bytes"] for x in rs), seconds))
                 modes[mode] = {"bytes_per_s": sum(b for b, _ in passes) / sum(s for _, s in passes),
                                "best_bytes_per_s": max(b / s for b, s in passes),
                                "rounds_bytes_per_s": [b / s for b, s in passes], "bytes_per_pass": passes[0][0]}
@@ -231,7 +229,7 @@ def write_ceiling(directory: str | None, nbytes: int = 1 << 30, passes: int = 2)
     batches = list(_batches(w, nbytes, seed=0))
     speeds = []
     with tempfile.TemporaryDirectory(prefix="streamx-ceiling-", dir=directory) as tmp:
-        for i in range(passes + 1):  # the first pass warms the page allocator
+        for _ in range(passes + 1):  # the first pass warms the page allocator
             os.sync()
             start = time.perf_counter()
             written = _plain_pass(Path(tmp), batches, 256 << 20)
@@ -249,8 +247,8 @@ def format_writer_report(report: dict[str, Any]) -> str:
              f"{'processes':>9}{'plain GB/s':>12}{'writer GB/s':>13}{'writer/plain':>14}{'best passes':>13}"
              "  per round writer/plain"]
     for p, m in report["processes"].items():
-        per_round = " ".join(f"{a / b:.2f}" for a, b in zip(m["writer"]["rounds_bytes_per_s"],
-                                                            m["plain"]["rounds_bytes_per_s"]))
+        pairs = zip(m["writer"]["rounds_bytes_per_s"], m["plain"]["rounds_bytes_per_s"], strict=True)
+        per_round = " ".join(f"{a / b:.2f}" for a, b in pairs)
         lines.append(f"{p:>9}{m['plain']['bytes_per_s'] / 1e9:>12.2f}{m['writer']['bytes_per_s'] / 1e9:>13.2f}"
                      f"{m['ratio']:>14.3f}{m['best_ratio']:>13.3f}  {per_round}")
     return "\n".join(lines)

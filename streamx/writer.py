@@ -20,20 +20,20 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from dataclasses import dataclass, field
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import zarr
 
-from .store import (PARTS, EMPTY_COMMIT, TOKEN_ARRAYS, Layout, bf16_to_bits, create_part, shard_index, shard_key,
-                    streamable_dir)
+from .metrics import QueueFill, StageTimes
+from .store import SAMPLE_ARRAYS, TOKEN_ARRAYS, Commit, bf16_to_bits, shard_index, shard_key, streamable_dir
 from .tokenize import REJECT_REASONS, Reject, Sample
-from .timing import StageTimes
 from .transfer import HostBatch
 
 
@@ -119,14 +119,15 @@ class PartWriter:
     """Appends samples to one part. The caller's thread writes the bytes; a committer thread puts
     each full shard in place and then commits it, in order, while the next shard is written."""
 
-    def __init__(self, root: zarr.Group, part_name: str, layout: Layout):
-        parts = root.require_group(PARTS)
-        self.part = parts[part_name] if part_name in parts else create_part(root, part_name, layout)
-        self.arrays = {name: arr for name, arr in self.part.arrays()}
+    def __init__(self, part: zarr.Group):
+        self.part = part
+        self.arrays = {name: arr for name, arr in part.arrays()}
         self.shard = self.arrays["hidden_states"].shards[0]
-        self.commit: dict[str, Any] = {**EMPTY_COMMIT, **self.part.attrs["commit"], "closed": False}
+        self.commit = Commit.from_json(part.attrs["commit"])
+        self.commit.closed = False
+        self.opened = Commit.from_json(part.attrs["commit"])  # what earlier runs committed
         self.sizes = {name: arr.shape[0] for name, arr in self.arrays.items()}
-        committed = self.commit["tokens"]
+        committed = self.commit.tokens
         self.flushed = committed // self.shard * self.shard  # tokens handed to the committer in whole shards
         self.end = committed  # tokens appended so far (committed + pending)
         self.sinks: dict[str, ShardSink] = {}
@@ -165,12 +166,20 @@ class PartWriter:
         self._end_shard(self.end - self.flushed)
         self.wait_committed()
         self._committer.shutdown()
-        self.commit["closed"] = True
+        self.commit.closed = True
         for name, arr in self.arrays.items():
             n = self._committed_size(name)
             if arr.shape[0] != n:
                 arr.resize((n, *arr.shape[1:]))
-        self.part.attrs["commit"] = self.commit
+        self.part.attrs["commit"] = self.commit.to_json()
+
+    def this_run(self) -> Commit:
+        """What this writer has committed beyond what earlier runs had: after close(), this run's work."""
+        c, o = self.commit, self.opened
+        return Commit(samples=c.samples - o.samples, tokens=c.tokens - o.tokens,
+                      trainable_tokens=c.trainable_tokens - o.trainable_tokens, rejects=c.rejects - o.rejects,
+                      reject_counts={k: n - o.reject_counts.get(k, 0) for k, n in c.reject_counts.items()
+                                     if n > o.reject_counts.get(k, 0)}, closed=c.closed, updated=c.updated)
 
     def _end_shard(self, tokens: int) -> None:
         """Hand the shard ending here, and the samples and rejects it completes, to the committer."""
@@ -202,8 +211,8 @@ class PartWriter:
 
     def _committed_size(self, name: str) -> int:
         if name in self.sinks:
-            return self.commit["tokens"]
-        return self.commit["samples"] if name.startswith("sample_") else self.commit["rejects"]
+            return self.commit.tokens
+        return self.commit.samples if name.startswith("sample_") else self.commit.rejects
 
     def _grow(self, name: str, stop: int) -> None:
         """Make room for `stop` entries. Arrays grow by doubling (a resize is a metadata write, as dear
@@ -222,22 +231,22 @@ class PartWriter:
             return
         c = self.commit
         if samples:
-            rows, offsets, lengths, trainable = (np.array(col, dtype=np.int64) for col in zip(*samples))
-            for name, values in zip(("sample_row_id", "sample_offset", "sample_length"), (rows, offsets, lengths)):
-                self._write(name, c["samples"], values)
-            c["samples"] += len(samples)
-            c["tokens"] = int(offsets[-1] + lengths[-1])
-            c["trainable_tokens"] += int(trainable.sum())
+            rows, offsets, lengths, trainable = (np.array(col, dtype=np.int64) for col in zip(*samples, strict=True))
+            for name, values in zip(SAMPLE_ARRAYS, (rows, offsets, lengths), strict=True):
+                self._write(name, c.samples, values)
+            c.samples += len(samples)
+            c.tokens = int(offsets[-1] + lengths[-1])
+            c.trainable_tokens += int(trainable.sum())
         if rejects:
-            self._write("reject_row_id", c["rejects"], np.array([r.row_id for r in rejects], dtype=np.int64))
+            self._write("reject_row_id", c.rejects, np.array([r.row_id for r in rejects], dtype=np.int64))
             codes = np.array([REJECT_REASONS.index(r.reason) for r in rejects], dtype=np.uint8)
-            self._write("reject_reason", c["rejects"], codes)
-            c["rejects"] += len(rejects)
+            self._write("reject_reason", c.rejects, codes)
+            c.rejects += len(rejects)
             for r in rejects:
-                c["reject_counts"][r.reason] = c["reject_counts"].get(r.reason, 0) + 1
-                c["reject_examples"].setdefault(r.reason, f"row {r.row_id}: {r.detail}")
-        c["updated"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        self.part.attrs["commit"] = c  # the commit point: one atomic document replace
+                c.reject_counts[r.reason] = c.reject_counts.get(r.reason, 0) + 1
+                c.reject_examples.setdefault(r.reason, f"row {r.row_id}: {r.detail}")
+        c.updated = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.part.attrs["commit"] = c.to_json()  # the commit point: one atomic document replace
 
 
 class RejectRateError(RuntimeError):
@@ -245,27 +254,37 @@ class RejectRateError(RuntimeError):
 
 
 @dataclass
-class WriteCounts:
-    samples: int = 0
-    tokens: int = 0
-    trainable_tokens: int = 0
-    rejects: int = 0
-    bytes: int = 0
-    reject_counts: dict[str, int] = field(default_factory=dict)
+class RejectRate:
+    """Stops the run when most rows are rejected: then the data or the chat template is wrong, not a
+    few rows. Checked once `min_rows` rows have been seen."""
+
+    max_fraction: float
+    min_rows: int = 100
+    rows: int = 0
+    rejects: Counter = field(default_factory=Counter)
+
+    def accept(self) -> None:
+        self.rows += 1
+
+    def reject(self, reason: str) -> None:
+        self.rows += 1
+        self.rejects[reason] += 1
+        total = sum(self.rejects.values())
+        if self.rows >= self.min_rows and total > self.max_fraction * self.rows:
+            top, n = self.rejects.most_common(1)[0]
+            raise RejectRateError(f"{total} of {self.rows} rows rejected (> {self.max_fraction:.0%}); top reason: "
+                                  f"{top} ({n} rows)")
 
 
-def write_loop(items: queue.Queue, writer: PartWriter, counts: WriteCounts, stop: threading.Event,
-               done: set[int], max_reject_fraction: float, times: StageTimes, fill: dict[str, list[int]],  # fill: [sum of sizes, reads]
-               min_rows_for_rate: int = 100) -> None:
+def write_loop(items: queue.Queue, writer: PartWriter, stop: threading.Event, done: set[int], rate: RejectRate,
+               times: StageTimes, fill: QueueFill) -> None:
     """The writer thread's body: PackedBatch / Reject items until a None sentinel, then close.
     Rows in `done` (committed by an earlier run, recomputed with their batch) are dropped."""
 
     def record_reject(reject: Reject) -> None:
-        if reject.row_id in done:
-            return
-        writer.reject(reject)
-        counts.rejects += 1
-        counts.reject_counts[reject.reason] = counts.reject_counts.get(reject.reason, 0) + 1
+        if reject.row_id not in done:
+            writer.reject(reject)
+            rate.reject(reject.reason)
 
     def write_batch(batch: PackedBatch) -> None:
         with times.measure("d2h_wait"):
@@ -273,17 +292,14 @@ def write_loop(items: queue.Queue, writer: PartWriter, counts: WriteCounts, stop
         with times.measure("write"):
             hidden_bits = bf16_to_bits(batch.host.hidden)
             offset = 0
-            for sample, finite in zip(batch.samples, batch.host.finite.tolist()):
+            for sample, finite in zip(batch.samples, batch.host.finite.tolist(), strict=True):
                 T = len(sample.input_ids)
                 if sample.row_id in done:
                     pass
                 elif finite:
                     mask = sample.loss_mask.numpy().astype(np.uint8)
                     writer.append(sample.row_id, sample.input_ids.numpy(), mask, hidden_bits[offset : offset + T])
-                    counts.samples += 1
-                    counts.tokens += T
-                    counts.trainable_tokens += int(mask.sum())
-                    counts.bytes += hidden_bits[offset : offset + T].nbytes
+                    rate.accept()
                 else:
                     record_reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states"))
                 offset += T
@@ -296,8 +312,7 @@ def write_loop(items: queue.Queue, writer: PartWriter, counts: WriteCounts, stop
             if stop.is_set():
                 return
             continue
-        fill["to_write"][0] += items.qsize() + 1
-        fill["to_write"][1] += 1
+        fill.record()
         if item is None:
             with times.measure("write"):
                 writer.close()
@@ -306,9 +321,3 @@ def write_loop(items: queue.Queue, writer: PartWriter, counts: WriteCounts, stop
             record_reject(item)
         else:
             write_batch(item)
-        rows = counts.samples + counts.rejects
-        if rows >= min_rows_for_rate and counts.rejects > max_reject_fraction * rows:
-            top, n = max(counts.reject_counts.items(), key=lambda kv: kv[1])
-            raise RejectRateError(
-                f"{counts.rejects} of {rows} rows rejected (> {max_reject_fraction:.0%}); top reason: {top} ({n} rows)"
-            )

@@ -17,14 +17,13 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
-
+from hs_connectors import HiddenStatesBackend
 from speculators.model import SpeculatorModel
 from speculators.models.eagle3.data import shift_batch
 from speculators.train.cli import build_draft_model, parse_vocab_mappings, set_seed
 from speculators.train.config import TrainConfig
 from speculators.train.dataloader import create_train_val_loaders
-from hs_connectors import HiddenStatesBackend
+from transformers import AutoModelForCausalLM
 
 VERSIONS = ("speculators", "torch", "transformers", "datasets")
 # CPU-only settings on top of convert's flags: no flex attention, no fused loss, no worker processes

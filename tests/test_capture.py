@@ -5,13 +5,13 @@ forward with the final norm replaced by identity (HF's hidden_states[L] is post-
 
 import pytest
 import torch
+from tiny_models import tiny_model
 from torch import nn
 
 from streamx.batching import make_batch
 from streamx.capture import LayerCapture, LayerDiscoveryError, sample_is_finite
 from streamx.pack import pack_into_torch
 from streamx.tokenize import Sample
-from tiny_models import tiny_model
 
 BF16_ULP = 2.0**-7  # relative spacing of bf16
 
@@ -56,7 +56,7 @@ def assert_matches_reference(model, samples, layer_ids):
             # batched vs unbatched fp32 differ in the last bits: one bf16 rounding step, and a tiny
             # absolute slack relative to the layer's scale for values near zero
             torch.testing.assert_close(got, want, rtol=BF16_ULP, atol=1e-5 * want.abs().max().item(),
-                                       msg=lambda m: f"row {sample.row_id} id {layer_id}: {m}")
+                                       msg=f"row {sample.row_id} id {layer_id}")
         offset += T
     return packed
 

@@ -21,12 +21,14 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 import streamx.convert as convert_module
+import streamx.speculators as speculators
 from streamx.cli import app
 from streamx.config import load_config
 from streamx.convert import ConvertError, convert
 from streamx.models import cache_dir, load_model
 from streamx.pipeline import run
-from streamx.store import bf16_to_bits, create_or_open, make_layout, open_store
+from streamx.plan import make_plan
+from streamx.store import bf16_to_bits, make_layout, open_for_run, open_store, prepare
 from streamx.writer import PartWriter
 
 LAYERS = [1, 2, 4]  # the tiny model has L = 4
@@ -39,7 +41,8 @@ SPECULATORS_PINS = ("torch==2.13.0", "torchvision==0.28.*", "speculators==0.9.0"
 def make_store(model_dir, data, out, layers=",".join(map(str, LAYERS)), loaded=None, **kw):
     cfg = dict(model=model_dir, data=data, out=str(out), layers=layers, token_budget=512, max_length=256,
                sort_window=16, chunk_tokens=16, shard_tokens=64)
-    run(load_config(None, **{**cfg, **kw}), progress=False, log=lambda m: None, loaded=loaded)
+    config = load_config(None, **{**cfg, **kw})
+    run(make_plan(config, loaded=loaded) if loaded else config, progress=False, log=lambda m: None)
     return str(out)
 
 
@@ -51,10 +54,10 @@ def tiny_store(tiny_chat_model_dir, chat_jsonl, tmp_path_factory):
 def copy_store(src, dst, parts):
     """A store with src's metadata whose samples are `parts`: lists of (row_id, input_ids, loss_mask, hidden)."""
     meta = open_store(src).metadata
-    root = create_or_open(str(dst), meta)
-    layout = make_layout(meta["num_slots"], meta["hidden_size"], 16, 64)
+    prepare(str(dst), meta)
+    layout = make_layout(meta.num_slots, meta.hidden_size, 16, 64)
     for k, samples in enumerate(parts):
-        writer = PartWriter(root, f"part-{k:05d}", layout)
+        writer = PartWriter(open_for_run(str(dst), meta, f"part-{k:05d}", layout).part)
         for row, ids, mask, hidden in samples:
             writer.append(row, ids.numpy(), mask.numpy().astype(np.uint8), bf16_to_bits(hidden))
         writer.close()
@@ -133,7 +136,7 @@ def test_token_freq_counts_loss_mask_tokens(tiny_store, tmp_path):
     convert(tiny_store, str(tmp_path / "spec"), progress=False)
     want = Counter()
     for s in open_store(tiny_store).samples():
-        want.update(int(t) for t, m in zip(s.input_ids.tolist(), s.loss_mask.tolist()) if m == 1)
+        want.update(int(t) for t, m in zip(s.input_ids.tolist(), s.loss_mask.tolist(), strict=True) if m == 1)
     got = torch.load(tmp_path / "spec" / "token_freq.pt", weights_only=True)
     assert got == dict(want) and all(type(k) is int and type(v) is int for k, v in got.items())
 
@@ -161,7 +164,7 @@ def test_interrupted_convert_resumes_to_identical_output(tiny_store, tmp_path, m
     shutil.rmtree(out)
 
     writes = []
-    real_write = convert_module._write_hs
+    real_write = speculators.write_hs
 
     def crash_after_ten(path, sample):
         if len(writes) == 10:
@@ -169,7 +172,7 @@ def test_interrupted_convert_resumes_to_identical_output(tiny_store, tmp_path, m
         writes.append(path)
         real_write(path, sample)
 
-    monkeypatch.setattr(convert_module, "_write_hs", crash_after_ten)
+    monkeypatch.setattr(speculators, "write_hs", crash_after_ten)
     with pytest.raises(OSError, match="simulated crash"):
         convert(tiny_store, str(out), seed=3, block_rows=4, progress=False, workers=1)
     monkeypatch.undo()
@@ -197,7 +200,7 @@ def test_interrupted_convert_resumes_to_identical_output(tiny_store, tmp_path, m
 def test_samples_in_flight_are_bounded(tiny_store, tmp_path, monkeypatch):
     """Memory does not grow with the store: reads run at most a few samples ahead of slow writes."""
     live, peak, lock = [0], [0], threading.Lock()
-    real_load, real_write = convert_module._load, convert_module._write_hs
+    real_load, real_write = convert_module._load, speculators.write_hs
 
     def load(*args):
         with lock:
@@ -212,7 +215,7 @@ def test_samples_in_flight_are_bounded(tiny_store, tmp_path, monkeypatch):
             live[0] -= 1
 
     monkeypatch.setattr(convert_module, "_load", load)
-    monkeypatch.setattr(convert_module, "_write_hs", slow_write)
+    monkeypatch.setattr(speculators, "write_hs", slow_write)
     summary = convert(tiny_store, str(tmp_path / "spec"), workers=2, block_rows=1000, progress=False)
     depth = 2 * 2  # convert's samples in flight per stage for 2 workers
     assert summary.rows > 4 * depth and peak[0] <= 2 * depth + 2

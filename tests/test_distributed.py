@@ -13,6 +13,7 @@ import zarr
 from streamx.config import load_config
 from streamx.models import load_model
 from streamx.pipeline import run
+from streamx.plan import make_plan
 from streamx.store import open_store
 
 ARGS = ["--layers", "0,2,4", "--token-budget", "512", "--max-length", "256", "--sort-window", "4",
@@ -92,5 +93,6 @@ def test_device_map_split_model_gives_the_same_states(tiny_chat_model_dir, chat_
     split = AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir, dtype=torch.float32, device_map=device_map,
                                                  offload_folder=str(tmp_path / "offload")).eval()
     assert hasattr(split.model.layers[2], "_hf_hook")  # accelerate really manages these layers
-    run(cfg.replace(out=str(tmp_path / "split.zarr")), progress=False, loaded=(split, tokenizer, replace(info)))
+    run(make_plan(cfg.replace(out=str(tmp_path / "split.zarr")), loaded=(split, tokenizer, replace(info))),
+        progress=False)
     assert_same_samples(tmp_path / "whole.zarr", tmp_path / "split.zarr")

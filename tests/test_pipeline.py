@@ -55,8 +55,8 @@ def test_store_matches_unbatched_reference(tiny_chat_model_dir, chat_jsonl, tmp_
             torch.testing.assert_close(got.hidden_states[:, slot].float(), want, rtol=BF16_ULP,
                                        atol=1e-5 * want.abs().max().item())
     meta = store.metadata
-    assert meta["layer_ids"] == [0, 2, 4] and meta["last_id_is_pre_norm"] and meta["num_layers"] == 4
-    assert meta["hidden_states_dtype"] == "bfloat16" and meta["config"]["data"] == chat_jsonl
+    assert meta.layer_ids == [0, 2, 4] and meta.last_id_is_pre_norm and meta.num_layers == 4
+    assert meta.hidden_states_dtype == "bfloat16" and meta.config["data"] == chat_jsonl
 
 
 def test_bad_rows_are_rejected_with_reasons_and_the_run_goes_on(tiny_chat_model_dir, tmp_path):
@@ -234,13 +234,13 @@ def test_disk_full_keeps_committed_data_and_resumes(tiny_chat_model_dir, chat_js
 def test_producer_streams_with_bounded_read_ahead(tiny_chat_model_dir, tmp_path, monkeypatch):
     """Host memory must not grow with the dataset: the producer may only run a bounded way ahead
     of the forward pass (sort window + bounded queues), however long the source is."""
-    import streamx.pipeline as pipeline
+    import streamx.plan as plan
     from streamx.capture import LayerCapture
 
     rows = [{"text": f"row {i} " + "word " * (i % 7)} for i in range(400)]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     yielded, lead = [0], []
-    real_open = pipeline.open_source
+    real_open = plan.open_source
 
     def counting_source(*args, **kw):
         source = real_open(*args, **kw)
@@ -263,7 +263,7 @@ def test_producer_streams_with_bounded_read_ahead(tiny_chat_model_dir, tmp_path,
         forwarded[0] += len(batch.samples)
         lead.append(yielded[0] - forwarded[0])
 
-    monkeypatch.setattr(pipeline, "open_source", counting_source)
+    monkeypatch.setattr(plan, "open_source", counting_source)
     monkeypatch.setattr(LayerCapture, "forward", slow_forward)
     cfg = config(tiny_chat_model_dir, data, tmp_path / "s.zarr", sort_window=8, max_batch_size=4, queue_batches=2)
     run(cfg, progress=False)
@@ -281,7 +281,7 @@ def test_random_weights_store_is_marked_and_convert_refuses_it(tiny_chat_model_d
     run(config(str(config_file), chat_jsonl, out, random_weights=True, tokenizer=tiny_chat_model_dir, max_samples=6),
         progress=False)
     store = open_store(str(out))
-    assert len(store) == 6 and store.metadata["model"]["random_weights"] is True
+    assert len(store) == 6 and store.metadata.random_weights
     with pytest.raises(ConvertError, match="--random-weights"):
         convert(str(out), str(tmp_path / "spec"), progress=False)
     assert convert(str(out), str(tmp_path / "spec"), progress=False, allow_random_weights=True).rows == 6

@@ -5,7 +5,18 @@ import pytest
 import torch
 import zarr
 
-from streamx.store import EMPTY_COMMIT, Store, StoreError, bf16_to_bits, create_or_open, create_part, make_layout
+from streamx.store import (
+    Commit,
+    Compat,
+    Store,
+    StoreError,
+    StoreMetadata,
+    bf16_to_bits,
+    create_part,
+    make_layout,
+    open_for_run,
+    prepare,
+)
 from streamx.tokenize import REJECT_REASONS, Reject
 from streamx.writer import PartWriter
 
@@ -14,9 +25,19 @@ LAYOUT = make_layout(K, H, chunk_tokens=4, shard_tokens=8)
 ZSTD_LAYOUT = make_layout(K, H, chunk_tokens=4, shard_tokens=8, compressor="zstd")
 
 
-def meta(**compat):
-    return {"layer_ids": [1, 2, 3], "num_slots": K, "hidden_size": H, "reject_reasons": list(REJECT_REASONS),
-            "compat": {"model": "m", **compat}, "format": "test"}
+def meta(**compat) -> StoreMetadata:
+    return StoreMetadata(
+        layer_ids=[1, 2, 3], num_layers=3, hidden_size=H, chunk_tokens=4, shard_tokens=8, compressor="none",
+        model={"model": "m"}, tokenizer={}, max_length=64, truncation="truncate", config={}, versions={},
+        reject_reasons=list(REJECT_REASONS),
+        compat=Compat(**{"model": "m", "compute_dtype": "float32", "layer_ids": [1, 2, 3], "tokenization": "t",
+                         "data": "d", "split": "train", **compat}))
+
+
+def open_writer(path, layout=LAYOUT, metadata=None, overwrite=False) -> PartWriter:
+    metadata = metadata or meta()
+    prepare(str(path), metadata, overwrite)
+    return PartWriter(open_for_run(str(path), metadata, "part-00000", layout).part)
 
 
 def random_sample(row_id: int, length: int, g: torch.Generator):
@@ -51,8 +72,7 @@ def samples():
 
 @pytest.mark.parametrize("layout", [LAYOUT, ZSTD_LAYOUT], ids=["streamed", "zstd-through-zarr"])
 def test_roundtrip_bit_exact(tmp_path, samples, layout):
-    root = create_or_open(str(tmp_path / "s.zarr"), meta())
-    writer = PartWriter(root, "part-00000", layout)
+    writer = open_writer(tmp_path / "s.zarr", layout)
     for s in samples:
         append(writer, s)
     writer.close()
@@ -64,8 +84,7 @@ def test_roundtrip_bit_exact(tmp_path, samples, layout):
 @pytest.mark.parametrize("layout", [LAYOUT, ZSTD_LAYOUT], ids=["streamed", "zstd-through-zarr"])
 def test_uncommitted_tail_is_absent_then_resumed(tmp_path, samples, layout):
     path = str(tmp_path / "s.zarr")
-    root = create_or_open(path, meta())
-    writer = PartWriter(root, "part-00000", layout)
+    writer = open_writer(path, layout)
     writer.reject(Reject(7, "too_long", "x"))  # committed with the next shard
     for s in samples[:6]:  # 3+5+1+12+7+8 = 36 tokens: shards 0..3 written (32 tokens)
         append(writer, s)
@@ -75,8 +94,7 @@ def test_uncommitted_tail_is_absent_then_resumed(tmp_path, samples, layout):
     assert sorted(Store(path).row_ids().tolist()) == [100, 101, 102, 103, 104]
     assert Store(path).done_row_ids() == {100, 101, 102, 103, 104, 7}
 
-    root = create_or_open(path, meta())
-    writer = PartWriter(root, "part-00000", layout)
+    writer = open_writer(path, layout)
     for s in samples[5:]:  # the uncommitted sample again, then the rest
         append(writer, s)
     writer.close()
@@ -89,14 +107,15 @@ def test_streamed_shards_are_the_bytes_zarr_writes(tmp_path, samples):
     """The shard files the writer streams are byte for byte what zarr-python itself writes for the
     same values (full shards and the partial last one), so any Zarr v3 reader reads them."""
     path = tmp_path / "s.zarr"
-    writer = PartWriter(create_or_open(str(path), meta()), "part-00000", LAYOUT)
+    writer = open_writer(path)
     for s in samples:
         append(writer, s)
     writer.close()
     ours = zarr.open_group(str(path), mode="r")["parts/part-00000"]
     reference = create_part(zarr.open_group(str(tmp_path / "ref.zarr"), mode="w"), "part-00000", LAYOUT)
     values = {"hidden_states": np.concatenate([bf16_to_bits(s[3]) for s in samples]),
-              "input_ids": np.concatenate([s[1] for s in samples]), "loss_mask": np.concatenate([s[2] for s in samples])}
+              "input_ids": np.concatenate([s[1] for s in samples]),
+              "loss_mask": np.concatenate([s[2] for s in samples])}
     n = len(values["input_ids"])
     assert n % LAYOUT.shard_tokens and n % LAYOUT.chunk_tokens  # the last shard and its last chunk are partial
     for name, v in values.items():
@@ -115,8 +134,9 @@ def test_resumes_a_store_with_compressed_token_ids(tmp_path, samples):
     """Stores written before the ids and masks were streamed keep them zstd-compressed: a resumed
     writer appends to them through zarr."""
     path = str(tmp_path / "s.zarr")
-    root = create_or_open(path, meta())
-    part = root.require_group("parts").create_group("part-00000", attributes={"commit": dict(EMPTY_COMMIT)})
+    prepare(path, meta())
+    part = zarr.open_group(path).require_group("parts").create_group("part-00000",
+                                                                   attributes={"commit": Commit().to_json()})
     c, s = LAYOUT.chunk_tokens, LAYOUT.shard_tokens
     part.create_array("hidden_states", shape=(0, K, H), dtype="uint16", chunks=(c, K, H), shards=(s, K, H),
                       fill_value=0)
@@ -127,7 +147,7 @@ def test_resumes_a_store_with_compressed_token_ids(tmp_path, samples):
         part.create_array(name, shape=(0,), dtype="uint8" if name == "reject_reason" else "int64", chunks=(1024,),
                           fill_value=0)
     for chunk in (samples[:3], samples[3:]):
-        writer = PartWriter(create_or_open(path, meta()), "part-00000", LAYOUT)
+        writer = open_writer(path)
         assert type(writer.sinks["input_ids"]).__name__ == "BufferedShards"
         for sample in chunk:
             append(writer, sample)
@@ -138,7 +158,7 @@ def test_resumes_a_store_with_compressed_token_ids(tmp_path, samples):
 def test_resume_after_clean_close_appends_into_partial_shard(tmp_path, samples):
     path = str(tmp_path / "s.zarr")
     for chunk in (samples[:3], samples[3:7], samples[7:]):  # 9 tokens: the first close leaves a partial shard
-        writer = PartWriter(create_or_open(path, meta()), "part-00000", LAYOUT)
+        writer = open_writer(path)
         for s in chunk:
             append(writer, s)
         writer.close()
@@ -147,7 +167,7 @@ def test_resume_after_clean_close_appends_into_partial_shard(tmp_path, samples):
 
 def test_garbage_beyond_commit_is_overwritten(tmp_path, samples):
     path = str(tmp_path / "s.zarr")
-    writer = PartWriter(create_or_open(path, meta()), "part-00000", LAYOUT)
+    writer = open_writer(path)
     for s in samples[:4]:
         append(writer, s)
     writer.close()
@@ -159,7 +179,7 @@ def test_garbage_beyond_commit_is_overwritten(tmp_path, samples):
     part["sample_row_id"].resize((6,))
     part["sample_row_id"][4:] = [999, 998]
     assert_stored(path, samples[:4])  # readers see the commit only
-    writer = PartWriter(create_or_open(path, meta()), "part-00000", LAYOUT)
+    writer = open_writer(path)
     for s in samples[4:]:
         append(writer, s)
     writer.close()
@@ -169,15 +189,24 @@ def test_garbage_beyond_commit_is_overwritten(tmp_path, samples):
 
 def test_incompatible_store_is_refused(tmp_path):
     path = str(tmp_path / "s.zarr")
-    create_or_open(path, meta())
+    prepare(path, meta())
     with pytest.raises(StoreError, match="incompatible run.*model: store has 'm', this run 'other'.*--overwrite"):
-        create_or_open(path, meta(model="other"))
-    create_or_open(path, meta(model="other"), overwrite=True)
-    assert Store(path).metadata["compat"]["model"] == "other"
+        prepare(path, meta(model="other"))
+    with pytest.raises(StoreError, match="incompatible run.*data: store has 'd', this run 'e'"):
+        open_for_run(path, meta(data="e"), "part-00000", LAYOUT)
+    prepare(path, meta(model="other"), overwrite=True)
+    assert Store(path).metadata.compat.model == "other"
 
 
 def test_refuses_to_overwrite_a_non_store(tmp_path):
     (tmp_path / "precious.txt").write_text("data")
     with pytest.raises(StoreError, match="is not a streamx store"):
-        create_or_open(str(tmp_path), meta())
+        prepare(str(tmp_path), meta())
     assert (tmp_path / "precious.txt").exists()
+
+
+def test_metadata_round_trips_and_reads_records_with_unknown_fields():
+    m = meta()
+    record = m.to_json()
+    assert record["num_slots"] == 3 and record["bytes_per_token"] == 3 * H * 2  # for readers of the raw JSON
+    assert StoreMetadata.from_json({**record, "added_by_a_later_version": 1}) == m

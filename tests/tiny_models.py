@@ -1,7 +1,7 @@
 """Tiny random models of each architecture family the capture code supports (no weights needed)."""
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig, Qwen3_5TextConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig
 
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)

@@ -1,10 +1,12 @@
-"""Busy time per pipeline stage, so a run (and `streamx bench`) can name its bottleneck.
+"""What a run measures about itself, so that it (and `streamx bench`) can name its bottleneck:
+busy time per stage and how full the hand-off queues are.
 
 CPU stages use perf_counter. Device stages use CUDA events, resolved only when totals are
 read, so timing never synchronises the device mid-run."""
 
 from __future__ import annotations
 
+import queue
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -37,3 +39,19 @@ class StageTimes:
             self.seconds[stage] += start.elapsed_time(end) / 1000
         self._events.clear()
         return dict(self.seconds)
+
+
+class QueueFill:
+    """Mean occupancy (0..1) of a bounded queue when its consumer takes an item: near 1, the
+    consumer binds; near 0, the producer does."""
+
+    def __init__(self, q: queue.Queue):
+        self.q, self.total, self.reads = q, 0, 0
+
+    def record(self) -> None:  # called by the consumer right after a get
+        self.total += self.q.qsize() + 1
+        self.reads += 1
+
+    @property
+    def mean(self) -> float:
+        return self.total / max(self.reads, 1) / self.q.maxsize

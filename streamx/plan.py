@@ -1,0 +1,103 @@
+"""What a run will do, decided once: the RunPlan that `streamx run` and `streamx bench` share.
+
+    settings -> data source -> output check -> layer ids (from the model's config) -> model and
+    tokenizer -> sample builder -> store layout and metadata
+
+The cheap checks come first, so that a wrong data path, an output folder that is not a store or
+a layer id out of range fails in a second, before any weights are loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import transformers
+import zarr
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from . import __version__
+from .batching import Batch, iter_batches
+from .config import RunConfig, resolve_layer_ids
+from .distributed import Rank, init_from_env
+from .models import ModelInfo, load_model, read_num_layers
+from .source import Row, Source, open_source
+from .store import Compat, Layout, StoreMetadata, check_output, make_layout
+from .tokenize import REJECT_REASONS, Reject, Sample, SampleBuilder
+
+
+@dataclass
+class RunPlan:
+    config: RunConfig
+    rank: Rank  # this process under torchrun (rank 0 of 1 otherwise)
+    source: Source
+    layer_ids: list[int]  # speculators convention, ascending (docs/layers.md)
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    info: ModelInfo
+    builder: SampleBuilder
+    layout: Layout
+    metadata: StoreMetadata
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def tokenize(self, window: list[Row]) -> list[Sample | Reject]:
+        return [self.builder(row) for row in window]
+
+    def batches(self, samples: list[Sample | Reject]) -> Iterator[Batch | Reject]:
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        return iter_batches(samples, self.config.token_budget, self.config.max_batch_size, pad_id)
+
+    def replace(self, **changes: Any) -> RunPlan:
+        """The same loaded model with other settings (bench: a fresh output per round)."""
+        return make_plan(self.config.replace(**changes), loaded=(self.model, self.tokenizer, self.info))
+
+
+def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo] | None = None,
+              log: Callable[[str], None] = print) -> RunPlan:
+    """Check and load everything a run needs; `loaded` reuses a model already loaded with these settings."""
+    rank = init_from_env()
+    source = open_source(config.data, config.split, config.max_samples)
+    check_output(config.out, config.overwrite)
+    if loaded is None:
+        resolve_layer_ids(config.layers, read_num_layers(config.model))  # before the weights: fails fast
+    model, tokenizer, info = loaded or load_model(config.model, config.dtype, rank.device(config.device),
+                                                  config.attn_implementation, config.device_map,
+                                                  config.random_weights, config.tokenizer)
+    if info.random_weights and rank.is_main and loaded is None:
+        log(f"{config.model}: random weights (--random-weights); the store is for measurement, not training")
+    layer_ids = resolve_layer_ids(config.layers, info.num_layers)
+    builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
+    layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor)
+    return RunPlan(config, rank, source, layer_ids, model, tokenizer, info, builder, layout,
+                   store_metadata(config, info, builder, layer_ids, layout))
+
+
+def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, layer_ids: list[int],
+                   layout: Layout) -> StoreMetadata:
+    template = builder.tokenizer.chat_template or ""
+    return StoreMetadata(
+        layer_ids=layer_ids,
+        num_layers=info.num_layers,
+        hidden_size=info.hidden_size,
+        chunk_tokens=layout.chunk_tokens,
+        shard_tokens=layout.shard_tokens,
+        compressor=layout.compressor,
+        model=asdict(info),
+        tokenizer={"name_or_path": builder.tokenizer.name_or_path, "fingerprint": builder.fingerprint,
+                   "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()},
+        max_length=config.max_length,
+        truncation=config.truncation,
+        config=dataclasses.asdict(config),
+        versions={"streamx": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                  "zarr": zarr.__version__},
+        reject_reasons=list(REJECT_REASONS),
+        compat=Compat(model=info.weights_fingerprint, compute_dtype=info.dtype, layer_ids=layer_ids,
+                      tokenization=builder.fingerprint, data=config.data, split=config.split),
+    )
