@@ -67,16 +67,16 @@ bench() {  # bench NAME CAP MODEL EXTRA...: streamx bench --random-weights, JSON
     local name=$1 cap=$2 model=$3
     shift 3
     step "$name" "$cap" python3 -m streamx bench --random-weights --model "$model" --tokenizer "$tokenizer_dir" \
-        --data "$work/chats.jsonl" --layers dflash --token-budget 16384 --out /tmp \
+        --data "$work/chats.jsonl" --layers dflash --token-budget 16384 --out /tmp/streamx-bench/store.zarr \
         --json "$out/$name.json" "$@"
 }
 
 step tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_writer.py tests/test_kernel.py -k "not pipeline" -rs
 bench qwen3_8b 150 "$model_8b" --rounds 2
 bench qwen3_6_27b_hybrid 170 "$model_hybrid" --rounds 2 --skip-naive
-step writer_tmpfs 60 python3 -m streamx bench --writer-only --out /dev/shm --processes 1,2,4,8 --gib "$writer_gib" \
+step writer_tmpfs 60 python3 -m streamx bench --writer-only --out /dev/shm/streamx-bench/store.zarr --processes 1,2,4,8 --gib "$writer_gib" \
     --rounds 2 --json "$out/writer_tmpfs.json"
-step writer_disk 50 python3 -m streamx bench --writer-only --out /tmp --processes 1,4 --gib "$writer_gib" --rounds 2 \
+step writer_disk 50 python3 -m streamx bench --writer-only --out /tmp/streamx-bench/store.zarr --processes 1,4 --gib "$writer_gib" --rounds 2 \
     --json "$out/writer_disk.json"
 step kernel 40 python3 bench/kernel_bench.py --tokens 16384,65536 --iters 10 --json "$out/kernel.json"
 python3 bench/gpu_summary.py "$out" | tee "$out/summary.txt"

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .batching import Batch
+from .config import check_layer_ids
 from .pack import PackFn
 
 # Where decoder stacks live across transformers architectures (first match wins).
@@ -59,13 +60,7 @@ class LayerCapture:
 
     def __init__(self, model: nn.Module, layer_ids: list[int], pack_fn: PackFn):
         self.decoder, self.layers = find_decoder(model)
-        L = len(self.layers)
-        bad = [i for i in layer_ids if not 0 <= i <= L]
-        if bad or not layer_ids:
-            raise ValueError(f"layer ids {bad or '[]'} out of range: valid ids are 0..{L} for this {L}-layer model")
-        if sorted(set(layer_ids)) != list(layer_ids):
-            raise ValueError(f"layer ids must be ascending without duplicates; got {layer_ids}")
-        self.layer_ids = list(layer_ids)
+        self.layer_ids = check_layer_ids(layer_ids, len(self.layers))
         self.pack_fn = pack_fn
         self._target: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed, token_index) of the running batch
         self._handles: list[torch.utils.hooks.RemovableHandle] = []

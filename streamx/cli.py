@@ -175,7 +175,11 @@ def convert(
         + (f"; {summary.kept_files:,} hs files were already written" if summary.kept_files else "")
         + f"\ntrain an EAGLE-3 draft:\n  {commands['eagle3']}\nor a DFlash draft:\n  {commands['dflash']}\n"
         f"(add --draft-vocab-size N for a reduced draft vocabulary counted in token_freq.pt; "
-        f"these commands are saved in {out}/streamx_meta.json)"
+        f"these commands are saved in {out}/streamx_meta.json)\n"
+        f"speculators loads the verifier {summary.verifier['path']} (the model the store was made with, "
+        f"{summary.verifier['model']}): it must be those very weights (fingerprint "
+        f"{summary.verifier['weights_fingerprint'][:12]}); point --verifier-name-or-path at another copy of them "
+        "if that path is not there when you train"
     )
 
 

@@ -142,15 +142,24 @@ def resolve_layer_ids(layers: str, num_layers: int) -> list[int]:
             raise ValueError(
                 f"--layers must be a preset ({', '.join(LAYER_PRESETS)}) or comma-separated integers; got {layers!r}"
             ) from None
-        if not ids:
-            raise ValueError("--layers is empty")
         if len(set(ids)) != len(ids):
             dup = sorted({i for i in ids if ids.count(i) > 1})
             raise ValueError(f"duplicate layer ids {dup}; valid ids are 0..{L} for this {L}-layer model")
+    return check_layer_ids(sorted(set(ids)), L)  # a preset's ids meet on small models (eagle3 on L=4: 2, 2)
+
+
+def check_layer_ids(ids: list[int], num_layers: int) -> list[int]:
+    """The one check of a layer id list, wherever ids arrive (settings, capture, a store being
+    converted): not empty, ascending without duplicates (slot j holds ids[j]), each in 0..L."""
+    L = num_layers
+    if not ids:
+        raise ValueError("no layer ids: --layers is empty")
     bad = [i for i in ids if not 0 <= i <= L]
     if bad:
         raise ValueError(
             f"layer ids {bad} out of range: valid ids are 0..{L} for this {L}-layer model "
             f"(0 = embeddings, k = output of layer k-1, {L} = last layer before the final norm)"
         )
-    return sorted(set(ids))
+    if list(ids) != sorted(set(ids)):
+        raise ValueError(f"layer ids must be ascending without duplicates; got {list(ids)}")
+    return list(ids)

@@ -28,7 +28,7 @@ from safetensors.torch import save
 from tqdm import tqdm
 
 from . import speculators
-from .config import resolve_layer_ids
+from .config import check_layer_ids, resolve_layer_ids
 from .speculators import HS_DIR, META, WORK, atomic_write
 from .store import Store, StoredSample, open_store
 
@@ -50,6 +50,7 @@ class ConvertSummary:
     kept_files: int  # hs files an earlier, interrupted convert had already written
     seconds: float
     commands: dict[str, list[str]]  # algorithm -> `speculators train` argv
+    verifier: dict[str, Any]  # the store's model record: what --verifier-name-or-path must load
     already_complete: bool = False
 
 
@@ -79,9 +80,10 @@ def check_store(store: Store) -> list[int]:
     if not aux:
         raise ConvertError(f"{store.path} has only layer id {L}; EAGLE-3 and DFlash drafts need auxiliary layers "
                            f"below it: re-run `streamx run --layers eagle3` (= {eagle3}) or --layers dflash")
-    if ids != sorted(set(ids)) or min(ids) < 0:
-        raise ConvertError(f"{store.path} has invalid layer ids {ids} (speculators needs distinct ids in 0..{L}); "
-                           f"re-run `streamx run --layers {eagle3}` into a new --out")
+    try:
+        check_layer_ids(ids, L)
+    except ValueError as err:
+        raise ConvertError(f"{store.path}: {err}; re-run `streamx run --layers {eagle3}` into a new --out") from None
     return aux
 
 
@@ -251,4 +253,5 @@ def _summary(meta: dict[str, Any], out: str, kept: int, seconds: float,
     c = meta["counts"]
     return ConvertSummary(out=out, rows=c["rows"], tokens=c["tokens"], trainable_tokens=c["trainable_tokens"],
                           skipped=dict(meta["skipped"]), kept_files=kept, seconds=seconds,
-                          commands=meta["speculators_train_argv"], already_complete=already_complete)
+                          commands=meta["speculators_train_argv"], verifier=meta["model"],
+                          already_complete=already_complete)

@@ -11,6 +11,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -55,3 +56,22 @@ class QueueFill:
     @property
     def mean(self) -> float:
         return self.total / max(self.reads, 1) / self.q.maxsize
+
+
+@dataclass
+class Throughput:
+    """Rows and tokens through a run: tokenized (the producer runs ahead) and through the forward pass."""
+
+    tokenized_rows: int = 0
+    tokenized_tokens: int = 0
+    rows: int = 0  # samples and rejects past the model stage
+    real_tokens: int = 0
+    padded_tokens: int = 0
+
+    def eta_seconds(self, total_rows: int | None, elapsed: float) -> float | None:
+        """Seconds left, from tokens rather than rows (a row costs its length, and length-sorted windows
+        make the per-row rate swing): the tokens to go are estimated from the rows tokenized so far."""
+        if not (total_rows and self.tokenized_rows and self.real_tokens and elapsed > 0):
+            return None
+        expected = self.tokenized_tokens / self.tokenized_rows * total_rows
+        return max(0.0, expected - self.real_tokens) / (self.real_tokens / elapsed)

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,13 +91,14 @@ def fingerprint_weights(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def resolve_model_path(model: str) -> str:
+def resolve_model_path(model: str, log: Callable[[str], None] = lambda message: None) -> str:
     """EMBEDDED_MODEL -> its converted HF directory (converting on first use); anything else unchanged."""
     if model != EMBEDDED_MODEL:
         return model
     final = cache_dir() / "models" / _EMBEDDED_DIR
     if final.is_dir():  # only ever created by an atomic rename, so present means complete
         return str(final)
+    log(f"first use of the embedded model: converting its GGUF file once into {final} (about 30 s)")
     final.parent.mkdir(parents=True, exist_ok=True)
     # The lock serialises converters, so any partial directory seen while holding it is a killed conversion's.
     with open(final.parent / f".{_EMBEDDED_DIR}.lock", "w") as lock:

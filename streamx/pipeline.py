@@ -25,7 +25,7 @@ from tqdm import tqdm
 from .batching import Batch, iter_windows
 from .capture import LayerCapture, sample_is_finite
 from .config import RunConfig
-from .metrics import QueueFill, StageTimes
+from .metrics import QueueFill, StageTimes, Throughput
 from .pack import select_pack_fn
 from .plan import RunPlan, make_plan
 from .store import open_for_run, open_store, prepare
@@ -107,6 +107,44 @@ def _drain(q: queue.Queue, stop: threading.Event, workers: list[Worker]) -> Iter
         yield item
 
 
+class Progress:
+    """The live bar: rows done, tokens/s, padding efficiency and a token-driven ETA, redrawn every
+    `interval` seconds even while a long batch runs."""
+
+    def __init__(self, counts: Throughput, total_rows: int | None, desc: str, disable: bool, interval: float = 1.0):
+        self.counts, self.total_rows, self.interval = counts, total_rows, interval
+        self.bar = tqdm(total=total_rows, unit="row", desc=desc, disable=disable, dynamic_ncols=True,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rows [{elapsed}{postfix}]")
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="streamx-progress", daemon=True)
+
+    def __enter__(self) -> Progress:
+        if not self.bar.disable:
+            self._ticker.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self.draw()
+        self.bar.close()
+
+    def draw(self) -> None:
+        c = self.counts
+        self.bar.n = c.rows
+        elapsed = max(self.bar.format_dict["elapsed"], 1e-9)
+        parts = [f"{c.real_tokens / elapsed:,.0f} tok/s"]
+        if c.padded_tokens:
+            parts.append(f"pad eff {c.real_tokens / c.padded_tokens:.1%}")
+        eta = c.eta_seconds(self.total_rows, elapsed)
+        if eta is not None:
+            parts.append(f"ETA {tqdm.format_interval(eta)}")
+        self.bar.set_postfix_str(", ".join(parts))  # and redraws
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.draw()
+
+
 class Pipeline:
     """One process's run: the three stages, the queues between them and what they measure."""
 
@@ -118,7 +156,7 @@ class Pipeline:
         self.to_write: queue.Queue = queue.Queue(maxsize=cfg.queue_batches)
         self.times = StageTimes()
         self.fill = {"batches": QueueFill(self.batches), "to_write": QueueFill(self.to_write)}
-        self.real_tokens = self.padded_tokens = 0
+        self.counts = Throughput()
 
     def produce(self) -> None:
         """Producer thread: this rank's windows of source rows, tokenized and batched."""
@@ -130,6 +168,8 @@ class Pipeline:
                 continue
             with self.times.measure("source_tokenize"):
                 samples = plan.tokenize(window)
+            self.counts.tokenized_rows += len(window)
+            self.counts.tokenized_tokens += sum(len(s.input_ids) for s in samples if not isinstance(s, Reject))
             with self.times.measure("batching"):
                 items = list(plan.batches(samples))
             for item in items:
@@ -143,7 +183,7 @@ class Pipeline:
                     return
         put(self.batches, None, self.stop)
 
-    def compute(self, workers: list[Worker], bar: tqdm) -> None:
+    def compute(self, workers: list[Worker]) -> None:
         """Main thread: each batch through the model with the capture hooks, handed to the writer."""
         plan, device = self.plan, self.plan.device
         K, H = len(plan.layer_ids), plan.info.hidden_size
@@ -160,7 +200,7 @@ class Pipeline:
                 self.fill["batches"].record()
                 if isinstance(item, Reject):
                     put(self.to_write, item, self.stop)
-                    bar.update(1)
+                    self.counts.rows += 1
                     continue
                 packed = torch.empty((item.num_tokens, K, H), dtype=torch.bfloat16, device=device)
                 with self.times.measure("forward", device):
@@ -169,15 +209,12 @@ class Pipeline:
                 with self.times.measure("d2h", device):
                     host = transfer.start(packed, finite)
                 put(self.to_write, PackedBatch(item.samples, host), self.stop)
-                self.real_tokens += item.num_tokens
-                self.padded_tokens += item.padded_tokens
-                bar.update(len(item.samples))
-                elapsed = max(bar.format_dict["elapsed"], 1e-9)
-                bar.set_postfix(tok_s=f"{self.real_tokens / elapsed:,.0f}",
-                                pad_eff=f"{self.real_tokens / self.padded_tokens:.1%}", refresh=False)
+                self.counts.rows += len(item.samples)
+                self.counts.real_tokens += item.num_tokens
+                self.counts.padded_tokens += item.padded_tokens
         put(self.to_write, None, self.stop)
 
-    def run(self, bar: tqdm) -> None:
+    def run(self) -> None:
         rate = RejectRate(self.plan.config.max_reject_fraction)
         producer = Worker("streamx-producer", self.produce, self.stop)
         writer = Worker("streamx-writer", lambda: write_loop(self.to_write, self.writer, self.stop, self.done, rate,
@@ -185,7 +222,7 @@ class Pipeline:
         producer.start()
         writer.start()
         try:
-            self.compute([producer, writer], bar)
+            self.compute([producer, writer])
             writer.join()
             if writer.error is not None:
                 raise writer.error
@@ -220,9 +257,9 @@ def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str],
     total = None if plan.source.num_rows is None else max(0, plan.source.num_rows - len(target.done_rows))
     if total is not None and rank.world_size > 1:
         total = -(-total // rank.world_size)  # about this rank's share
-    with tqdm(total=total, unit="sample", disable=not progress, dynamic_ncols=True,
-              desc="streamx run" if rank.world_size == 1 else f"streamx run [rank {rank.rank}]") as bar:
-        pipeline.run(bar)
+    desc = "streamx run" if rank.world_size == 1 else f"streamx run [rank {rank.rank}]"
+    with Progress(pipeline.counts, total, desc, disable=not progress):
+        pipeline.run()
     rank.barrier()  # the store is complete when every rank has closed its part
     store = open_store(cfg.out)
     written = writer.this_run()
@@ -230,7 +267,8 @@ def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str],
         out=cfg.out, layer_ids=plan.layer_ids, num_layers=plan.info.num_layers, samples=written.samples,
         tokens=written.tokens, trainable_tokens=written.trainable_tokens, rejects=written.rejects,
         reject_counts=written.reject_counts, hidden_bytes=written.tokens * plan.layout.bytes_per_token,
-        real_tokens=pipeline.real_tokens, padded_tokens=pipeline.padded_tokens, resumed_rows=len(target.done_rows),
+        real_tokens=pipeline.counts.real_tokens, padded_tokens=pipeline.counts.padded_tokens,
+        resumed_rows=len(target.done_rows),
         seconds=time.perf_counter() - started, stage_seconds=pipeline.stage_seconds(),
         queue_fill={name: fill.mean for name, fill in pipeline.fill.items()},
         store_samples=len(store), store_tokens=store.num_tokens, rank=rank.rank,

@@ -24,9 +24,9 @@ from . import __version__
 from .batching import Batch, iter_batches
 from .config import RunConfig, resolve_layer_ids
 from .distributed import Rank, init_from_env
-from .models import ModelInfo, load_model, read_num_layers
+from .models import ModelInfo, load_model, read_num_layers, resolve_device, resolve_dtype, resolve_model_path
 from .source import Row, Source, open_source
-from .store import Compat, Layout, StoreMetadata, check_output, make_layout
+from .store import Compat, Layout, StoreMetadata, check_output, make_layout, output_state
 from .tokenize import REJECT_REASONS, Reject, Sample, SampleBuilder
 
 
@@ -64,19 +64,34 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     """Check and load everything a run needs; `loaded` reuses a model already loaded with these settings."""
     rank = init_from_env()
     source = open_source(config.data, config.split, config.max_samples)
-    check_output(config.out, config.overwrite)
-    if loaded is None:
-        resolve_layer_ids(config.layers, read_num_layers(config.model))  # before the weights: fails fast
+    if rank.is_main:  # the other ranks would race rank 0 creating the store
+        check_output(config.out, config.overwrite)
+        if loaded is None:
+            announce(config, source, rank.device(config.device), log)
     model, tokenizer, info = loaded or load_model(config.model, config.dtype, rank.device(config.device),
                                                   config.attn_implementation, config.device_map,
                                                   config.random_weights, config.tokenizer)
-    if info.random_weights and rank.is_main and loaded is None:
-        log(f"{config.model}: random weights (--random-weights); the store is for measurement, not training")
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
     layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor)
     return RunPlan(config, rank, source, layer_ids, model, tokenizer, info, builder, layout,
                    store_metadata(config, info, builder, layer_ids, layout))
+
+
+def announce(config: RunConfig, source: Source, device: str, log: Callable[[str], None]) -> None:
+    """Say what the run will do before the slow part (converting or loading the model), and check the
+    layer ids against the model's config alone."""
+    dtype = str(resolve_dtype(config.dtype, device)).removeprefix("torch.")
+    log(f"streamx: {config.model} on {resolve_device(device)} in {dtype}"
+        + (", random weights (a dry run, not training data)" if config.random_weights else ""))
+    log(f"  data    {source.name}: " + ("rows streamed" if source.num_rows is None else f"{source.num_rows:,} rows"))
+    log(f"  out     {config.out}: {output_state(config.out, config.overwrite)}")
+    path = resolve_model_path(config.model, log)
+    if path != config.model:
+        log(f"  model   {path}")
+    L = read_num_layers(path)
+    log(f"  layers  {resolve_layer_ids(config.layers, L)} of {L} ({config.layers}): id 0 = embeddings, id k = output "
+        f"of layer k-1, id {L} = the last layer's output before the final norm")
 
 
 def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, layer_ids: list[int],

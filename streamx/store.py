@@ -260,8 +260,20 @@ def check_output(path: str, overwrite: bool = False) -> None:
     if target.exists() and not overwrite and any(target.iterdir()) and not _is_store(path):
         raise StoreError(f"{path} exists and is not a streamx store; choose another --out or pass --overwrite")
     existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        raise StoreError(f"cannot write the store at {path}: {existing} is not a folder")
     if not os.access(existing, os.W_OK):
         raise StoreError(f"cannot write the store at {path}: {existing} is not writable")
+
+
+def output_state(path: str, overwrite: bool = False) -> str:
+    """What a run will do with `path`, in words: a new store, a replaced one, or a resumed one."""
+    if not _is_store(path):
+        return "new store"
+    if overwrite:
+        return "existing store, replaced (--overwrite)"
+    store = Store(path)
+    return f"resuming: {len(store):,} samples already committed in {len(store.parts)} part(s)"
 
 
 def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> None:
@@ -359,8 +371,14 @@ class Store:
         return sum(c.tokens for c in self.commits.values())
 
     def row_ids(self) -> np.ndarray:
-        """Committed source rows, in store order."""
-        return self._rows.copy()
+        """Committed source rows, ascending (store[i] is the sample of row_ids()[i])."""
+        return self._rows[self._order]
+
+    def __getitem__(self, position: int) -> StoredSample:
+        """The sample at `position` in ascending row order (0 <= position < len(store))."""
+        if not -len(self) <= position < len(self):
+            raise IndexError(f"position {position} out of range for a store of {len(self)} samples")
+        return self._read(int(self._order[position]))
 
     def rejected(self) -> list[tuple[int, str]]:
         reasons = self.metadata.reject_reasons

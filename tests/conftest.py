@@ -26,9 +26,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir() -> str:
+def smollm2_dir(pytestconfig) -> str:
     """The embedded SmolLM2-135M-Instruct as an HF directory (converted once per machine into the normal cache)."""
-    return resolve_model_path(EMBEDDED_MODEL)
+
+    def say(message: str) -> None:
+        with pytestconfig.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
+            print(f"\n{message} ...", flush=True)
+
+    return resolve_model_path(EMBEDDED_MODEL, say)
 
 
 @pytest.fixture(scope="session")

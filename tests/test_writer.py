@@ -205,6 +205,18 @@ def test_refuses_to_overwrite_a_non_store(tmp_path):
     assert (tmp_path / "precious.txt").exists()
 
 
+def test_rows_read_in_ascending_order_by_position(tmp_path, samples):
+    writer = open_writer(tmp_path / "s.zarr")
+    for s in reversed(samples):  # committed in descending row order
+        append(writer, s)
+    writer.close()
+    store = Store(str(tmp_path / "s.zarr"))
+    assert store.row_ids().tolist() == sorted(s[0] for s in samples)
+    assert [store[i].row_id for i in range(len(store))] == store.row_ids().tolist() and store[-1].row_id == 109
+    with pytest.raises(IndexError, match="out of range"):
+        store[len(store)]
+
+
 def test_metadata_round_trips_and_reads_records_with_unknown_fields():
     m = meta()
     record = m.to_json()

@@ -1,0 +1,46 @@
+"""Settings: layer-id presets and parsing, the one layer-id check, and config loading."""
+
+import pytest
+
+from streamx.config import check_layer_ids, load_config, resolve_layer_ids
+
+
+def test_presets_for_qwen3_8b():
+    # speculators' EAGLE-3 default [2, L//2, L-3] + L; z-lab DFlash [1, 9, 17, 25, 33] in its numbering, plus one
+    assert resolve_layer_ids("eagle3", 36) == [2, 18, 33, 36]
+    assert resolve_layer_ids("dflash", 36) == [2, 10, 18, 26, 34, 36]
+    assert resolve_layer_ids("eagle3", 4) == [1, 2, 4]  # [2, 2, 1, 4]: ids that meet on a tiny model count once
+
+
+def test_ids_are_parsed_and_sorted():
+    assert resolve_layer_ids(" 30, 2,15 ", 30) == [2, 15, 30]
+
+
+@pytest.mark.parametrize("layers, message", [
+    ("2,2,5", r"duplicate layer ids \[2\]"),
+    ("2,31", r"layer ids \[31\] out of range: valid ids are 0..30"),
+    ("-1", r"layer ids \[-1\] out of range"),
+    ("", "--layers is empty"),
+    ("two", "--layers must be a preset"),
+])
+def test_bad_ids_name_the_valid_range(layers, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_layer_ids(layers, 30)
+
+
+def test_capture_order_is_checked_not_fixed():
+    """Slot j holds ids[j]: code that hands over ids (capture, a store) must give them ascending."""
+    assert check_layer_ids([0, 4], 4) == [0, 4]
+    with pytest.raises(ValueError, match="ascending without duplicates"):
+        check_layer_ids([4, 0], 4)
+
+
+def test_unknown_field_and_bad_values_are_one_line(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("token_budgett: 10\n")
+    with pytest.raises(ValueError, match="unknown config field.*token_budgett"):
+        load_config(config)
+    with pytest.raises(ValueError, match=r"token_budget \(100\) must be >= max_length \(200\)"):
+        load_config(None, token_budget=100, max_length=200)
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")

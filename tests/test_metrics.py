@@ -1,0 +1,26 @@
+"""What a run measures about itself."""
+
+import queue
+
+from streamx.metrics import QueueFill, Throughput
+
+
+def test_eta_comes_from_tokens_not_rows():
+    # 100 rows tokenized at 10 tokens each: 200 rows are ~2,000 tokens; 500 done in 5 s -> 15 s to go,
+    # although 150 of 200 rows are done (short rows first, as a length-sorted window runs them)
+    counts = Throughput(tokenized_rows=100, tokenized_tokens=1000, rows=150, real_tokens=500)
+    assert counts.eta_seconds(total_rows=200, elapsed=5.0) == 15.0
+    assert Throughput().eta_seconds(total_rows=200, elapsed=5.0) is None  # nothing measured yet
+    assert counts.eta_seconds(total_rows=None, elapsed=5.0) is None  # a streamed source: no total
+
+
+def test_queue_fill_is_the_mean_occupancy_its_consumer_sees():
+    q: queue.Queue = queue.Queue(maxsize=4)
+    fill = QueueFill(q)
+    for _ in range(3):
+        q.put(1)
+    q.get()
+    fill.record()  # 2 left + the one taken = 3 of 4
+    q.get()
+    fill.record()  # 1 left + 1 = 2 of 4
+    assert fill.mean == (3 + 2) / 2 / 4
