@@ -12,9 +12,9 @@ from pathlib import Path
 
 def model_rows(out: Path) -> list[str]:
     rows = ["| model (bytes/token stored) | forward_only tok/s | streamx tok/s | streamx / forward_only | "
-            "per round streamx / forward_only | busy s: write / forward | write ceiling GB/s | bottleneck | "
-            "naive tok/s |",
-            "| --- | ---: | ---: | ---: | --- | --- | ---: | --- | ---: |"]
+            "per round streamx / forward_only | forward_only TFLOP/s (of peak) | busy s: write / forward | "
+            "ceilings: write GB/s, D2H GB/s | bottleneck | naive tok/s |",
+            "| --- | ---: | ---: | ---: | --- | --- | --- | --- | --- | ---: |"]
     for f in sorted(out.glob("qwen*.json")):
         r = json.loads(f.read_text())
         s, fo, m = r["streamx"], r["forward_only"], r["model"]
@@ -23,12 +23,17 @@ def model_rows(out: Path) -> list[str]:
         busy = s["stage_seconds"]
         naive = f"{r['naive']['tokens_per_s']:,.0f}" if "naive" in r else "-"
         bytes_per_token = len(r["workload"]["layer_ids"]) * m["hidden_size"] * 2
+        c = r["ceilings"]
+        share = f" ({fo['fraction_of_matmul_peak']:.0%} of {c['bf16_matmul_peak_tflops']:.0f})" \
+            if fo["fraction_of_matmul_peak"] else ""
+        d2h = f"{c['host_copy_gb_per_s']:.1f}" if c["host_copy_gb_per_s"] else "-"
         rows.append(f"| {f.stem}: {m['architecture']}, {m['num_layers']} layers, H {m['hidden_size']} "
                     f"({bytes_per_token / 1e3:.0f} KB), {r['workload']['samples']} rows, "
                     f"pad eff {s['padding_efficiency']:.1%} | {fo['tokens_per_s']:,.0f} | {s['tokens_per_s']:,.0f} | "
-                    f"{r['ratios']['streamx_vs_forward_only']:.3f}x | {per_round} | {busy.get('write', 0):.1f} / "
-                    f"{busy.get('forward', 0):.1f} | {s['write_ceiling_bytes_per_s'] / 1e9:.2f} | {s['bottleneck']} | "
-                    f"{naive} |")
+                    f"{r['ratios']['streamx_vs_forward_only']:.3f}x | {per_round} | "
+                    f"{fo['model_tflops_per_s']:.0f}{share} | "
+                    f"{busy.get('write', 0):.1f} / {busy.get('forward', 0):.1f} | "
+                    f"{c['write_gb_per_s']:.2f}, {d2h} | {s['bottleneck']} | {naive} |")
     return rows
 
 

@@ -24,8 +24,10 @@ from typing import Any
 import torch
 import transformers
 from safetensors.torch import save_file
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from .batching import Batch, iter_windows
+from .ceilings import host_copy_gb_per_s, matmul_peak_tflops
 from .config import RunConfig
 from .pipeline import run
 from .plan import make_plan
@@ -76,6 +78,30 @@ def forward_only(model, batches: list[Batch], device: torch.device) -> dict[str,
     return {"bytes_written": 0}
 
 
+def _cpu_sdpa_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+# torch counts the GPU's fused attention kernels but not the CPU's: the same formula for both
+_CPU_ATTENTION_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
+                        torch.ops.aten.scaled_dot_product_attention: _cpu_sdpa_flops}
+
+
+def warm_up(model, batches: list[Batch], device: torch.device) -> dict[tuple[int, ...], int]:
+    """One forward over one batch of each distinct shape, before anything is timed: compilation and
+    autotuning happen per shape (Triton, flash-linear-attention) and would otherwise land in the first
+    timed round. The forwards run under torch's FLOP counter, so the result is the model FLOPs of
+    each shape: matmuls and attention as executed, MoE experts as routed; custom Triton kernels such as
+    flash-linear-attention's recurrence (about 1% of a gated delta-net layer's FLOPs) go uncounted."""
+    first_of_shape = {tuple(b.input_ids.shape): b for b in reversed(batches)}
+    flops = {}
+    for shape, batch in first_of_shape.items():
+        with FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION_FLOPS) as counter:
+            forward_only(model, [batch], device)
+        flops[shape] = counter.get_total_flops()
+    return flops
+
+
 def naive(model, samples: list[Sample], layer_ids: list[int], device: torch.device, out_dir: Path) -> dict[str, Any]:
     written = 0
     with torch.inference_mode():
@@ -100,10 +126,14 @@ def machine() -> dict[str, Any]:
 
 
 def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callable[[str], None] = print,
-          modes: tuple[str, ...] = MODES, out_dir: str | None = None, ceiling_bytes: int = 1 << 30) -> dict[str, Any]:
-    """Run the modes `rounds` times each, interleaved; figures are totals over the rounds. Stores and
-    naive files go to a temporary folder in `out_dir` (default: the system's), whose plain sequential
-    write speed is measured too (`ceiling_bytes` per pass), so the report can say whether disk binds."""
+          modes: tuple[str, ...] = MODES, out_dir: str | None = None, ceiling_bytes: int = 1 << 30,
+          warmup_rounds: int | None = None) -> dict[str, Any]:
+    """Run the modes `rounds` times each, interleaved; figures are totals over the rounds. Before them,
+    the model sees every batch shape once (kernel compilation and autotuning are per shape), then
+    `warmup_rounds` rounds of every mode run uncounted (default: 1 on CUDA, where the naive mode's
+    per-sample shapes and the pack kernel compile too; 0 on CPU). Stores and naive files go to a
+    temporary folder in `out_dir` (default: the system's), whose plain sequential write speed is
+    measured too (`ceiling_bytes` per pass), so the report can say whether the disk binds."""
     unknown = set(modes) - set(MODES)
     if unknown or "streamx" not in modes:
         raise ValueError(f"modes must include streamx and be among {', '.join(MODES)}; got {', '.join(modes)}")
@@ -119,14 +149,17 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
     real = sum(len(s.input_ids) for s in samples)
     padded = sum(b.padded_tokens for b in batches)
 
-    forward_only(model, batches[:2], device)  # warm-up: kernels picked, caches and allocator primed
+    flops_by_shape = warm_up(model, batches, device)
+    round_flops = sum(flops_by_shape[tuple(b.input_ids.shape)] for b in batches)
+    warmups = (1 if device.type == "cuda" else 0) if warmup_rounds is None else warmup_rounds
+    peak, host_copy = matmul_peak_tflops(device), host_copy_gb_per_s(device)
     totals = {m: {"seconds": 0.0, "rounds": [], "peak_rss_bytes": 0, "peak_device_bytes": 0, "bytes_written": 0}
               for m in modes}
     stages: dict[str, float] = {}
     fills: dict[str, float] = {}
     ceiling = write_ceiling(out_dir, ceiling_bytes)
     with tempfile.TemporaryDirectory(prefix="streamx-bench-", dir=out_dir) as tmp:
-        for r in range(rounds):
+        for r in range(warmups + rounds):
             order = modes[r % len(modes):] + modes[: r % len(modes)]
             for mode in order:
                 if device.type == "cuda":
@@ -140,15 +173,19 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
                         summary = run(plan.replace(out=str(store), overwrite=True), progress=False, log=log)
                         out = {"bytes_written": _dir_bytes(store)}
                         shutil.rmtree(store)  # a round's store can be GBs: keep one at a time
-                        for k, v in summary.stage_seconds.items():
-                            stages[k] = stages.get(k, 0.0) + v
-                        fills = summary.queue_fill
                     else:
                         naive_dir = Path(tmp) / f"naive{r}"
                         naive_dir.mkdir()
                         out = naive(model, samples, layer_ids, device, naive_dir)
                         shutil.rmtree(naive_dir)
                     seconds = time.perf_counter() - t0
+                if r < warmups:
+                    log(f"warm-up round {r + 1}/{warmups} {mode:<12} {real / seconds:10,.0f} tokens/s (not counted)")
+                    continue
+                if mode == "streamx":
+                    for k, v in summary.stage_seconds.items():
+                        stages[k] = stages.get(k, 0.0) + v
+                    fills = summary.queue_fill
                 t = totals[mode]
                 t["seconds"] += seconds
                 t["rounds"].append(seconds)
@@ -157,7 +194,7 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
                 if device.type == "cuda":
                     t["peak_device_bytes"] = max(t["peak_device_bytes"], torch.cuda.max_memory_allocated(device))
                 if progress:
-                    log(f"round {r + 1}/{rounds} {mode:<12} {len(samples) / seconds:8.2f} samples/s "
+                    log(f"round {r - warmups + 1}/{rounds} {mode:<12} {len(samples) / seconds:8.2f} samples/s "
                         f"{real / seconds:10,.0f} tokens/s")
 
     report: dict[str, Any] = {}
@@ -166,19 +203,26 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
         report[mode] = {
             "samples_per_s": rounds * len(samples) / t["seconds"],
             "tokens_per_s": rounds * real / t["seconds"],
-            "rounds_tokens_per_s": [real / seconds for seconds in t["rounds"]],  # drift and warm-up show here
+            "rounds_tokens_per_s": [real / seconds for seconds in t["rounds"]],  # drift shows here
+            "spread": (max(t["rounds"]) - min(t["rounds"])) / (t["seconds"] / rounds),  # of round times
             "seconds": t["seconds"] / rounds,
             "padding_efficiency": 1.0 if mode == "naive" else real / padded,
             "peak_rss_bytes": t["peak_rss_bytes"],
             "peak_device_bytes": t["peak_device_bytes"],
             "bytes_written_per_token": t["bytes_written"] / real,
         }
+    for mode in ("forward_only", "streamx"):
+        if mode in report:  # both compute the model's forward over the same batches: the same model FLOPs
+            achieved = round_flops / report[mode]["seconds"] / 1e12
+            report[mode]["model_tflops_per_s"] = achieved
+            report[mode]["fraction_of_matmul_peak"] = achieved / peak if peak else None
     busy = {k: v / rounds for k, v in stages.items()}
     s = report["streamx"]
     s["stage_seconds"] = busy
     s["queue_fill"] = fills
     state_bytes = real * len(layer_ids) * info.hidden_size * 2  # per round
     s["write_ceiling_bytes_per_s"] = ceiling
+    s["host_copy_bytes_per_s"] = host_copy * 1e9 if host_copy else None
     s["writer_bytes_per_s"] = state_bytes / busy["write"] if busy.get("write") else None
     at_forward = report.get("forward_only", {}).get("seconds")
     s["bytes_per_s_at_forward_only"] = state_bytes / at_forward if at_forward else None
@@ -186,7 +230,11 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
     report["ratios"] = {f"streamx_vs_{m}": report["streamx"]["tokens_per_s"] / report[m]["tokens_per_s"]
                         for m in modes if m != "streamx"}
     report["workload"] = {"samples": len(samples), "tokens": real, "padded_tokens": padded, "batches": len(batches),
-                          "layer_ids": layer_ids, "rounds": rounds}
+                          "batch_shapes": len(flops_by_shape), "layer_ids": layer_ids, "rounds": rounds,
+                          "warmup_rounds": warmups, "model_flops_per_round": round_flops,
+                          "model_flops_per_real_token": round_flops / real}
+    report["ceilings"] = {"bf16_matmul_peak_tflops": peak, "host_copy_gb_per_s": host_copy,
+                          "write_gb_per_s": ceiling / 1e9}
     report["machine"] = machine()
     report["model"] = {"model": info.model, "architecture": info.architecture, "num_layers": info.num_layers,
                        "hidden_size": info.hidden_size, "dtype": info.dtype, "device": info.device,
@@ -216,7 +264,8 @@ def _dir_bytes(path: Path) -> int:
 def format_report(report: dict[str, Any]) -> str:
     w = report["workload"]
     lines = [f"{report['model']['model']} on {report['model']['device']} ({report['model']['dtype']}), "
-             f"{w['samples']} samples, {w['tokens']:,} tokens, layers {w['layer_ids']}, {w['rounds']} rounds",
+             f"{w['samples']} samples, {w['tokens']:,} tokens, layers {w['layer_ids']}, {w['rounds']} rounds after "
+             f"{w['warmup_rounds']} warm-up round(s) and one forward per batch shape ({w['batch_shapes']})",
              f"{'mode':<14}{'samples/s':>11}{'tokens/s':>12}{'pad eff':>9}{'peak RSS':>11}{'dev mem':>10}"
              f"{'B/token':>10}"]
     for mode in (m for m in MODES if m in report):
@@ -226,11 +275,22 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{m['bytes_written_per_token']:>10,.0f}")
     lines.append(", ".join(f"streamx / {k.removeprefix('streamx_vs_')} = {v:.3f}x"
                            for k, v in report["ratios"].items()))
+    peak = report["ceilings"]["bf16_matmul_peak_tflops"]
+    lines.append(f"model FLOPs: {_flop(w['model_flops_per_real_token'])} per real token (padding included); "
+                 + "; ".join(f"{mode} {_flop(report[mode]['model_tflops_per_s'] * 1e12)}/s"
+                             + (f" ({report[mode]['fraction_of_matmul_peak']:.0%} of the bf16 matmul peak, "
+                                f"{peak:.0f} TFLOP/s measured in this run)" if peak else "")
+                             for mode in ("forward_only", "streamx") if mode in report))
+    lines.append("tokens/s per round: " + "; ".join(
+        f"{mode} " + " ".join(f"{x:,.0f}" for x in report[mode]["rounds_tokens_per_s"])
+        + f" (spread {report[mode]['spread']:.0%})" for mode in MODES if mode in report))
     s = report["streamx"]
     lines.append("streamx stage busy time (s/round): "
                  + ", ".join(f"{k} {v:.2f}" for k, v in s["stage_seconds"].items()))
     rates = [f"write ceiling {_rate(s['write_ceiling_bytes_per_s'])} (plain sequential writes to the output "
              f"filesystem, measured in this run)"]
+    if s["host_copy_bytes_per_s"]:
+        rates.append(f"device-to-host copy {_rate(s['host_copy_bytes_per_s'])} (pinned)")
     if s["writer_bytes_per_s"]:
         rates.append(f"writer {_rate(s['writer_bytes_per_s'])} while busy")
     if s["bytes_per_s_at_forward_only"]:
@@ -243,3 +303,10 @@ def format_report(report: dict[str, Any]) -> str:
 
 def _rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e8 else f"{bytes_per_s / 1e6:.1f} MB/s"
+
+
+def _flop(flop: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if flop >= scale:
+            return f"{flop / scale:.2f} {unit}"
+    return f"{flop:,.0f} FLOP"

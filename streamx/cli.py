@@ -188,6 +188,8 @@ def convert(
 def bench(
     cfg: RunConfig,
     rounds: int = typer.Option(2, help="Rounds of each mode, interleaved so that machine drift hits all modes."),
+    warmup_rounds: Optional[int] = typer.Option(None, help="Uncounted rounds of every mode first (default: 1 on "
+                                                "CUDA, where kernels compile per shape; 0 on CPU)."),
     skip_naive: bool = typer.Option(False, "--skip-naive/--with-naive", help="Leave out the (slow) naive per-sample "
                                     "mode."),
     writer_only: bool = typer.Option(False, "--writer-only/--full", help="Measure only the store writer on synthetic "
@@ -225,7 +227,8 @@ def bench(
             text = format_writer_report(report)
         else:
             modes = tuple(m for m in MODES if not (skip_naive and m == "naive"))
-            report = run_bench(cfg, rounds=rounds, progress=progress, log=log, modes=modes, out_dir=scratch)
+            report = run_bench(cfg, rounds=rounds, progress=progress, log=log, modes=modes, out_dir=scratch,
+                               warmup_rounds=warmup_rounds)
             text = format_report(report)
         if json_out is not None:
             json_out.write_text(json.dumps(report, indent=2))

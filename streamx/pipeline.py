@@ -247,11 +247,11 @@ def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str],
     if rank.is_main:  # creates (or checks and reopens) the store before any other rank opens it
         prepare(cfg.out, plan.metadata, cfg.overwrite)
     rank.barrier()
-    target = open_for_run(cfg.out, plan.metadata, rank.part_name, plan.layout)
-    rank.barrier()  # every rank has read the same committed set before any rank commits more
+    target = open_for_run(cfg.out, plan.metadata)
+    rank.barrier()  # every rank has read the same committed set before any rank creates its part or commits
     if target.done_rows and rank.is_main:
         log(f"resuming {cfg.out}: {len(target.done_rows)} rows already committed")
-    writer = PartWriter(target.part)
+    writer = PartWriter(target.part(rank.part_name, plan.layout))
     pipeline = Pipeline(plan, writer, target.done_rows)
 
     total = None if plan.source.num_rows is None else max(0, plan.source.num_rows - len(target.done_rows))

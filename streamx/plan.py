@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from . import __version__
 from .batching import Batch, iter_batches
 from .config import RunConfig, resolve_layer_ids
 from .distributed import Rank, init_from_env
-from .models import ModelInfo, load_model, read_num_layers, resolve_device, resolve_dtype, resolve_model_path
+from .models import ModelInfo, load_model, read_text_config, resolve_device, resolve_dtype, resolve_model_path
 from .source import Row, Source, open_source
 from .store import Compat, Layout, StoreMetadata, check_output, make_layout, output_state
 from .tokenize import REJECT_REASONS, Reject, Sample, SampleBuilder
@@ -89,9 +90,19 @@ def announce(config: RunConfig, source: Source, device: str, log: Callable[[str]
     path = resolve_model_path(config.model, log)
     if path != config.model:
         log(f"  model   {path}")
-    L = read_num_layers(path)
+    text_config = read_text_config(path)
+    L = text_config.num_hidden_layers
     log(f"  layers  {resolve_layer_ids(config.layers, L)} of {L} ({config.layers}): id 0 = embeddings, id k = output "
         f"of layer k-1, id {L} = the last layer's output before the final norm")
+    linear = list(getattr(text_config, "layer_types", None) or []).count("linear_attention")
+    if linear and resolve_device(device).startswith("cuda") and not fla_installed():
+        log(f"  note    {linear} linear-attention layers will run transformers' slow reference path: "
+            "flash-linear-attention is not installed (pip install fla-core)")
+
+
+def fla_installed() -> bool:
+    """flash-linear-attention (fla-core): the Triton kernels transformers uses for gated delta-net layers."""
+    return importlib.util.find_spec("fla") is not None
 
 
 def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, layer_ids: list[int],

@@ -296,21 +296,24 @@ def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> None
 
 
 @dataclass
-class RunPart:
-    """What a run writes to: its own part of the store (created when new), and the source rows that
-    some part has already committed, as a sample or a reject, which the run must skip."""
+class RunStore:
+    """A prepared store opened by one writer process (a torchrun rank): the source rows some part has
+    already committed, as a sample or a reject, which the run must skip, and the way to its own part."""
 
-    part: zarr.Group
+    root: zarr.Group
     done_rows: set[int]
 
+    def part(self, name: str, layout: Layout) -> zarr.Group:
+        """This process's part, created when new. Under torchrun, call it only once every rank has read
+        `done_rows`: a part being created is not yet readable."""
+        parts = self.root.require_group(PARTS)
+        return parts[name] if name in parts else create_part(self.root, name, layout)
 
-def open_for_run(path: str, metadata: StoreMetadata, part_name: str, layout: Layout) -> RunPart:
-    """Open a prepared store for one writer process (a torchrun rank): its part and the committed rows."""
+
+def open_for_run(path: str, metadata: StoreMetadata) -> RunStore:
+    """Open a prepared store for writing, after checking that this run may resume it."""
     root = _open_compatible(path, metadata)
-    done = Store.from_group(root, path).done_row_ids()
-    parts = root.require_group(PARTS)
-    part = parts[part_name] if part_name in parts else create_part(root, part_name, layout)
-    return RunPart(part, done)
+    return RunStore(root, Store.from_group(root, path).done_row_ids())
 
 
 def _open_compatible(path: str, metadata: StoreMetadata) -> zarr.Group:

@@ -108,7 +108,7 @@ def _open_writer(path: Path, w: WriteWorkload) -> PartWriter:
         compat=Compat(model="synthetic", compute_dtype="bfloat16", layer_ids=list(range(w.num_slots)),
                       tokenization="", data="synthetic", split=""))
     prepare(str(path), metadata)
-    return PartWriter(open_for_run(str(path), metadata, "part-00000", layout).part)
+    return PartWriter(open_for_run(str(path), metadata).part("part-00000", layout))
 
 
 def _writer_pass(writer: PartWriter, batches: list[PackedBatch]) -> float:

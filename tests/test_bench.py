@@ -27,6 +27,14 @@ def test_bench_report(tiny_chat_model_dir, chat_jsonl, tmp_path):
     assert set(report["streamx"]["stage_seconds"]) >= {"source_tokenize", "forward", "pack", "write"}
     assert report["streamx"]["bottleneck"]
     assert report["streamx"]["write_ceiling_bytes_per_s"] > 0 and report["streamx"]["writer_bytes_per_s"] > 0
+    w = report["workload"]
+    assert w["model_flops_per_real_token"] * expected_tokens == w["model_flops_per_round"] > 0
+    for mode in ("forward_only", "streamx"):  # same model FLOPs, each mode's own time
+        m = report[mode]
+        flops = m["model_tflops_per_s"] * 1e12 * m["seconds"]
+        assert abs(flops - w["model_flops_per_round"]) < 1e-6 * w["model_flops_per_round"]
+        assert m["fraction_of_matmul_peak"] is None  # measured on CUDA only
+    assert report["ceilings"]["bf16_matmul_peak_tflops"] is None and report["ceilings"]["write_gb_per_s"] > 0
     r = report["ratios"]
     tokens_per_s = {mode: report[mode]["tokens_per_s"] for mode in MODES}
     assert abs(r["streamx_vs_forward_only"] - tokens_per_s["streamx"] / tokens_per_s["forward_only"]) < 1e-9
@@ -34,6 +42,31 @@ def test_bench_report(tiny_chat_model_dir, chat_jsonl, tmp_path):
     assert report["config"]["max_samples"] == 12 and report["machine"]["torch"]
     json.dumps(report)  # serialisable for --json
     assert "streamx / forward_only" in format_report(report)
+
+
+def test_warm_up_visits_every_batch_shape_before_timing(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
+    """Kernels compile and autotune per shape: the forward sees each batch shape once before any
+    timed round (it used to see two batches), and warm-up rounds are run but not counted."""
+    import streamx.bench as bench_module
+
+    calls, logs = [], []
+    real_forward_only = bench_module.forward_only
+
+    def recording(model, batches, device):
+        calls.append([tuple(b.input_ids.shape) for b in batches])
+        return real_forward_only(model, batches, device)
+
+    monkeypatch.setattr(bench_module, "forward_only", recording)
+    cfg = load_config(None, model=tiny_chat_model_dir, data=chat_jsonl, max_samples=40, layers="1,4",
+                      token_budget=512, max_length=256, sort_window=40)
+    report = bench(cfg, rounds=1, progress=False, out_dir=str(tmp_path), ceiling_bytes=16 << 20, log=logs.append,
+                   modes=("forward_only", "streamx"), warmup_rounds=1)
+    warm, uncounted, timed = [shape for call in calls[:-2] for shape in call], calls[-2], calls[-1]
+    assert len(set(timed)) > 2 and set(warm) == set(timed) and len(warm) == len(set(warm))
+    assert uncounted == timed  # the uncounted round, then the counted one
+    assert sum("warm-up round" in line for line in logs) == 2  # both modes
+    assert len(report["forward_only"]["rounds_tokens_per_s"]) == 1 and report["workload"]["warmup_rounds"] == 1
+    assert report["workload"]["batch_shapes"] == len(set(timed))
 
 
 def _stored(cfg, tmp_path):
@@ -69,3 +102,26 @@ def test_bottleneck_names_the_disk_only_when_the_writer_waits_on_it():
     assert bottleneck({**busy, "write": 1.0}, state_bytes=5 * gb, ceiling=1.0 * gb, cuda=True).startswith("GPU stage")
     assert bottleneck({**busy, "write": 1.0}, state_bytes=5 * gb, ceiling=1.0 * gb,
                       cuda=False).startswith("model stage")
+
+
+def test_model_flops_are_what_the_forward_executes():
+    """The FLOPs behind the utilisation figures, against an independent count: every linear layer
+    and both attention matmuls of a tiny Llama, for one padded batch (padding is computed too)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from streamx.batching import make_batch
+    from streamx.bench import warm_up
+    from streamx.tokenize import Sample
+
+    d, ff, L, nq, nkv, hd = 64, 160, 3, 4, 2, 16
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=d, intermediate_size=ff, num_hidden_layers=L,
+                                         num_attention_heads=nq, num_key_value_heads=nkv,
+                                         attn_implementation="sdpa")).eval()
+    samples = [Sample(i, torch.randint(0, 100, (n,)), torch.ones(n, dtype=torch.long)) for i, n in enumerate((9, 13))]
+    batch = make_batch(samples, pad_token_id=0)
+    B, S = batch.input_ids.shape
+    linear = 2 * B * S * (d * nq * hd + 2 * d * nkv * hd + nq * hd * d + 3 * d * ff)  # q, k, v, o, gate, up, down
+    attention = 2 * 2 * B * nq * S * S * hd  # QK^T and AV over the padded square
+    assert warm_up(model, [batch], torch.device("cpu")) == {(B, S): L * (linear + attention)}

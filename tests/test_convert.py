@@ -57,7 +57,7 @@ def copy_store(src, dst, parts):
     prepare(str(dst), meta)
     layout = make_layout(meta.num_slots, meta.hidden_size, 16, 64)
     for k, samples in enumerate(parts):
-        writer = PartWriter(open_for_run(str(dst), meta, f"part-{k:05d}", layout).part)
+        writer = PartWriter(open_for_run(str(dst), meta).part(f"part-{k:05d}", layout))
         for row, ids, mask, hidden in samples:
             writer.append(row, ids.numpy(), mask.numpy().astype(np.uint8), bf16_to_bits(hidden))
         writer.close()

@@ -82,3 +82,20 @@ def test_banner_comes_before_the_weights(tmp_path, config_only_model, monkeypatc
     assert f"  out     {tmp_path / 's.zarr'}: new store" in banner
     assert any(line.startswith("  layers  [2, 3, 4, 6] of 6 (dflash): id 0 = embeddings") for line in banner)
     assert made.layer_ids == [2, 3, 4, 6] and made.info.random_weights and not after
+
+
+def test_hybrid_without_flash_linear_attention_is_named_on_cuda(tmp_path, monkeypatch):
+    from transformers import Qwen3_5TextConfig
+
+    Qwen3_5TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                      linear_num_key_heads=2, linear_num_value_heads=4,
+                      layer_types=["linear_attention"] * 3 + ["full_attention"]).save_pretrained(tmp_path / "hybrid")
+    monkeypatch.setattr(plan, "fla_installed", lambda: False)
+    cfg = load_config(None, model=str(tmp_path / "hybrid"), out=str(tmp_path / "s.zarr"))
+    lines: list[str] = []
+    plan.announce(cfg, plan.open_source(cfg.data, cfg.split, 4), "cuda", lines.append)  # reads no CUDA
+    assert any("3 linear-attention layers will run transformers' slow reference path" in line for line in lines)
+    lines.clear()
+    plan.announce(cfg, plan.open_source(cfg.data, cfg.split, 4), "cpu", lines.append)
+    assert not any("linear-attention" in line for line in lines)  # on CPU there is no fast path to miss

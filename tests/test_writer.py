@@ -37,7 +37,7 @@ def meta(**compat) -> StoreMetadata:
 def open_writer(path, layout=LAYOUT, metadata=None, overwrite=False) -> PartWriter:
     metadata = metadata or meta()
     prepare(str(path), metadata, overwrite)
-    return PartWriter(open_for_run(str(path), metadata, "part-00000", layout).part)
+    return PartWriter(open_for_run(str(path), metadata).part("part-00000", layout))
 
 
 def random_sample(row_id: int, length: int, g: torch.Generator):
@@ -193,7 +193,7 @@ def test_incompatible_store_is_refused(tmp_path):
     with pytest.raises(StoreError, match="incompatible run.*model: store has 'm', this run 'other'.*--overwrite"):
         prepare(path, meta(model="other"))
     with pytest.raises(StoreError, match="incompatible run.*data: store has 'd', this run 'e'"):
-        open_for_run(path, meta(data="e"), "part-00000", LAYOUT)
+        open_for_run(path, meta(data="e"))
     prepare(path, meta(model="other"), overwrite=True)
     assert Store(path).metadata.compat.model == "other"
 
