@@ -18,35 +18,15 @@ import argparse
 import json
 import math
 import platform
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from streamx.ceilings import median_seconds
 from streamx.pack import pack_into_torch
 from streamx_kernels.pack import pack_into_triton
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def timed(fn: Callable[[], None], iters: int, device: torch.device) -> float:
-    """Median seconds of one call to fn, after one warm-up call (which also compiles)."""
-    fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def batch(tokens: int, H: int, dtype: torch.dtype, max_length: int, device: torch.device):
@@ -82,7 +62,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 for bn, bh in blocks:
                     tile = f" {bn}x{bh}" if bn else ""
                     methods[label + tile] = each_slot(pack_into_triton, block_n=bn, block_h=bh)
-            seconds = {m: timed(fn, args.iters, device) / K for m, fn in methods.items()}
+            seconds = {m: median_seconds(fn, args.iters, device, warmups=1) / K for m, fn in methods.items()}
             for m, s in seconds.items():
                 rows.append(dict(table="pack", device=str(device), dtype=name, tokens=tokens, H=H, K=K, method=m,
                                  ms_per_layer=s * 1e3, gb_per_s=layer_bytes / s / 1e9,
@@ -108,8 +88,8 @@ def host_handoff(packed: torch.Tensor, hidden: torch.Tensor, index: torch.Tensor
             pack_into_triton(host, k, hidden, index)
 
     out_bytes = packed.numel() * packed.element_size()
-    seconds = {"device + async D2H": timed(device_then_copy, iters, device),
-               "mapped pinned host": timed(mapped, iters, device)}
+    seconds = {"device + async D2H": median_seconds(device_then_copy, iters, device, warmups=1),
+               "mapped pinned host": median_seconds(mapped, iters, device, warmups=1)}
     base = seconds["device + async D2H"]
     return [dict(table="host", device=str(device), dtype=name, tokens=packed.shape[0], H=packed.shape[2], K=K,
                  method=m, ms_per_batch=s * 1e3, host_gb_per_s=out_bytes / s / 1e9, speedup=base / s)
