@@ -39,8 +39,7 @@ def with_run_settings(command: Callable[..., None]) -> Callable[..., None]:
         value = shown[f.name]
         default = "unset" if value is None else str(value).lower() if kind is bool else str(value)
         option = typer.Option(None, decl, help=f"{f.metadata['help']}  [default: {default}]", show_default=False)
-        settings.append(Parameter(f.name, Parameter.KEYWORD_ONLY, default=option,
-                                          annotation=Optional[kind]))
+        settings.append(Parameter(f.name, Parameter.KEYWORD_ONLY, default=option, annotation=Optional[kind]))
     config = Parameter("config", Parameter.KEYWORD_ONLY, default=None, annotation=ConfigOpt)
 
     @functools.wraps(command)
@@ -52,8 +51,8 @@ def with_run_settings(command: Callable[..., None]) -> Callable[..., None]:
             _fail(err)
         command(run_config, **options)
 
-    wrapper.__signature__ = Signature([config, *settings, *(p.replace(kind=Parameter.KEYWORD_ONLY)
-                                                                      for p in own)])
+    own = [p.replace(kind=Parameter.KEYWORD_ONLY) for p in own]
+    wrapper.__signature__ = Signature([config, *settings, *own])
     return wrapper
 
 

@@ -161,6 +161,7 @@ class Pipeline:
     def produce(self) -> None:
         """Producer thread: this rank's windows of source rows, tokenized and batched."""
         plan, done, rank = self.plan, self.done, self.plan.rank
+        pin = plan.device.type == "cuda"  # pinned batches: host-to-device copies run async
         for window in iter_windows(plan.source, plan.config.sort_window):
             if (window[0].row_id // plan.config.sort_window) % rank.world_size != rank.rank:
                 continue  # another rank's window
@@ -176,7 +177,7 @@ class Pipeline:
                 rows = [item.row_id] if isinstance(item, Reject) else [s.row_id for s in item.samples]
                 if all(r in done for r in rows):  # the writer drops done rows of partly done batches
                     continue
-                if isinstance(item, Batch) and plan.device.type == "cuda":  # pinned: host-to-device copies run async
+                if isinstance(item, Batch) and pin:
                     item.pin_memory()
                 put(self.batches, item, self.stop)
                 if self.stop.is_set():

@@ -57,8 +57,8 @@ class ShardSink(Protocol):
 class StreamedShards:
     """Shard files written as their bytes arrive, then renamed into place whole."""
 
-    def __init__(self, arr: zarr.Array, chunk_tokens: int, shard_tokens: int, start: int):
-        self.arr, self.chunk_tokens, self.shard_tokens = arr, chunk_tokens, shard_tokens
+    def __init__(self, arr: zarr.Array, start: int):
+        self.arr, self.chunk_tokens, self.shard_tokens = arr, arr.chunks[0], arr.shards[0]
         self.start = start  # first token of the shard being written
         self.dir = streamable_dir(arr)
         self.token_nbytes = int(np.prod(arr.shape[1:], dtype=np.int64)) * arr.dtype.itemsize
@@ -99,9 +99,9 @@ class BufferedShards:
     """Shards collected in host memory, then written through zarr (which encodes and compresses);
     two buffers, so that the next shard fills while the committer writes the last one."""
 
-    def __init__(self, arr: zarr.Array, chunk_tokens: int, shard_tokens: int, start: int):
+    def __init__(self, arr: zarr.Array):
         self.arr = arr
-        self.buffers = [np.empty((shard_tokens, *arr.shape[1:]), dtype=arr.dtype) for _ in range(2)]
+        self.buffers = [np.empty((arr.shards[0], *arr.shape[1:]), dtype=arr.dtype) for _ in range(2)]
         self.tokens = 0
 
     def write(self, values: np.ndarray) -> None:
@@ -123,9 +123,10 @@ class PartWriter:
         self.part = part
         self.arrays = {name: arr for name, arr in part.arrays()}
         self.shard = self.arrays["hidden_states"].shards[0]
-        self.commit = Commit.from_json(part.attrs["commit"])
+        record = part.attrs["commit"]
+        self.opened = Commit.from_json(record)  # what earlier runs committed
+        self.commit = Commit.from_json(record)  # advanced by each commit of this run
         self.commit.closed = False
-        self.opened = Commit.from_json(part.attrs["commit"])  # what earlier runs committed
         self.sizes = {name: arr.shape[0] for name, arr in self.arrays.items()}
         committed = self.commit.tokens
         self.flushed = committed // self.shard * self.shard  # tokens handed to the committer in whole shards
@@ -133,8 +134,7 @@ class PartWriter:
         self.sinks: dict[str, ShardSink] = {}
         for name in TOKEN_ARRAYS:
             arr = self.arrays[name]
-            sink = StreamedShards if streamable_dir(arr) else BufferedShards
-            self.sinks[name] = sink(arr, arr.chunks[0], arr.shards[0], self.flushed)
+            self.sinks[name] = StreamedShards(arr, self.flushed) if streamable_dir(arr) else BufferedShards(arr)
             if committed > self.flushed:  # the committed part of the last, partial shard
                 self.sinks[name].write(arr[self.flushed : committed])
         self.pending_samples: list[tuple[int, int, int, int]] = []  # (row_id, offset, length, trainable)

@@ -24,3 +24,18 @@ def test_queue_fill_is_the_mean_occupancy_its_consumer_sees():
     q.get()
     fill.record()  # 1 left + 1 = 2 of 4
     assert fill.mean == (3 + 2) / 2 / 4
+
+
+def test_progress_redraws_between_batches():
+    """A long batch must not freeze the bar: it redraws on its own every `interval` seconds."""
+    import time
+
+    from streamx.pipeline import Progress
+
+    counts = Throughput()
+    with Progress(counts, total_rows=10, desc="test", disable=False, interval=0.02) as progress:
+        counts.rows, counts.real_tokens, counts.padded_tokens = 3, 300, 400  # no call into the bar
+        deadline = time.time() + 5
+        while "pad eff" not in str(progress.bar.postfix) and time.time() < deadline:
+            time.sleep(0.01)
+        assert progress.bar.n == 3 and "pad eff 75.0%" in progress.bar.postfix

@@ -15,6 +15,7 @@ from streamx.store import (
     create_part,
     make_layout,
     open_for_run,
+    output_state,
     prepare,
 )
 from streamx.tokenize import REJECT_REASONS, Reject
@@ -215,6 +216,17 @@ def test_rows_read_in_ascending_order_by_position(tmp_path, samples):
     assert [store[i].row_id for i in range(len(store))] == store.row_ids().tolist() and store[-1].row_id == 109
     with pytest.raises(IndexError, match="out of range"):
         store[len(store)]
+
+
+def test_output_state_says_what_a_run_will_do(tmp_path, samples):
+    path = str(tmp_path / "s.zarr")
+    assert output_state(path) == "new store"
+    writer = open_writer(path)
+    for s in samples[:3]:
+        append(writer, s)
+    writer.close()
+    assert output_state(path) == "resuming: 3 samples already committed in 1 part(s)"
+    assert output_state(path, overwrite=True) == "existing store, replaced (--overwrite)"
 
 
 def test_metadata_round_trips_and_reads_records_with_unknown_fields():
