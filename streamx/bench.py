@@ -220,7 +220,7 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
     s = report["streamx"]
     s["stage_seconds"] = busy
     s["queue_fill"] = fills
-    state_bytes = real * len(layer_ids) * info.hidden_size * 2  # per round
+    state_bytes = real * plan.layout.bytes_per_token  # per round
     s["write_ceiling_bytes_per_s"] = ceiling
     s["host_copy_bytes_per_s"] = host_copy * 1e9 if host_copy else None
     s["writer_bytes_per_s"] = state_bytes / busy["write"] if busy.get("write") else None
@@ -249,7 +249,7 @@ def bottleneck(busy: dict[str, float], state_bytes: int, ceiling: float, cuda: b
     measured ceiling would take most of it, the disk binds rather than the writer's own work."""
     model = "GPU stage (forward, pack, copy to host)" if cuda else "model stage (forward, pack)"
     threads = {"producer (source, tokenize, batching)": busy.get("source_tokenize", 0) + busy.get("batching", 0),
-               model: busy.get("forward", 0) + busy.get("pack", 0) + busy.get("d2h", 0),
+               model: sum(busy.get(stage, 0) for stage in ("forward", "pack", "quantize", "d2h")),
                "writer": busy.get("write", 0)}
     name = max(threads, key=threads.get)
     if name == "writer" and state_bytes / ceiling >= 0.8 * threads["writer"]:

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Optional, get_args, get_type_hints
 import typer
 
 from .config import RunConfig, load_config
+from .metrics import gb
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Stream a causal LM's selected hidden states over a chat dataset into a Zarr store "
@@ -65,10 +66,6 @@ def _fail(err: BaseException) -> None:
     raise typer.Exit(1)
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
-
-
 @app.command()
 @with_run_settings
 def run(
@@ -92,7 +89,7 @@ def run(
         f"in {summary.seconds:.0f} s; rejected {summary.rejects:,} ({rejects})\n"
         f"layer ids {summary.layer_ids} (speculators convention; id {summary.num_layers} = the last layer's output "
         f"before the final norm)\n"
-        f"hidden states written: {_gb(summary.hidden_bytes)}; padding efficiency {summary.padding_efficiency:.1%}"
+        f"hidden states written: {gb(summary.hidden_bytes)}; padding efficiency {summary.padding_efficiency:.1%}"
         + (f"; {summary.resumed_rows:,} rows were already committed" if summary.resumed_rows else "")
         + f"\nstore: {summary.out} ({summary.store_samples:,} samples, {summary.store_tokens:,} tokens in total)\n"
         f"next: streamx inspect {summary.out}   |   streamx convert {summary.out} --out SPEC_DIR (speculators "
@@ -129,7 +126,8 @@ def inspect(
         f"samples      {summary['samples']:,} committed, {summary['rejected']:,} rejected"
         + (f", {summary['duplicate_rows']} DUPLICATE rows" if summary["duplicate_rows"] else ""),
         f"tokens       {summary['tokens']:,} ({summary['trainable_tokens']:,} trainable)",
-        f"size         {_gb(summary['hidden_state_bytes'])} of bf16 hidden states, {meta.bytes_per_token:,} "
+        f"size         {gb(summary['hidden_state_bytes'])} of {meta.storage} hidden states"
+        + (" (+ a float32 scale per token)" if meta.storage == "fp8" else "") + f", {meta.bytes_per_token:,} "
         f"bytes/token, chunks {meta.chunk_tokens} tokens, shards {meta.shard_tokens} tokens, compressor "
         f"{meta.compressor}",
     ]
@@ -149,6 +147,9 @@ def convert(
     fmt: str = typer.Option("speculators", "--format", help="Output format: speculators (Arrow rows + "
                             "hs_{i}.safetensors)."),
     seed: int = typer.Option(0, help="Row shuffle seed (speculators validates on the last rows)."),
+    hidden_states: Optional[str] = typer.Option(None, "--hidden-states", help="The files' states: bf16, or fp8 "
+                                                "(speculators' fp8 backend: half the bytes; an fp8 store's own "
+                                                "bytes, a bf16 store's quantised). Default: the store's storage."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an --out that holds another conversion."),
     workers: int = typer.Option(4, help="Threads reading the store and writing files."),
     allow_random_weights: bool = typer.Option(False, "--allow-random-weights", help="Convert a store made with "
@@ -163,7 +164,8 @@ def convert(
         if fmt not in FORMATS:
             raise ValueError(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
         summary = run_convert(store, out, seed=seed, overwrite=overwrite, workers=workers, progress=progress,
-                              log=lambda m: typer.echo(m, err=True), allow_random_weights=allow_random_weights)
+                              log=lambda m: typer.echo(m, err=True), allow_random_weights=allow_random_weights,
+                              hidden_states=hidden_states)
     except Exception as err:  # noqa: BLE001
         _fail(err)
     skipped = ", ".join(f"{k}: {v}" for k, v in sorted(summary.skipped.items())) or "none"

@@ -15,6 +15,7 @@ LAYER_PRESETS = ("eagle3", "dflash")
 TRUNCATION_POLICIES = ("truncate", "skip")
 KERNELS = ("auto", "torch", "triton")
 COMPRESSORS = ("none", "zstd")
+STORAGE = ("bf16", "fp8")
 
 
 def setting(default: Any, help: str) -> Any:
@@ -66,7 +67,11 @@ class RunConfig:
     shard_tokens: int = setting(0, "Tokens per shard file, a multiple of --chunk-tokens (0: about 256 MiB).")
     compressor: str = setting("none", "Hidden-state compressor: none or zstd (bf16 activations barely compress; "
                               "zstd costs writer CPU and takes zarr's slower write path).")
+    storage: str = setting("bf16", "Hidden-state storage: bf16 (exact) or fp8 (float8_e4m3fn with one float32 scale "
+                           "per token, speculators' fp8 format: half the bytes, quantised on the model's device).")
     # safety
+    space_check: bool = setting(True, "Refuse to start when the output filesystem has less free space than the "
+                                "estimated store, and stop cleanly when it nearly fills up.")
     max_reject_fraction: float = setting(0.5, "Stop when more than this fraction of rows is rejected (checked after "
                                          "100 rows).")
 
@@ -81,6 +86,7 @@ class RunConfig:
         choose("truncation", self.truncation, TRUNCATION_POLICIES)
         choose("kernel", self.kernel, KERNELS)
         choose("compressor", self.compressor, COMPRESSORS)
+        choose("storage", self.storage, STORAGE)
         for name in ("max_length", "token_budget", "max_batch_size", "sort_window", "queue_batches"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")

@@ -28,7 +28,8 @@ from safetensors.torch import save
 from tqdm import tqdm
 
 from . import speculators
-from .config import check_layer_ids, resolve_layer_ids
+from .config import STORAGE, check_layer_ids, resolve_layer_ids
+from .fp8 import quantize_fp8
 from .speculators import HS_DIR, META, WORK, atomic_write
 from .store import Store, StoredSample, open_store
 
@@ -97,11 +98,15 @@ def training_order(row_ids: np.ndarray, seed: int) -> np.ndarray:
 
 def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, workers: int = 4,
             block_rows: int = BLOCK_ROWS, progress: bool = True, log: Callable[[str], None] = print,
-            allow_random_weights: bool = False) -> ConvertSummary:
-    """Write the speculators training data for `store_path` into `out`; re-running resumes an interrupted convert."""
+            allow_random_weights: bool = False, hidden_states: str | None = None) -> ConvertSummary:
+    """Write the speculators training data for `store_path` into `out`; re-running resumes an interrupted convert.
+    `hidden_states` is the files' dtype, bf16 or fp8 (speculators' fp8 backend); by default the store's storage."""
     started = time.perf_counter()
     store = open_store(store_path)
     aux = check_store(store)
+    hidden_states = hidden_states or store.metadata.storage
+    if hidden_states not in STORAGE:
+        raise ConvertError(f"--hidden-states must be one of {', '.join(STORAGE)}; got {hidden_states!r}")
     if store.metadata.random_weights and not allow_random_weights:
         raise ConvertError(f"{store_path} was made with --random-weights: its states train nothing; "
                            "pass --allow-random-weights to convert it anyway")
@@ -109,7 +114,7 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     order = training_order(all_rows, seed)
     if not order.size:
         raise ConvertError(f"{store_path} has no committed samples")
-    identity = _identity(store, order, seed, block_rows)
+    identity = _identity(store, order, seed, block_rows, hidden_states)
     out_dir = Path(out)
     try:
         complete = speculators.prepare(out_dir, identity, order.size, overwrite)
@@ -132,7 +137,8 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
             if block is not None and _all_written(hs_dir, block):
                 bar.update(rows.size)
             else:  # not done, or hs files were deleted since
-                block, n_kept = _convert_block(store, rows, start, K, H, hs_dir, pool, depth, bar.update)
+                block, n_kept = _convert_block(store, rows, start, K, H, hidden_states, hs_dir, pool, depth,
+                                               bar.update)
                 atomic_write(path, lambda tmp, blk=block: _write_block(tmp, blk))
                 kept += n_kept
             blocks.append(path)
@@ -146,7 +152,7 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     read_blocks = lambda: (_read_block(path) for path in blocks)  # noqa: E731 - read twice, one block at a time
     totals = speculators.write_dataset(out_dir, read_blocks(), identity["order_sha256"], progress)
     atomic_write(out_dir / "token_freq.pt", lambda tmp: tmp.write_bytes(speculators.token_freq(read_blocks())))
-    commands = speculators.train_commands(str(out_dir.resolve()), store.metadata.model["path"], aux)
+    commands = speculators.train_commands(str(out_dir.resolve()), store.metadata.model["path"], aux, hidden_states)
     meta = speculators.meta(store, identity, aux, totals, skipped, commands)
     atomic_write(out_dir / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
     shutil.rmtree(work)
@@ -155,12 +161,12 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     return _summary(meta, out, kept, time.perf_counter() - started)
 
 
-def _identity(store: Store, order: np.ndarray, seed: int, block_rows: int) -> dict[str, Any]:
-    """What a resumed convert must match: the store (its creation and compat record), the training order
-    and the block size (block files cover fixed ranges of it)."""
+def _identity(store: Store, order: np.ndarray, seed: int, block_rows: int, hidden_states: str) -> dict[str, Any]:
+    """What a resumed convert must match: the store (its creation and compat record), the training order,
+    the block size (block files cover fixed ranges of it) and the files' dtype."""
     return {"store_created": store.metadata.created, "store_compat": asdict(store.metadata.compat),
             "layer_ids": store.layer_ids, "seed": seed, "rows": int(order.size), "block_rows": block_rows,
-            "order_sha256": hashlib.sha256(order.astype("<i8").tobytes()).hexdigest()}
+            "order_sha256": hashlib.sha256(order.astype("<i8").tobytes()).hexdigest(), "hidden_states": hidden_states}
 
 
 # -- one block: read and validate in order, write hs files in parallel
@@ -177,9 +183,12 @@ def _prefetch(pool: ThreadPoolExecutor, fn: Callable[[Any], Any], items: Iterabl
         yield pending.popleft().result()
 
 
-def _load(store: Store, K: int, H: int, row: int) -> tuple[int, StoredSample, str | None]:
-    """Read one sample and say what, if anything, makes it unusable for training."""
-    s = store.sample(row)
+def _load(store: Store, K: int, H: int, hidden_states: str, row: int) -> tuple[int, StoredSample, str | None]:
+    """Read one sample with its states as the files hold them (bf16, or fp8 values and scales), and say what,
+    if anything, makes it unusable for training."""
+    s = store.sample(row, raw=hidden_states == "fp8")  # an fp8 store's own bytes, never quantised twice
+    if hidden_states == "fp8" and s.hidden_states_scales is None:  # from a bf16 store
+        s.hidden_states, s.hidden_states_scales = quantize_fp8(s.hidden_states)
     T = s.input_ids.numel()
     if T == 0:
         problem = "empty"
@@ -191,20 +200,20 @@ def _load(store: Store, K: int, H: int, row: int) -> tuple[int, StoredSample, st
         problem = "bad_token_id"
     elif not bool(((s.loss_mask == 0) | (s.loss_mask == 1)).all()):
         problem = "bad_loss_mask"
-    elif not bool(torch.isfinite(s.hidden_states).all()):
+    elif not bool(torch.isfinite(s.hidden_states.float()).all()):  # fp8 has NaN, no Inf
         problem = "non_finite"
     else:
         problem = None
     return row, s, problem
 
 
-def _convert_block(store: Store, rows: np.ndarray, start: int, K: int, H: int, hs_dir: Path,
+def _convert_block(store: Store, rows: np.ndarray, start: int, K: int, H: int, hidden_states: str, hs_dir: Path,
                    pool: ThreadPoolExecutor, depth: int, tick: Callable[[int], Any]) -> tuple[_Block, int]:
     """Training indices are given in order to the rows that pass validation, so they are the same on every run."""
     ids, masks, lengths, skipped = [], [], [], []
     writes: deque[Future] = deque()
     index, kept = start, 0
-    for row, s, problem in _prefetch(pool, lambda r: _load(store, K, H, int(r)), rows, depth):
+    for row, s, problem in _prefetch(pool, lambda r: _load(store, K, H, hidden_states, int(r)), rows, depth):
         tick(1)
         if problem:
             skipped.append((row, problem))

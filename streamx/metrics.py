@@ -75,3 +75,8 @@ class Throughput:
             return None
         expected = self.tokenized_tokens / self.tokenized_rows * total_rows
         return max(0.0, expected - self.real_tokens) / (self.real_tokens / elapsed)
+
+
+def gb(n: float) -> str:
+    """Bytes for people: GB from 0.1 GB up, else MB."""
+    return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"

@@ -177,6 +177,14 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
         raise _not_found(path, e) from None
 
 
+def model_tokenizer(model_path: str, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
+    """The run's tokenizer: `tokenizer` when given, else the model's own."""
+    if tokenizer is None and model_path.endswith(".json"):
+        raise ValueError(f"--random-weights from the config file {model_path} needs --tokenizer (a hub id or "
+                         "directory)")
+    return load_tokenizer(tokenizer or model_path)
+
+
 def read_text_config(model: str) -> PretrainedConfig:
     """The decoder's config (layer count, layer types, sizes) alone: no weights are read."""
     path = resolve_model_path(model)
@@ -216,9 +224,7 @@ def load_model(
         files = Path(path) if os.path.isdir(path) else Path(try_to_load_from_cache(path, "config.json")).parent
         fingerprint = fingerprint_weights(files)
     lm.eval().requires_grad_(False)
-    if tokenizer is None and path.endswith(".json"):
-        raise ValueError(f"--random-weights from the config file {path} needs --tokenizer (a hub id or directory)")
-    tok = load_tokenizer(tokenizer or path)
+    tok = model_tokenizer(path, tokenizer)
 
     is_snapshot = files is not None and files.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", files.name)
     text_config = lm.config.get_text_config()  # composite configs (e.g. Qwen3.5) keep the LM's sizes here

@@ -38,3 +38,4 @@ def select_pack_fn(kernel: str, device: torch.device) -> PackFn:
             raise RuntimeError(f"--kernel triton is not available: {_no_triton}")
         return pack_into_torch
     return pack_into_triton
+

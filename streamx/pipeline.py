@@ -25,10 +25,11 @@ from tqdm import tqdm
 from .batching import Batch, iter_windows
 from .capture import LayerCapture, sample_is_finite
 from .config import RunConfig
+from .fp8 import FP8, quantize_fp8
 from .metrics import QueueFill, StageTimes, Throughput
 from .pack import select_pack_fn
 from .plan import RunPlan, make_plan
-from .store import open_for_run, open_store, prepare
+from .store import SpaceGuard, open_for_run, open_store, prepare
 from .tokenize import Reject
 from .transfer import HostTransfer
 from .writer import PackedBatch, PartWriter, RejectRate, write_loop
@@ -49,7 +50,8 @@ class RunSummary:
     padded_tokens: int
     resumed_rows: int  # rows skipped because an earlier run committed them
     seconds: float
-    stage_seconds: dict[str, float]  # busy time per stage (source_tokenize, batching, forward, pack, d2h, write)
+    stage_seconds: dict[str, float]  # busy time per stage (source_tokenize, batching, forward, pack, quantize, d2h,
+    # write)
     queue_fill: dict[str, float]  # mean occupancy (0..1) of the two bounded queues when read
     store_samples: int = 0  # the whole store after this run
     store_tokens: int = 0
@@ -188,8 +190,9 @@ class Pipeline:
         """Main thread: each batch through the model with the capture hooks, handed to the writer."""
         plan, device = self.plan, self.plan.device
         K, H = len(plan.layer_ids), plan.info.hidden_size
+        fp8 = plan.config.storage == "fp8"
         transfer = HostTransfer(device, plan.config.token_budget, K, H, num_buffers=plan.config.queue_batches + 2,
-                                stop=self.stop)
+                                stop=self.stop, hidden_dtype=FP8 if fp8 else torch.bfloat16)
         pack = select_pack_fn(plan.config.kernel, device)
 
         def timed_pack(packed: torch.Tensor, slot: int, hidden: torch.Tensor, token_index: torch.Tensor) -> None:
@@ -207,8 +210,12 @@ class Pipeline:
                 with self.times.measure("forward", device):
                     capture.forward(item, packed)
                     finite = sample_is_finite(packed, item.sample_index, len(item.samples))
+                scales = None
+                if fp8:  # on the device, so the host copy and the writer move half the bytes
+                    with self.times.measure("quantize", device):
+                        packed, scales = quantize_fp8(packed)
                 with self.times.measure("d2h", device):
-                    host = transfer.start(packed, finite)
+                    host = transfer.start(packed, finite, scales)
                 put(self.to_write, PackedBatch(item.samples, host), self.stop)
                 self.counts.rows += len(item.samples)
                 self.counts.real_tokens += item.num_tokens
@@ -252,7 +259,8 @@ def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str],
     rank.barrier()  # every rank has read the same committed set before any rank creates its part or commits
     if target.done_rows and rank.is_main:
         log(f"resuming {cfg.out}: {len(target.done_rows)} rows already committed")
-    writer = PartWriter(target.part(rank.part_name, plan.layout))
+    space = SpaceGuard.for_layout(cfg.out, plan.layout) if cfg.space_check else None
+    writer = PartWriter(target.part(rank.part_name, plan.layout), space)
     pipeline = Pipeline(plan, writer, target.done_rows)
 
     total = None if plan.source.num_rows is None else max(0, plan.source.num_rows - len(target.done_rows))

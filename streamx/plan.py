@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,9 +26,29 @@ from . import __version__
 from .batching import Batch, iter_batches
 from .config import RunConfig, resolve_layer_ids
 from .distributed import Rank, init_from_env
-from .models import ModelInfo, load_model, read_text_config, resolve_device, resolve_dtype, resolve_model_path
+from .estimate import estimate
+from .metrics import gb
+from .models import (
+    ModelInfo,
+    load_model,
+    model_tokenizer,
+    read_text_config,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+)
 from .source import Row, Source, open_source
-from .store import Compat, Layout, StoreMetadata, check_output, make_layout, output_state
+from .store import (
+    Compat,
+    Layout,
+    StoreError,
+    StoreMetadata,
+    check_output,
+    commits,
+    free_bytes,
+    make_layout,
+    output_state,
+)
 from .tokenize import REJECT_REASONS, Reject, Sample, SampleBuilder
 
 
@@ -69,12 +90,15 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
         check_output(config.out, config.overwrite)
         if loaded is None:
             announce(config, source, rank.device(config.device), log)
+            if config.space_check:
+                check_space(config, source, log)
     model, tokenizer, info = loaded or load_model(config.model, config.dtype, rank.device(config.device),
                                                   config.attn_implementation, config.device_map,
                                                   config.random_weights, config.tokenizer)
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
-    layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor)
+    layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor,
+                         config.storage)
     return RunPlan(config, rank, source, layer_ids, model, tokenizer, info, builder, layout,
                    store_metadata(config, info, builder, layer_ids, layout))
 
@@ -100,6 +124,28 @@ def announce(config: RunConfig, source: Source, device: str, log: Callable[[str]
             "flash-linear-attention is not installed (pip install fla-core)")
 
 
+def check_space(config: RunConfig, source: Source, log: Callable[[str], None]) -> None:
+    """Size the store from the tokenized rows (streamx.estimate) and refuse to start when the output
+    filesystem cannot hold what is left to write."""
+    free = free_bytes(config.out)
+    if free is None or source.num_rows is None:
+        log("  space   not checked: " + ("an object store" if free is None else "a stream of unknown length"))
+        return
+    builder = SampleBuilder(model_tokenizer(resolve_model_path(config.model), config.tokenizer), config.max_length,
+                            config.truncation)
+    plan = estimate(config, source, builder)
+    size = plan.sizes[config.storage]
+    done = 0 if config.overwrite else sum(c.samples + c.rejects for c in commits(config.out))
+    needed = round(size.bytes * max(0, source.num_rows - done) / max(1, source.num_rows))
+    if config.overwrite and Path(config.out).is_dir():  # the old store's bytes are freed first
+        free += sum(f.stat().st_size for f in Path(config.out).rglob("*") if f.is_file())
+    how = "" if plan.exact else f", estimated from {plan.sampled_rows:,} rows"
+    log(f"  space   {gb(needed)} to write ({config.storage}, {plan.tokens:,} tokens{how}), {gb(free)} free")
+    if free < needed:
+        raise StoreError(f"{config.out}: its filesystem has {gb(free)} free and the store needs about {gb(needed)}; "
+                         "free space, choose another --out, use --storage fp8, or pass --no-space-check")
+
+
 def fla_installed() -> bool:
     """flash-linear-attention (fla-core): the Triton kernels transformers uses for gated delta-net layers."""
     return importlib.util.find_spec("fla") is not None
@@ -115,6 +161,7 @@ def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, l
         chunk_tokens=layout.chunk_tokens,
         shard_tokens=layout.shard_tokens,
         compressor=layout.compressor,
+        storage=layout.storage,
         model=asdict(info),
         tokenizer={"name_or_path": builder.tokenizer.name_or_path, "fingerprint": builder.fingerprint,
                    "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()},
@@ -125,5 +172,5 @@ def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, l
                   "zarr": zarr.__version__},
         reject_reasons=list(REJECT_REASONS),
         compat=Compat(model=info.weights_fingerprint, compute_dtype=info.dtype, layer_ids=layer_ids,
-                      tokenization=builder.fingerprint, data=config.data, split=config.split),
+                      tokenization=builder.fingerprint, data=config.data, split=config.split, storage=layout.storage),
     )

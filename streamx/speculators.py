@@ -2,7 +2,8 @@
 
     DIR/data-*.arrow, dataset_info.json, state.json   input_ids, loss_mask (int64), seq_len; torch format; shuffled
     DIR/hidden_states/hs_{i}.safetensors            hidden_states bf16 [T, K, H] (ascending ids, last = id L
-                                                    pre-norm) and token_ids int64 [T] == input_ids of row i
+                                                    pre-norm) and token_ids int64 [T] == input_ids of row i;
+                                                    fp8: float8_e4m3fn states + hidden_states_scales f32 [T, 1, 1]
     DIR/token_freq.pt                                {token id: count} over loss-mask-1 tokens (--draft-vocab-size)
     DIR/streamx_meta.json                            source store, layer ids, counts, the `speculators train` flags
     DIR/.streamx-convert/                            a convert's partial state (removed when complete)
@@ -34,6 +35,14 @@ from .store import Store, StoredSample
 META = "streamx_meta.json"
 WORK = ".streamx-convert"  # a convert's block files and plan; removed when the conversion completes
 HS_DIR = "hidden_states"
+FP8_SCALES = "hidden_states_scales"  # the key speculators' fp8 backend dequantises hidden_states with
+HS_FILES = {  # what the meta says an hs file holds
+    "bf16": "hs_{i}.safetensors: hidden_states bfloat16 [T, K, H], slot j = layer_ids[j], the last slot is id L "
+            "before the final norm; token_ids int64 [T] == input_ids of dataset row i",
+    "fp8": "hs_{i}.safetensors: hidden_states float8_e4m3fn [T, K, H] and hidden_states_scales float32 [T, 1, 1] "
+           "(value = bf16(fp8) * bf16(scale), speculators' fp8 backend), slot j = layer_ids[j], the last slot is id L "
+           "before the final norm; token_ids int64 [T] == input_ids of dataset row i",
+}
 ALGORITHMS = ("eagle3", "dflash")  # both read this data as is (EAGLE-3 shifts at load time, DFlash does not)
 SKIP_EXAMPLES = 20  # skipped rows listed by id in the meta (all are counted)
 
@@ -62,7 +71,7 @@ def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool) -> 
             found = None
         elif found is None or found["identity"] != identity:
             what = "files that are not a streamx conversion" if found is None else \
-                "a conversion of another store, seed or row set"
+                "a conversion of another store, seed, row set or hidden-state dtype"
             raise FileExistsError(f"{out} holds {what}; pass --overwrite to replace it or choose another --out")
     (out / HS_DIR).mkdir(parents=True, exist_ok=True)
     for stale in [*(out / HS_DIR).glob(".*.tmp-*"), *out.glob(".*.tmp-*")]:
@@ -111,15 +120,22 @@ def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
 
 
 def write_hs(path: Path, s: StoredSample) -> None:
-    # serialized in memory and written by Python, so the file gets the usual umask permissions
-    data = save({"hidden_states": s.hidden_states.contiguous(), "token_ids": s.input_ids.to(torch.int64).contiguous()})
+    """One row's file; fp8 states (hidden_states_scales set) as speculators' fp8 backend reads them."""
+    tensors = {"hidden_states": s.hidden_states.contiguous(), "token_ids": s.input_ids.to(torch.int64).contiguous()}
+    if s.hidden_states_scales is not None:
+        tensors[FP8_SCALES] = s.hidden_states_scales.reshape(-1, 1, 1).contiguous()
+    data = save(tensors)  # serialized in memory and written by Python: the file gets the usual umask permissions
     atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
-def train_commands(out: str, verifier: str, target_layer_ids: list[int]) -> dict[str, list[str]]:
-    """`speculators train` argv per algorithm: --on-missing raise (the default, generate, calls a vLLM server)."""
+def train_commands(out: str, verifier: str, target_layer_ids: list[int], hidden_states: str = "bf16"
+                   ) -> dict[str, list[str]]:
+    """`speculators train` argv per algorithm: --on-missing raise (the default, generate, calls a vLLM server);
+    fp8 files need the fp8 hidden-states backend, which dequantises them to bf16 as it loads."""
     base = ["speculators", "train", "--data-path", out, "--verifier-name-or-path", verifier, "--on-missing", "raise",
             "--target-layer-ids", *map(str, target_layer_ids)]
+    if hidden_states == "fp8":
+        base += ["--hidden-states-backend", "fp8"]
     return {algo: [*base, "--speculator-type", algo] for algo in ALGORITHMS}
 
 
@@ -196,8 +212,8 @@ def meta(store: Store, identity: dict[str, Any], aux: list[int], totals: dict[st
         "layer_convention": m.layer_convention,
         "layer_convention_text": m.layer_convention_text,
         "last_id_is_pre_norm": m.last_id_is_pre_norm,
-        "hidden_states": "hs_{i}.safetensors: hidden_states bfloat16 [T, K, H], slot j = layer_ids[j], the last "
-                         "slot is id L before the final norm; token_ids int64 [T] == input_ids of dataset row i",
+        "hidden_states": HS_FILES[identity["hidden_states"]],
+        "hidden_states_dtype": identity["hidden_states"],
         "source": {"store": str(Path(store.path).resolve()), "created": m.created, "samples": summary["samples"],
                    "tokens": summary["tokens"], "rejected_by_run": summary["rejected"], "parts": summary["parts"]},
         "shuffle": {"seed": identity["seed"], "method": "numpy.random.default_rng(seed).permutation of the sorted "

@@ -2,7 +2,8 @@
 
     OUT.zarr/                      attrs["streamx"]: metadata (docs/store.md)
       parts/part-00000/            one append-only part per writer; attrs["commit"] says what is valid
-        hidden_states  uint16 [T, K, H]   bf16 bit patterns; chunked and sharded along tokens
+        hidden_states  uint16 [T, K, H]   bf16 bit patterns (uint8: fp8 e4m3fn, --storage fp8); sharded along tokens
+        hidden_states_scales float32 [T]  fp8 storage only: dequantised = fp8 * scale (streamx.fp8)
         input_ids      int64  [T]
         loss_mask      uint8  [T]
         sample_row_id  int64  [N]         source row of each sample
@@ -14,6 +15,8 @@
 Only the prefixes named by a part's commit record are valid: anything beyond was written by
 a run that stopped before committing it and is overwritten on resume. Readers use this
 module (`open_store(path).sample(row_id)`), never the arrays' shapes.
+
+Format streamx-store/2 added fp8 storage; /1 stores (bf16 only) are read and resumed as they are.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
@@ -34,12 +38,18 @@ import torch
 import zarr
 from zarr.storage import LocalStore
 
-STORE_FORMAT = "streamx-store/1"
+from . import __version__
+from .fp8 import FP8, dequantize_fp8
+from .metrics import gb
+
+STORE_FORMAT = "streamx-store/2"
+READABLE_FORMATS = ("streamx-store/1", STORE_FORMAT)
 PARTS = "parts"
-TOKEN_ARRAYS = ("hidden_states", "input_ids", "loss_mask")
+TOKEN_ARRAYS = ("hidden_states", "hidden_states_scales", "input_ids", "loss_mask")  # the scales: fp8 stores only
 SAMPLE_ARRAYS = ("sample_row_id", "sample_offset", "sample_length")
 REJECT_ARRAYS = ("reject_row_id", "reject_reason")
 INDEX_CHUNK = 65536  # entries per chunk of the per-sample / per-reject index arrays
+TOKEN_ID_BYTES = 8 + 1  # input_ids int64 and loss_mask uint8, per token
 
 CONVENTION_TEXT = (
     "speculators: id 0 = embeddings output (input of layer 0); id k = output of decoder layer k-1 "
@@ -65,9 +75,11 @@ class Compat:
     tokenization: str  # the tokenizer fingerprint (tokenize.tokenizer_fingerprint)
     data: str
     split: str
+    storage: str = "bf16"
 
     def differences(self, theirs: dict[str, Any]) -> list[str]:
         ours = asdict(self)
+        theirs = {"storage": "bf16", **theirs}  # records from before fp8 storage existed
         return [f"{k}: store has {theirs.get(k)!r}, this run {ours.get(k)!r}"
                 for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
 
@@ -95,8 +107,7 @@ class StoreMetadata:
     layer_convention: str = "speculators"
     layer_convention_text: str = CONVENTION_TEXT
     last_id_is_pre_norm: bool = True
-    hidden_states_dtype: str = "bfloat16"
-    hidden_states_encoding: str = "uint16 bit pattern of bfloat16 (zarr 3.1 has no bfloat16); bit-exact"
+    storage: str = "bf16"  # or fp8
 
     @property
     def num_slots(self) -> int:  # K
@@ -104,14 +115,19 @@ class StoreMetadata:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_slots * self.hidden_size * 2
+        return state_bytes_per_token(self.num_slots, self.hidden_size, self.storage)
+
+    @property
+    def hidden_states_dtype(self) -> str:  # as stored: bfloat16 or float8_e4m3fn
+        return HIDDEN_STATES_ENCODING[self.storage]["hidden_states_dtype"]
 
     @property
     def random_weights(self) -> bool:
         return bool(self.model.get("random_weights"))
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "num_slots": self.num_slots, "bytes_per_token": self.bytes_per_token}
+        return {**asdict(self), "num_slots": self.num_slots, "bytes_per_token": self.bytes_per_token,
+                **HIDDEN_STATES_ENCODING[self.storage]}
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> StoreMetadata:
@@ -142,6 +158,21 @@ class Commit:
         return cls(**{k: copy.deepcopy(v) for k, v in record.items() if k in known})  # never alias zarr's attrs
 
 
+HIDDEN_STATES_ENCODING = {  # recorded in the metadata for readers without streamx
+    "bf16": {"hidden_states_dtype": "bfloat16",
+             "hidden_states_encoding": "uint16 bit pattern of bfloat16 (zarr 3.1 has no bfloat16); bit-exact"},
+    "fp8": {"hidden_states_dtype": "float8_e4m3fn",
+            "hidden_states_encoding": "uint8 bit pattern of float8_e4m3fn; hidden_states_scales float32 [T], one per "
+                                      "token; dequantised = bfloat16(fp8) * bfloat16(scale), as speculators' fp8 "
+                                      "backend"},
+}
+
+
+def state_bytes_per_token(num_slots: int, hidden_size: int, storage: str) -> int:
+    """Hidden-state bytes one token takes: K x H bf16 values, or K x H fp8 values and a float32 scale."""
+    return num_slots * hidden_size * 2 if storage == "bf16" else num_slots * hidden_size + 4
+
+
 @dataclass(frozen=True)
 class Layout:
     num_slots: int  # K, one per layer id
@@ -149,22 +180,23 @@ class Layout:
     chunk_tokens: int
     shard_tokens: int
     compressor: str = "none"
+    storage: str = "bf16"
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_slots * self.hidden_size * 2
+        return state_bytes_per_token(self.num_slots, self.hidden_size, self.storage)
 
 
 def make_layout(num_slots: int, hidden_size: int, chunk_tokens: int = 0, shard_tokens: int = 0,
-                compressor: str = "none") -> Layout:
+                compressor: str = "none", storage: str = "bf16") -> Layout:
     """Defaults: ~4 MiB chunks (what a reader fetches at once) in ~256 MiB shard files (what
     the filesystem sees), so 50 TiB is ~200k files whatever the number of samples."""
-    per_token = num_slots * hidden_size * 2
+    per_token = state_bytes_per_token(num_slots, hidden_size, storage)
     chunk = chunk_tokens or max(1, (4 << 20) // per_token)
     shard = shard_tokens or max(1, (256 << 20) // per_token // chunk) * chunk
     if shard % chunk:
         raise ValueError(f"shard_tokens ({shard}) must be a multiple of chunk_tokens ({chunk})")
-    return Layout(num_slots, hidden_size, chunk, shard, compressor)
+    return Layout(num_slots, hidden_size, chunk, shard, compressor, storage)
 
 
 @dataclass
@@ -172,11 +204,17 @@ class StoredSample:
     row_id: int
     input_ids: torch.Tensor  # int64 [T]
     loss_mask: torch.Tensor  # int64 [T]
-    hidden_states: torch.Tensor  # bfloat16 [T, K, H], slots in ascending layer id
+    hidden_states: torch.Tensor  # bfloat16 [T, K, H], slots in ascending layer id (raw fp8: float8_e4m3fn)
+    hidden_states_scales: torch.Tensor | None = None  # raw fp8 reads only: float32 [T]
 
 
 def bf16_to_bits(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def stored_bits(t: torch.Tensor) -> np.ndarray:
+    """Host states as the store holds them: bf16 as uint16 bit patterns, fp8 as uint8."""
+    return bf16_to_bits(t) if t.dtype == torch.bfloat16 else t.contiguous().view(torch.uint8).numpy()
 
 
 def bits_to_bf16(a: np.ndarray) -> torch.Tensor:
@@ -190,8 +228,11 @@ def _codecs(compressor: str) -> Any:
 def create_part(root: zarr.Group, name: str, layout: Layout) -> zarr.Group:
     part = root.require_group(PARTS).create_group(name, attributes={"commit": Commit().to_json()})
     K, H, c, s = layout.num_slots, layout.hidden_size, layout.chunk_tokens, layout.shard_tokens
-    part.create_array("hidden_states", shape=(0, K, H), dtype="uint16", chunks=(c, K, H), shards=(s, K, H),
-                      compressors=_codecs(layout.compressor), fill_value=0)
+    part.create_array("hidden_states", shape=(0, K, H), dtype="uint16" if layout.storage == "bf16" else "uint8",
+                      chunks=(c, K, H), shards=(s, K, H), compressors=_codecs(layout.compressor), fill_value=0)
+    if layout.storage == "fp8":
+        part.create_array("hidden_states_scales", shape=(0,), dtype="float32", chunks=(c,), shards=(s,),
+                          compressors=None, fill_value=0)
     # token ids and masks share the states' token grid and stay uncompressed, so the writer streams them
     # too (store.streamable_dir); compressing them would save ~0.1% of the store for a zarr encode per shard
     for name_, dtype in (("input_ids", "int64"), ("loss_mask", "uint8")):
@@ -244,6 +285,38 @@ def shard_index(filled_chunks: int, chunks_per_shard: int, chunk_nbytes: int) ->
     return index.tobytes() + np.uint32(google_crc32c.value(index.tobytes())).astype("<u4").tobytes()
 
 
+# -- free space
+
+
+def free_bytes(path: str) -> int | None:
+    """Free bytes on the filesystem that holds (or will hold) `path`; None for object stores."""
+    if "://" in path:
+        return None
+    target = Path(path).expanduser().absolute()
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    return shutil.disk_usage(existing).free
+
+
+class SpaceGuard:
+    """Stops a run cleanly before its filesystem fills up: checked after each shard's commit. The
+    reserve covers the shards in flight and leaves room for the commit records."""
+
+    def __init__(self, path: str, reserve: int):
+        self.path, self.reserve = path, reserve
+
+    @classmethod
+    def for_layout(cls, path: str, layout: Layout) -> SpaceGuard:
+        """Room for two shards (one being written, one being put in place) and 64 MiB of records."""
+        return cls(path, 2 * layout.shard_tokens * (layout.bytes_per_token + TOKEN_ID_BYTES) + (64 << 20))
+
+    def check(self) -> None:
+        free = free_bytes(self.path)
+        if free is not None and free < self.reserve:
+            raise StoreError(f"stopped: {gb(free)} left on the filesystem of {self.path}, under the {gb(self.reserve)} "
+                             "reserve; everything written so far is committed: free space and re-run the same "
+                             "command to resume (--no-space-check disables this check)")
+
+
 def _is_store(path: str) -> bool:
     try:
         return "streamx" in zarr.open_group(path, mode="r").attrs
@@ -266,15 +339,22 @@ def check_output(path: str, overwrite: bool = False) -> None:
         raise StoreError(f"cannot write the store at {path}: {existing} is not writable")
 
 
+def commits(path: str) -> list[Commit]:
+    """The commit record of each part of the store at `path` (none when there is no store). The records
+    alone: a run reads the per-sample index once, when it opens the store."""
+    if not _is_store(path):
+        return []
+    return [Commit.from_json(part.attrs["commit"]) for _, part in zarr.open_group(path, mode="r")[PARTS].groups()]
+
+
 def output_state(path: str, overwrite: bool = False) -> str:
     """What a run will do with `path`, in words: a new store, a replaced one, or a resumed one."""
     if not _is_store(path):
         return "new store"
     if overwrite:
         return "existing store, replaced (--overwrite)"
-    commits = [Commit.from_json(part.attrs["commit"]) for _, part in zarr.open_group(path, mode="r")[PARTS].groups()]
-    # the commit records alone: the run reads the per-sample index once, when it opens the store
-    return f"resuming: {sum(c.samples for c in commits):,} samples already committed in {len(commits)} part(s)"
+    done = commits(path)
+    return f"resuming: {sum(c.samples for c in done):,} samples already committed in {len(done)} part(s)"
 
 
 def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> None:
@@ -346,7 +426,11 @@ class Store:
         if "streamx" not in root.attrs:
             raise StoreError(f"{path} is not a streamx store")
         self.root, self.path = root, path
-        self.metadata = StoreMetadata.from_json(dict(root.attrs["streamx"]))
+        record = dict(root.attrs["streamx"])
+        if record.get("format") not in READABLE_FORMATS:
+            raise StoreError(f"{path} has store format {record.get('format')!r}, which this streamx {__version__} "
+                             f"cannot read ({', '.join(READABLE_FORMATS)}); upgrade streamx")
+        self.metadata = StoreMetadata.from_json(record)
         self.parts: dict[str, zarr.Group] = dict(sorted(root[PARTS].groups()))
         self.commits = {name: Commit.from_json(part.attrs["commit"]) for name, part in self.parts.items()}
         # row index: for every committed sample, its part, offset and length (sorted by row id)
@@ -397,27 +481,33 @@ class Store:
         """Rows a resumed run must not process again: committed samples and committed rejects."""
         return set(self._rows.tolist()) | {row for row, _ in self.rejected()}
 
-    def _read(self, i: int) -> StoredSample:
+    def _read(self, i: int, raw: bool = False) -> StoredSample:
         part = self._part_list[int(self._part_ids[i])]
         a = int(self._offsets[i])
         b = a + int(self._lengths[i])
-        return StoredSample(
-            row_id=int(self._rows[i]),
-            input_ids=torch.from_numpy(part["input_ids"][a:b]),
-            loss_mask=torch.from_numpy(part["loss_mask"][a:b].astype(np.int64)),
-            hidden_states=bits_to_bf16(part["hidden_states"][a:b]),
-        )
+        stored = part["hidden_states"][a:b]
+        if self.metadata.storage == "bf16":
+            hidden, scales = bits_to_bf16(stored), None
+        else:
+            values = torch.from_numpy(stored).view(FP8)
+            token_scales = torch.from_numpy(part["hidden_states_scales"][a:b])
+            hidden, scales = (values, token_scales) if raw else (dequantize_fp8(values, token_scales), None)
+        return StoredSample(row_id=int(self._rows[i]), input_ids=torch.from_numpy(part["input_ids"][a:b]),
+                            loss_mask=torch.from_numpy(part["loss_mask"][a:b].astype(np.int64)),
+                            hidden_states=hidden, hidden_states_scales=scales)
 
-    def sample(self, row_id: int) -> StoredSample:
+    def sample(self, row_id: int, raw: bool = False) -> StoredSample:
+        """The sample of source row `row_id`. Its states are bf16; with `raw`, an fp8 store's are the stored
+        float8_e4m3fn values with their float32 scales in `hidden_states_scales`."""
         pos = np.searchsorted(self._rows, row_id, sorter=self._order)
         if pos >= self._rows.size or self._rows[self._order[pos]] != row_id:
             raise KeyError(f"source row {row_id} is not in the store")
-        return self._read(int(self._order[pos]))
+        return self._read(int(self._order[pos]), raw)
 
-    def samples(self) -> Iterator[StoredSample]:
+    def samples(self, raw: bool = False) -> Iterator[StoredSample]:
         """Every committed sample, in store order (part by part, as written)."""
         for i in range(len(self)):
-            yield self._read(i)
+            yield self._read(i, raw)
 
     def summary(self) -> dict[str, Any]:
         counts: dict[str, int] = {}

@@ -19,8 +19,9 @@ import torch
 
 @dataclass
 class HostBatch:
-    hidden: torch.Tensor  # bfloat16 [N, K, H], host memory (valid after wait())
+    hidden: torch.Tensor  # bfloat16 or float8_e4m3fn [N, K, H], host memory (valid after wait())
     finite: torch.Tensor  # bool [B]
+    scales: torch.Tensor | None = None  # float32 [N] with fp8 states (dequantised = hidden * scale), else None
     event: torch.cuda.Event | None = None
     release: Callable[[], None] = field(default=lambda: None)
 
@@ -31,16 +32,17 @@ class HostBatch:
 
 class HostTransfer:
     def __init__(self, device: torch.device, max_tokens: int, num_slots: int, hidden_size: int, num_buffers: int,
-                 stop: threading.Event):
+                 stop: threading.Event, hidden_dtype: torch.dtype = torch.bfloat16):
         self.device, self.stop = device, stop
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
-            self.free: queue.Queue[torch.Tensor] = queue.Queue()
-            for _ in range(num_buffers):
-                self.free.put(torch.empty(max_tokens * num_slots * hidden_size, dtype=torch.bfloat16, pin_memory=True))
+            self.free: queue.Queue[tuple[torch.Tensor, torch.Tensor]] = queue.Queue()
+            for _ in range(num_buffers):  # (states, scales): the scales buffer goes unused with bf16 states
+                self.free.put((torch.empty(max_tokens * num_slots * hidden_size, dtype=hidden_dtype, pin_memory=True),
+                               torch.empty(max_tokens, dtype=torch.float32, pin_memory=True)))
 
-    def _take_buffer(self) -> torch.Tensor:
+    def _take_buffer(self) -> tuple[torch.Tensor, torch.Tensor]:
         while not self.stop.is_set():
             try:
                 return self.free.get(timeout=0.1)
@@ -48,19 +50,21 @@ class HostTransfer:
                 continue
         raise RuntimeError("stopped while waiting for a host buffer")
 
-    def start(self, packed: torch.Tensor, finite: torch.Tensor) -> HostBatch:
+    def start(self, packed: torch.Tensor, finite: torch.Tensor, scales: torch.Tensor | None = None) -> HostBatch:
+        """Start copying a packed batch (and its fp8 scales) to the host."""
         if not self.cuda:
-            return HostBatch(packed, finite)
-        buffer = self._take_buffer()
-        host = buffer[: packed.numel()].view(packed.shape)
+            return HostBatch(packed, finite, scales)
+        buffers = self._take_buffer()
+        host = buffers[0][: packed.numel()].view(packed.shape)
+        scales_host = None if scales is None else buffers[1][: scales.numel()]
         finite_host = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            host.copy_(packed, non_blocking=True)
-            finite_host.copy_(finite, non_blocking=True)
+            for src, dst in ((packed, host), (finite, finite_host), (scales, scales_host)):
+                if src is not None:
+                    dst.copy_(src, non_blocking=True)
+                    # the caching allocator must not hand src to the next forward before the copy ran
+                    src.record_stream(self.stream)
             event = torch.cuda.Event()
             event.record(self.stream)
-        # the caching allocator must not hand these to the next forward before the copy ran
-        packed.record_stream(self.stream)
-        finite.record_stream(self.stream)
-        return HostBatch(host, finite_host, event, release=lambda: self.free.put(buffer))
+        return HostBatch(host, finite_host, scales_host, event, release=lambda: self.free.put(buffers))

@@ -32,7 +32,16 @@ import numpy as np
 import zarr
 
 from .metrics import QueueFill, StageTimes
-from .store import SAMPLE_ARRAYS, TOKEN_ARRAYS, Commit, bf16_to_bits, shard_index, shard_key, streamable_dir
+from .store import (
+    SAMPLE_ARRAYS,
+    TOKEN_ARRAYS,
+    Commit,
+    SpaceGuard,
+    shard_index,
+    shard_key,
+    stored_bits,
+    streamable_dir,
+)
 from .tokenize import REJECT_REASONS, Reject, Sample
 from .transfer import HostBatch
 
@@ -117,10 +126,11 @@ class BufferedShards:
 
 class PartWriter:
     """Appends samples to one part. The caller's thread writes the bytes; a committer thread puts
-    each full shard in place and then commits it, in order, while the next shard is written."""
+    each full shard in place and then commits it, in order, while the next shard is written.
+    With a SpaceGuard, the committer stops the run when the filesystem is about to fill up."""
 
-    def __init__(self, part: zarr.Group):
-        self.part = part
+    def __init__(self, part: zarr.Group, space: SpaceGuard | None = None):
+        self.part, self.space = part, space
         self.arrays = {name: arr for name, arr in part.arrays()}
         self.shard = self.arrays["hidden_states"].shards[0]
         record = part.attrs["commit"]
@@ -132,7 +142,7 @@ class PartWriter:
         self.flushed = committed // self.shard * self.shard  # tokens handed to the committer in whole shards
         self.end = committed  # tokens appended so far (committed + pending)
         self.sinks: dict[str, ShardSink] = {}
-        for name in TOKEN_ARRAYS:
+        for name in (name for name in TOKEN_ARRAYS if name in self.arrays):  # the scales: fp8 stores only
             arr = self.arrays[name]
             self.sinks[name] = StreamedShards(arr, self.flushed) if streamable_dir(arr) else BufferedShards(arr)
             if committed > self.flushed:  # the committed part of the last, partial shard
@@ -144,10 +154,14 @@ class PartWriter:
 
     # -- appending (the caller's thread)
 
-    def append(self, row_id: int, input_ids: np.ndarray, loss_mask: np.ndarray, hidden_bits: np.ndarray) -> None:
+    def append(self, row_id: int, input_ids: np.ndarray, loss_mask: np.ndarray, hidden_bits: np.ndarray,
+               hidden_scales: np.ndarray | None = None) -> None:
+        """One sample: its token ids, loss mask, hidden states as stored (bf16 or fp8 bit patterns) and, for fp8
+        storage, its per-token scales."""
         T = len(input_ids)
         self.pending_samples.append((row_id, self.end, T, int(loss_mask.sum())))
-        values = {"hidden_states": hidden_bits, "input_ids": input_ids, "loss_mask": loss_mask}
+        values = {"hidden_states": hidden_bits, "hidden_states_scales": hidden_scales, "input_ids": input_ids,
+                  "loss_mask": loss_mask}
         done = 0
         while done < T:
             n = min(T - done, self.shard - (self.end - self.flushed))
@@ -208,6 +222,8 @@ class PartWriter:
         for finish in finishers:
             finish()
         self._commit(samples, rejects)
+        if self.space is not None:  # after the commit: a stop for space loses nothing written
+            self.space.check()
 
     def _committed_size(self, name: str) -> int:
         if name in self.sinks:
@@ -290,7 +306,8 @@ def write_loop(items: queue.Queue, writer: PartWriter, stop: threading.Event, do
         with times.measure("d2h_wait"):
             batch.host.wait()
         with times.measure("write"):
-            hidden_bits = bf16_to_bits(batch.host.hidden)
+            hidden_bits = stored_bits(batch.host.hidden)
+            scales = None if batch.host.scales is None else batch.host.scales.numpy()
             offset = 0
             for sample, finite in zip(batch.samples, batch.host.finite.tolist(), strict=True):
                 T = len(sample.input_ids)
@@ -298,7 +315,8 @@ def write_loop(items: queue.Queue, writer: PartWriter, stop: threading.Event, do
                     pass
                 elif finite:
                     mask = sample.loss_mask.numpy().astype(np.uint8)
-                    writer.append(sample.row_id, sample.input_ids.numpy(), mask, hidden_bits[offset : offset + T])
+                    writer.append(sample.row_id, sample.input_ids.numpy(), mask, hidden_bits[offset : offset + T],
+                                  None if scales is None else scales[offset : offset + T])
                     rate.accept()
                 else:
                     record_reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states"))

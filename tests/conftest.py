@@ -1,5 +1,9 @@
+import fcntl
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 # Tests never reach the HF hub: set before transformers / huggingface_hub are imported (they read it at import).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -7,7 +11,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
 
-from streamx.models import EMBEDDED_MODEL, load_model, resolve_model_path
+from streamx.models import EMBEDDED_MODEL, cache_dir, load_model, resolve_model_path
 
 # Tests that load the embedded model (directly or through a fixture built on it), build the
 # speculators venv or start an S3 server are integration tests: `pytest -m "not integration"` runs
@@ -73,3 +77,44 @@ def chat_jsonl(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("data") / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in out))
     return str(path)
+
+
+# speculators 0.9.0 pins transformers<=5.19, datasets<=5.1, torch<=2.14.1: it lives in its own venv. torch 2.13.0
+# is pinned first (the CPU build here, ~1.5 GB venv instead of ~6 GB with 2.14.1's CUDA build); torchvision 0.28
+# is the one matching it (pip would otherwise upgrade torch for 0.29).
+SPECULATORS_PINS = ("torch==2.13.0", "torchvision==0.28.*", "speculators==0.9.0")
+
+
+@pytest.fixture(scope="session")
+def speculators_python(pytestconfig) -> str:
+    """A venv with speculators==0.9.0 (cached per machine; a half-built one is rebuilt), its python."""
+    root = cache_dir() / "venvs" / "speculators-0.9.0"
+    python, ready = root / "bin" / "python", root / ".streamx-ready"
+    key = f"{sys.version} {' '.join(SPECULATORS_PINS)}"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / "speculators-0.9.0.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per machine
+        if not (ready.exists() and ready.read_text() == key and python.exists()):
+            with pytestconfig.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
+                print(f"\nbuilding the speculators venv once into {root} (~1.5 GB, a minute or two) ...", flush=True)
+            shutil.rmtree(root, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+            pip = [str(python), "-m", "pip", "--disable-pip-version-check", "--quiet"]
+            subprocess.run([*pip, "install", *SPECULATORS_PINS], check=True, timeout=3600)
+            # speculators declares torchvision and torchaudio but never imports them; PyPI's torchvision is built
+            # for CUDA torch and fails to load next to a CPU torch, which breaks transformers' imports
+            subprocess.run([*pip, "uninstall", "--yes", "torchvision", "torchaudio"], check=True)
+            ready.write_text(key)
+    return str(python)
+
+
+@pytest.fixture(scope="session")
+def speculators_venv(speculators_python):
+    """Runs a script (and its arguments) in the speculators venv, offline; returns the finished process."""
+
+    def run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONNOUSERSITE="1")
+        return subprocess.run([speculators_python, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+    return run

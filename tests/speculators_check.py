@@ -1,6 +1,6 @@
 """Runs inside the isolated speculators==0.9.0 venv (see tests/test_convert.py); never imports streamx.
 
-For each `ALGO=DIR` argument, DIR being a `streamx convert` output: resolve the exact `speculators train`
+For each `ALGO[:TAG]=DIR` argument, DIR being a `streamx convert` output: resolve the exact `speculators train`
 argv that convert saved in DIR/streamx_meta.json with speculators' own config resolver (plus CPU-only
 settings), build the draft the way `speculators train` does, load every row through speculators' own
 train/val loaders with --on-missing raise, and run one forward and backward pass. Then rebuild the
@@ -63,6 +63,7 @@ def train_step(argv: list[str], scratch: Path) -> tuple[dict, torch.nn.Module, l
     grads = [p.grad for p in draft.parameters() if p.requires_grad and p.grad is not None]
     result = {
         "argv": argv,
+        "hidden_states_backend": args.hidden_states_backend,
         "target_layer_ids": list(draft.target_layer_ids),
         "draft_vocab_size": int(draft.draft_vocab_size),
         "draft_vocab_has_every_trained_token": draft_vocab_covers(draft, Path(args.data_path) / "token_freq.pt"),
@@ -118,7 +119,7 @@ def target_check(draft: torch.nn.Module, datasets: list, verifier: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("runs", nargs="+", help="ALGO=DIR: a streamx convert output to train ALGO on")
+    parser.add_argument("runs", nargs="+", help="ALGO[:TAG]=DIR: a streamx convert output to train ALGO on")
     parser.add_argument("--scratch", required=True)
     parser.add_argument("--extra", action="append", default=[], help="ALGO=FLAG,VALUE,... added to ALGO's argv")
     opts = parser.parse_args()
@@ -129,13 +130,14 @@ def main() -> None:
     torch.manual_seed(0)
     out = {"versions": {name: importlib.metadata.version(name) for name in VERSIONS}}
     for run in opts.runs:
-        algo, data = run.split("=", 1)
+        name, data = run.split("=", 1)
+        algo = name.split(":")[0]
         meta = json.loads((Path(data) / "streamx_meta.json").read_text())
         argv = meta["speculators_train_argv"][algo][2:]  # drop "speculators train"
-        result, draft, datasets = train_step([*argv, *extra.get(algo, [])], Path(opts.scratch) / algo)
+        result, draft, datasets = train_step([*argv, *extra.get(algo, [])], Path(opts.scratch) / name.replace(":", "-"))
         verifier = argv[argv.index("--verifier-name-or-path") + 1]
         result["targets"] = target_check(draft, datasets, verifier)
-        out[algo] = result
+        out[name] = result
     json.dump(out, sys.stdout)
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 import zarr
 
+from streamx.fp8 import quantize_fp8
 from streamx.store import (
     Commit,
     Compat,
@@ -17,6 +18,7 @@ from streamx.store import (
     open_for_run,
     output_state,
     prepare,
+    stored_bits,
 )
 from streamx.tokenize import REJECT_REASONS, Reject
 from streamx.writer import PartWriter
@@ -24,19 +26,22 @@ from streamx.writer import PartWriter
 K, H = 3, 8
 LAYOUT = make_layout(K, H, chunk_tokens=4, shard_tokens=8)
 ZSTD_LAYOUT = make_layout(K, H, chunk_tokens=4, shard_tokens=8, compressor="zstd")
+FP8_LAYOUT = make_layout(K, H, chunk_tokens=4, shard_tokens=8, storage="fp8")
+LAYOUTS = pytest.mark.parametrize("layout", [LAYOUT, ZSTD_LAYOUT, FP8_LAYOUT], ids=["streamed", "zstd-through-zarr",
+                                                                                    "fp8-streamed"])
 
 
-def meta(**compat) -> StoreMetadata:
+def meta(storage="bf16", **compat) -> StoreMetadata:
     return StoreMetadata(
         layer_ids=[1, 2, 3], num_layers=3, hidden_size=H, chunk_tokens=4, shard_tokens=8, compressor="none",
         model={"model": "m"}, tokenizer={}, max_length=64, truncation="truncate", config={}, versions={},
-        reject_reasons=list(REJECT_REASONS),
+        reject_reasons=list(REJECT_REASONS), storage=storage,
         compat=Compat(**{"model": "m", "compute_dtype": "float32", "layer_ids": [1, 2, 3], "tokenization": "t",
-                         "data": "d", "split": "train", **compat}))
+                         "data": "d", "split": "train", "storage": storage, **compat}))
 
 
 def open_writer(path, layout=LAYOUT, metadata=None, overwrite=False) -> PartWriter:
-    metadata = metadata or meta()
+    metadata = metadata or meta(layout.storage)
     prepare(str(path), metadata, overwrite)
     return PartWriter(open_for_run(str(path), metadata).part("part-00000", layout))
 
@@ -50,7 +55,11 @@ def random_sample(row_id: int, length: int, g: torch.Generator):
 
 def append(writer, sample):
     row_id, ids, mask, hidden = sample
-    writer.append(row_id, ids, mask, bf16_to_bits(hidden))
+    if "hidden_states_scales" in writer.arrays:  # an fp8 part: what the GPU stage hands over for --storage fp8
+        values, scales = quantize_fp8(hidden)
+        writer.append(row_id, ids, mask, stored_bits(values), scales.numpy())
+    else:
+        writer.append(row_id, ids, mask, bf16_to_bits(hidden))
 
 
 def assert_stored(path, samples):
@@ -61,7 +70,14 @@ def assert_stored(path, samples):
         assert torch.equal(got.input_ids, torch.from_numpy(ids))
         assert torch.equal(got.loss_mask, torch.from_numpy(mask).long())
         assert got.hidden_states.dtype == torch.bfloat16
-        assert torch.equal(got.hidden_states.view(torch.int16), hidden.view(torch.int16))  # bit-exact
+        if store.metadata.storage == "bf16":
+            assert torch.equal(got.hidden_states.view(torch.int16), hidden.view(torch.int16))  # bit-exact
+        else:
+            raw, (values, scales) = store.sample(row_id, raw=True), quantize_fp8(hidden)
+            assert raw.hidden_states.dtype == torch.float8_e4m3fn and raw.hidden_states_scales.dtype == torch.float32
+            assert torch.equal(raw.hidden_states.view(torch.uint8), values.view(torch.uint8))  # bit-exact
+            assert torch.equal(raw.hidden_states_scales, scales)
+            assert torch.equal(got.hidden_states, values.bfloat16() * scales.bfloat16()[:, None, None])
 
 
 @pytest.fixture
@@ -71,7 +87,7 @@ def samples():
     return [random_sample(100 + i, n, g) for i, n in enumerate(lengths)]
 
 
-@pytest.mark.parametrize("layout", [LAYOUT, ZSTD_LAYOUT], ids=["streamed", "zstd-through-zarr"])
+@LAYOUTS
 def test_roundtrip_bit_exact(tmp_path, samples, layout):
     writer = open_writer(tmp_path / "s.zarr", layout)
     for s in samples:
@@ -82,7 +98,7 @@ def test_roundtrip_bit_exact(tmp_path, samples, layout):
     assert arr.shape == (sum(len(s[1]) for s in samples), K, H)  # real tokens only, no padding
 
 
-@pytest.mark.parametrize("layout", [LAYOUT, ZSTD_LAYOUT], ids=["streamed", "zstd-through-zarr"])
+@LAYOUTS
 def test_uncommitted_tail_is_absent_then_resumed(tmp_path, samples, layout):
     path = str(tmp_path / "s.zarr")
     writer = open_writer(path, layout)
@@ -104,19 +120,25 @@ def test_uncommitted_tail_is_absent_then_resumed(tmp_path, samples, layout):
     assert not list(tmp_path.rglob("*.partial"))  # the crashed run's half-written shard was reused, then renamed
 
 
-def test_streamed_shards_are_the_bytes_zarr_writes(tmp_path, samples):
+@pytest.mark.parametrize("layout", [LAYOUT, FP8_LAYOUT], ids=["bf16", "fp8"])
+def test_streamed_shards_are_the_bytes_zarr_writes(tmp_path, samples, layout):
     """The shard files the writer streams are byte for byte what zarr-python itself writes for the
     same values (full shards and the partial last one), so any Zarr v3 reader reads them."""
     path = tmp_path / "s.zarr"
-    writer = open_writer(path)
+    writer = open_writer(path, layout)
     for s in samples:
         append(writer, s)
     writer.close()
     ours = zarr.open_group(str(path), mode="r")["parts/part-00000"]
-    reference = create_part(zarr.open_group(str(tmp_path / "ref.zarr"), mode="w"), "part-00000", LAYOUT)
-    values = {"hidden_states": np.concatenate([bf16_to_bits(s[3]) for s in samples]),
-              "input_ids": np.concatenate([s[1] for s in samples]),
+    reference = create_part(zarr.open_group(str(tmp_path / "ref.zarr"), mode="w"), "part-00000", layout)
+    hidden = torch.cat([s[3] for s in samples])
+    values = {"input_ids": np.concatenate([s[1] for s in samples]),
               "loss_mask": np.concatenate([s[2] for s in samples])}
+    if layout.storage == "fp8":
+        fp8, scales = quantize_fp8(hidden)
+        values.update(hidden_states=stored_bits(fp8), hidden_states_scales=scales.numpy())
+    else:
+        values["hidden_states"] = bf16_to_bits(hidden)
     n = len(values["input_ids"])
     assert n % LAYOUT.shard_tokens and n % LAYOUT.chunk_tokens  # the last shard and its last chunk are partial
     for name, v in values.items():
@@ -234,3 +256,27 @@ def test_metadata_round_trips_and_reads_records_with_unknown_fields():
     record = m.to_json()
     assert record["num_slots"] == 3 and record["bytes_per_token"] == 3 * H * 2  # for readers of the raw JSON
     assert StoreMetadata.from_json({**record, "added_by_a_later_version": 1}) == m
+
+
+def test_storage_is_part_of_what_a_resume_must_match(tmp_path):
+    path = str(tmp_path / "s.zarr")
+    prepare(path, meta("bf16"))
+    with pytest.raises(StoreError, match="incompatible run.*storage: store has 'bf16', this run 'fp8'"):
+        prepare(path, meta("fp8"))
+    # a record from before fp8 storage existed (format /1) has no storage field: it is a bf16 store
+    root = zarr.open_group(path)
+    old = dict(root.attrs["streamx"])
+    del old["compat"]["storage"], old["storage"]
+    root.attrs["streamx"] = {**old, "format": "streamx-store/1"}
+    prepare(path, meta("bf16"))
+    with pytest.raises(StoreError, match="storage: store has 'bf16', this run 'fp8'"):
+        open_for_run(path, meta("fp8"))
+
+
+def test_a_newer_store_format_is_refused_in_one_line(tmp_path):
+    path = str(tmp_path / "s.zarr")
+    prepare(path, meta())
+    root = zarr.open_group(path)
+    root.attrs["streamx"] = {**root.attrs["streamx"], "format": "streamx-store/9"}
+    with pytest.raises(StoreError, match=r"format 'streamx-store/9', which this streamx .* cannot read.*upgrade"):
+        Store(path)

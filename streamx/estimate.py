@@ -1,0 +1,107 @@
+"""What a run will write, before it starts: `streamx plan`, and the free-space check of `streamx run`.
+
+The run's own tokenizer and sample builder go over the rows (a systematic sample of `sample_rows`
+of them when there are more) and the store's bytes and files follow from its layout (store.py),
+for each storage choice. No weights are read: the layer count and hidden size come from the
+model's config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .config import STORAGE, RunConfig, resolve_layer_ids
+from .models import read_text_config
+from .source import Source
+from .store import INDEX_CHUNK, TOKEN_ID_BYTES, Layout, make_layout
+from .tokenize import Reject, SampleBuilder
+
+SAMPLE_INDEX_BYTES = 3 * 8  # sample_row_id, sample_offset, sample_length (int64; stored zstd-compressed)
+REJECT_INDEX_BYTES = 8 + 1
+GROUP_FILES = 3  # zarr.json of the store, of parts/ and of the part
+METADATA_BYTES = 64 << 10  # the zarr.json documents: the store's metadata with its config, each array's
+
+
+@dataclass
+class StoreSize:
+    bytes: int  # on disk
+    files: int
+    bytes_per_token: int  # hidden states only
+
+
+@dataclass
+class Estimate:
+    rows: int | None  # source rows (None: a stream whose length is not known)
+    sampled_rows: int  # rows tokenized
+    samples: int  # rows that become samples (scaled up from the sample)
+    rejects: dict[str, int]  # reason -> rows
+    tokens: int
+    trainable_tokens: int
+    longest_sample: int  # tokens, in the sample
+    layer_ids: list[int]
+    num_layers: int
+    hidden_size: int
+    sizes: dict[str, StoreSize]  # storage choice -> the store it makes
+
+    @property
+    def exact(self) -> bool:  # every row was tokenized
+        return self.rows is not None and self.sampled_rows == self.rows
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "exact": self.exact}
+
+
+def store_size(layout: Layout, tokens: int, samples: int, rejects: int) -> StoreSize:
+    """Bytes and files of a one-part store of `tokens` tokens: shards of the token arrays (a partial last
+    chunk is stored whole, each shard ends with its index), the per-sample and per-reject index arrays
+    (counted uncompressed), and the zarr.json documents."""
+    shard, chunk = layout.shard_tokens, layout.chunk_tokens
+    shards = -(-tokens // shard)
+    stored_tokens = (shards - 1) * shard + -(-(tokens - (shards - 1) * shard) // chunk) * chunk if shards else 0
+    token_arrays = 4 if layout.storage == "fp8" else 3  # fp8: + hidden_states_scales
+    index_bytes = shard // chunk * 16 + 4
+    nbytes = (stored_tokens * (layout.bytes_per_token + TOKEN_ID_BYTES) + shards * token_arrays * index_bytes
+              + samples * SAMPLE_INDEX_BYTES + rejects * REJECT_INDEX_BYTES + METADATA_BYTES)
+    index_files = 3 * -(-samples // INDEX_CHUNK) + 2 * -(-rejects // INDEX_CHUNK)
+    arrays = token_arrays + 5
+    return StoreSize(nbytes, GROUP_FILES + arrays + shards * token_arrays + index_files, layout.bytes_per_token)
+
+
+def sampled(source: Source, sample_rows: int) -> tuple[list, int | None]:
+    """Every k-th row of the source, about `sample_rows` of them (all rows when there are no more); the
+    first `sample_rows` rows of a stream whose length is unknown."""
+    total = source.num_rows
+    step = 1 if total is None else max(1, -(-total // sample_rows))
+    rows = []
+    for i, row in enumerate(source):
+        if i % step == 0:
+            rows.append(row)
+            if total is None and len(rows) == sample_rows:
+                break
+    return rows, total
+
+
+def estimate(config: RunConfig, source: Source, builder: SampleBuilder, sample_rows: int = 4096) -> Estimate:
+    """Tokenize (a sample of) the rows as the run will and size the store for every storage choice."""
+    text_config = read_text_config(config.model)
+    L, H = text_config.num_hidden_layers, text_config.hidden_size
+    layer_ids = resolve_layer_ids(config.layers, L)
+    rows, total = sampled(source, sample_rows)
+    samples, tokens, trainable, longest, rejects = 0, 0, 0, 0, {}
+    for row in rows:
+        item = builder(row)
+        if isinstance(item, Reject):
+            rejects[item.reason] = rejects.get(item.reason, 0) + 1
+            continue
+        samples += 1
+        tokens += len(item.input_ids)
+        trainable += int(item.loss_mask.sum())
+        longest = max(longest, len(item.input_ids))
+    scale = (total / len(rows)) if total and rows else 1.0
+    samples, tokens, trainable = (round(n * scale) for n in (samples, tokens, trainable))
+    rejects = {reason: round(n * scale) for reason, n in rejects.items()}
+    sizes = {storage: store_size(make_layout(len(layer_ids), H, config.chunk_tokens, config.shard_tokens,
+                                             config.compressor, storage), tokens, samples, sum(rejects.values()))
+             for storage in STORAGE}
+    return Estimate(total, len(rows), samples, rejects, tokens, trainable, longest, layer_ids, L, H, sizes)
