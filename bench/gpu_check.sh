@@ -71,7 +71,7 @@ bench() {  # bench NAME CAP MODEL EXTRA...: streamx bench --random-weights, JSON
         --json "$out/$name.json" "$@"
 }
 
-step tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_writer.py tests/test_kernel.py -k "not pipeline" -rs
+step tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_writer.py tests/test_kernel.py tests/test_fp8.py -k "not pipeline and not speculators" -rs
 bench qwen3_8b 150 "$model_8b" --rounds 2
 bench qwen3_6_27b_hybrid 170 "$model_hybrid" --rounds 2 --skip-naive
 step writer_tmpfs 60 python3 -m streamx bench --writer-only --out /dev/shm/streamx-bench/store.zarr --processes 1,2,4,8 --gib "$writer_gib" \

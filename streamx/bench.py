@@ -115,6 +115,24 @@ def naive(model, samples: list[Sample], layer_ids: list[int], device: torch.devi
     return {"bytes_written": written}
 
 
+def calibrate(config: RunConfig, batches: int = 8, log: Callable[[str], None] = print) -> float:
+    """Tokens/s of the model's forward pass over the first `batches` batches of the data, after one
+    uncounted batch (kernels load or compile): the rate `streamx run` approaches (bench/RESULTS.md)."""
+    plan = make_plan(config.replace(space_check=False), log=log)
+    taken: list[Batch] = []
+    for window in iter_windows(plan.source, config.sort_window):
+        taken += [b for b in plan.batches(plan.tokenize(window)) if isinstance(b, Batch)]
+        if len(taken) > batches:
+            break
+    if len(taken) < 2:
+        raise ValueError("too few rows to calibrate on: pass --tokens-per-s")
+    forward_only(plan.model, taken[:1], plan.device)
+    timed = taken[1 : batches + 1]
+    started = time.perf_counter()
+    forward_only(plan.model, timed, plan.device)
+    return sum(b.num_tokens for b in timed) / (time.perf_counter() - started)
+
+
 def machine() -> dict[str, Any]:
     info = {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -98,6 +98,70 @@ def run(
 
 
 @app.command()
+@with_run_settings
+def plan(
+    cfg: RunConfig,
+    sample_rows: int = typer.Option(4096, help="Rows to tokenize, spread over the data (all rows when there are no "
+                                    "more)."),
+    tokens_per_s: Optional[float] = typer.Option(None, help="The run's rate, for the time estimate (e.g. from "
+                                                 "streamx bench)."),
+    calibrate: bool = typer.Option(False, "--calibrate/--no-calibrate", help="Load the model and time its forward "
+                                   "pass on a few batches of the data, for the time estimate."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+) -> None:
+    """Say what `streamx run` with the same settings would write, before running it: rows, tokens, the
+    store's bytes and files for each storage choice, the free space at --out, and the time."""
+    from .bench import calibrate as calibrate_rate
+    from .estimate import estimate
+    from .store import free_bytes
+
+    try:
+        if sample_rows < 1:
+            raise ValueError(f"--sample-rows must be >= 1; got {sample_rows}")
+        est = estimate(cfg, sample_rows=sample_rows)
+        rate, how = tokens_per_s, "given"
+        if rate is None and calibrate:
+            rate, how = calibrate_rate(cfg, log=lambda m: typer.echo(m, err=True)), "calibrated: forward pass alone"
+    except Exception as err:  # noqa: BLE001
+        _fail(err)
+    free = free_bytes(cfg.out)
+    seconds = est.tokens / rate if rate else None
+    if as_json:
+        typer.echo(json.dumps({**est.to_json(), "storage": cfg.storage, "free_bytes": free, "tokens_per_s": rate,
+                               "seconds": seconds}, indent=2))
+        return
+    scaled = "" if est.exact else (f" (scaled from {est.sampled_rows:,} sampled rows)" if est.rows else
+                                   f" in the first {est.sampled_rows:,} rows (the stream's length is not known)")
+    rejects = ", ".join(f"{k} {v:,}" for k, v in sorted(est.rejects.items())) or "none"
+    lines = [
+        f"rows         {est.rows:,}" if est.rows is not None else "rows         unknown (a stream)",
+        f"samples      {est.samples:,}, rejected {rejects}{scaled}",
+        f"tokens       {est.tokens:,} ({est.trainable_tokens:,} trainable); longest sample {est.longest_sample:,}",
+        f"layers       {est.layer_ids} of {est.num_layers}, hidden {est.hidden_size}",
+        "storage      bytes/token   store        files" + ("   (uncompressed: an upper bound)"
+                                                          if cfg.compressor != "none" else ""),
+    ]
+    for storage, size in est.sizes.items():
+        chosen = "   <- --storage" if storage == cfg.storage else ""
+        lines.append(f"  {storage:<10} {size.bytes_per_token:>11,}   {gb(size.bytes):<12} {size.files:,}{chosen}")
+    if free is not None:
+        needed = est.sizes[cfg.storage].bytes
+        lines.append(f"free         {gb(free)} at {cfg.out}: " + ("fits" if free >= needed else
+                                                                   f"TOO SMALL for {gb(needed)}"))
+    if seconds is not None:
+        note = "" if how == "given" else "; streamx measured 0.99x of the forward pass on CPU (bench/RESULTS.md)"
+        lines.append(f"time         {_duration(seconds)} at {rate:,.0f} tokens/s ({how}{note})")
+    else:
+        lines.append("time         pass --tokens-per-s N (e.g. from streamx bench) or --calibrate")
+    typer.echo("\n".join(lines))
+
+
+def _duration(seconds: float) -> str:
+    hours, rest = divmod(round(seconds), 3600)
+    return f"{hours:,} h {rest // 60:02d} min" if hours else f"{rest // 60} min {rest % 60:02d} s"
+
+
+@app.command()
 def inspect(
     store: str = typer.Argument(..., help="Store path."),
     as_json: bool = typer.Option(False, "--json", help="Print the full summary and metadata as JSON."),

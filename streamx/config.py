@@ -14,7 +14,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.y
 LAYER_PRESETS = ("eagle3", "dflash")
 TRUNCATION_POLICIES = ("truncate", "skip")
 KERNELS = ("auto", "torch", "triton")
-COMPRESSORS = ("none", "zstd")
+COMPRESSORS = ("none", "zstd", "shuffle-lz4", "shuffle-zstd", "bitshuffle-lz4", "bitshuffle-zstd")
 STORAGE = ("bf16", "fp8")
 
 

@@ -1,26 +1,30 @@
 """What a run will write, before it starts: `streamx plan`, and the free-space check of `streamx run`.
 
-The run's own tokenizer and sample builder go over the rows (a systematic sample of `sample_rows`
-of them when there are more) and the store's bytes and files follow from its layout (store.py),
+The run's own tokenizer and sample builder go over the rows (`sample_rows` of them drawn at random
+when there are more) and the store's bytes and files follow from its layout (store.py),
 for each storage choice. No weights are read: the layer count and hidden size come from the
 model's config.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+
 from .config import STORAGE, RunConfig, resolve_layer_ids
-from .models import read_text_config
-from .source import Source
+from .models import model_tokenizer, read_text_config, resolve_model_path
+from .source import Source, open_source
 from .store import INDEX_CHUNK, TOKEN_ID_BYTES, Layout, make_layout
 from .tokenize import Reject, SampleBuilder
 
 SAMPLE_INDEX_BYTES = 3 * 8  # sample_row_id, sample_offset, sample_length (int64; stored zstd-compressed)
 REJECT_INDEX_BYTES = 8 + 1
 GROUP_FILES = 3  # zarr.json of the store, of parts/ and of the part
-METADATA_BYTES = 64 << 10  # the zarr.json documents: the store's metadata with its config, each array's
+GROUP_METADATA_BYTES = 4 << 10  # the store's zarr.json (metadata with the config), parts/ and the part (commit)
+ARRAY_METADATA_BYTES = 1 << 10  # each array's zarr.json
 
 
 @dataclass
@@ -62,28 +66,31 @@ def store_size(layout: Layout, tokens: int, samples: int, rejects: int) -> Store
     token_arrays = 4 if layout.storage == "fp8" else 3  # fp8: + hidden_states_scales
     index_bytes = shard // chunk * 16 + 4
     nbytes = (stored_tokens * (layout.bytes_per_token + TOKEN_ID_BYTES) + shards * token_arrays * index_bytes
-              + samples * SAMPLE_INDEX_BYTES + rejects * REJECT_INDEX_BYTES + METADATA_BYTES)
+              + samples * SAMPLE_INDEX_BYTES + rejects * REJECT_INDEX_BYTES)
     index_files = 3 * -(-samples // INDEX_CHUNK) + 2 * -(-rejects // INDEX_CHUNK)
     arrays = token_arrays + 5
+    nbytes += GROUP_METADATA_BYTES + arrays * ARRAY_METADATA_BYTES
     return StoreSize(nbytes, GROUP_FILES + arrays + shards * token_arrays + index_files, layout.bytes_per_token)
 
 
-def sampled(source: Source, sample_rows: int) -> tuple[list, int | None]:
-    """Every k-th row of the source, about `sample_rows` of them (all rows when there are no more); the
-    first `sample_rows` rows of a stream whose length is unknown."""
+def sampled(source: Source, sample_rows: int, seed: int = 0) -> tuple[list, int | None]:
+    """`sample_rows` rows drawn at random (seeded) from the whole source, in source order, and its row count;
+    all rows when there are no more; the first `sample_rows` rows of a stream whose length is unknown."""
     total = source.num_rows
-    step = 1 if total is None else max(1, -(-total // sample_rows))
-    rows = []
-    for i, row in enumerate(source):
-        if i % step == 0:
-            rows.append(row)
-            if total is None and len(rows) == sample_rows:
-                break
-    return rows, total
+    if total is None or total <= sample_rows:
+        return list(itertools.islice(source, sample_rows if total is None else None)), total
+    chosen = np.zeros(total, dtype=bool)
+    chosen[np.random.default_rng(seed).choice(total, sample_rows, replace=False)] = True
+    return [row for i, row in enumerate(source) if chosen[i]], total
 
 
-def estimate(config: RunConfig, source: Source, builder: SampleBuilder, sample_rows: int = 4096) -> Estimate:
-    """Tokenize (a sample of) the rows as the run will and size the store for every storage choice."""
+def estimate(config: RunConfig, source: Source | None = None, builder: SampleBuilder | None = None,
+             sample_rows: int = 4096) -> Estimate:
+    """Tokenize (a sample of) the rows as the run will and size the store for every storage choice.
+    The source and sample builder are opened from `config` unless given."""
+    source = source or open_source(config.data, config.split, config.max_samples)
+    builder = builder or SampleBuilder(model_tokenizer(resolve_model_path(config.model), config.tokenizer),
+                                       config.max_length, config.truncation)
     text_config = read_text_config(config.model)
     L, H = text_config.num_hidden_layers, text_config.hidden_size
     layer_ids = resolve_layer_ids(config.layers, L)

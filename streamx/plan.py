@@ -31,7 +31,6 @@ from .metrics import gb
 from .models import (
     ModelInfo,
     load_model,
-    model_tokenizer,
     read_text_config,
     resolve_device,
     resolve_dtype,
@@ -131,9 +130,7 @@ def check_space(config: RunConfig, source: Source, log: Callable[[str], None]) -
     if free is None or source.num_rows is None:
         log("  space   not checked: " + ("an object store" if free is None else "a stream of unknown length"))
         return
-    builder = SampleBuilder(model_tokenizer(resolve_model_path(config.model), config.tokenizer), config.max_length,
-                            config.truncation)
-    plan = estimate(config, source, builder)
+    plan = estimate(config, source)
     size = plan.sizes[config.storage]
     done = 0 if config.overwrite else sum(c.samples + c.rejects for c in commits(config.out))
     needed = round(size.bytes * max(0, source.num_rows - done) / max(1, source.num_rows))

@@ -222,7 +222,13 @@ def bits_to_bf16(a: np.ndarray) -> torch.Tensor:
 
 
 def _codecs(compressor: str) -> Any:
-    return None if compressor == "none" else [zarr.codecs.ZstdCodec(level=1)]
+    """The zarr codecs of a --compressor choice (bench/RESULTS.md, "Lossless codecs", measures each)."""
+    if compressor == "none":
+        return None
+    if compressor == "zstd":
+        return [zarr.codecs.ZstdCodec(level=1)]
+    shuffle, cname = compressor.split("-")  # blosc: byte or bit shuffle (typesize from the dtype), then lz4 or zstd
+    return [zarr.codecs.BloscCodec(cname=cname, clevel=1 if cname == "zstd" else 5, shuffle=shuffle)]
 
 
 def create_part(root: zarr.Group, name: str, layout: Layout) -> zarr.Group:

@@ -104,3 +104,13 @@ def test_storage_setting_is_validated(storage):
     assert load_config(None, storage=storage).storage == storage
     with pytest.raises(ValueError, match="storage must be one of bf16, fp8; got 'int8'"):
         load_config(None, storage="int8")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_quantiser_on_cuda_is_bit_exact_with_the_cpu():
+    """The run quantises on the GPU; speculators' reference is checked on the CPU: they must agree bit for bit."""
+    x = edge_cases()["edge"].repeat(100, 1, 1)
+    values, scales = quantize_fp8(x.cuda())
+    want_values, want_scales = quantize_fp8(x)
+    assert torch.equal(values.cpu().view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(scales.cpu(), want_scales)

@@ -27,8 +27,9 @@ K, H = 3, 8
 LAYOUT = make_layout(K, H, chunk_tokens=4, shard_tokens=8)
 ZSTD_LAYOUT = make_layout(K, H, chunk_tokens=4, shard_tokens=8, compressor="zstd")
 FP8_LAYOUT = make_layout(K, H, chunk_tokens=4, shard_tokens=8, storage="fp8")
-LAYOUTS = pytest.mark.parametrize("layout", [LAYOUT, ZSTD_LAYOUT, FP8_LAYOUT], ids=["streamed", "zstd-through-zarr",
-                                                                                    "fp8-streamed"])
+BLOSC_LAYOUT = make_layout(K, H, chunk_tokens=4, shard_tokens=8, compressor="bitshuffle-lz4", storage="fp8")
+LAYOUTS = pytest.mark.parametrize("layout", [LAYOUT, ZSTD_LAYOUT, FP8_LAYOUT, BLOSC_LAYOUT],
+                                  ids=["streamed", "zstd-through-zarr", "fp8-streamed", "fp8-blosc-through-zarr"])
 
 
 def meta(storage="bf16", **compat) -> StoreMetadata:
