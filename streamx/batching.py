@@ -1,9 +1,16 @@
-"""Length-bucketed batches under a token budget, from a sorting window.
+"""Batches under a token budget, from a window of source rows.
 
-Samples are sorted by length inside a window of `sort_window` source rows and cut greedily into
-right-padded batches whose padded size (batch x longest) stays within `token_budget`. Right
-padding keeps positions 0..T-1 of every real token exact under causal attention, so the
-real tokens' states do not depend on the padding. Rejects pass straight through.
+Packed (the default where the model allows it, streamx.packing): the samples' real tokens side by
+side in one row, position ids restarting at each sample, boundaries in `cu_seq_lens`; a window's
+samples are bin-packed longest first (first fit) so that each batch holds up to `token_budget` real
+tokens and nothing is padding.
+
+Padded (--packing off, or a model that cannot keep packed samples apart): samples sorted by length
+and cut greedily into right-padded batches whose padded size (batch x longest) stays within
+`token_budget`. Right padding keeps positions 0..T-1 of every real token exact under causal
+attention, so the real tokens' states do not depend on the padding.
+
+Either way rejects pass straight through, and batches depend only on the window's rows.
 """
 
 from __future__ import annotations
@@ -20,16 +27,38 @@ from .tokenize import Reject, Sample
 @dataclass
 class Batch:
     samples: list[Sample]
-    input_ids: torch.Tensor  # int64 [B, S], right-padded
-    attention_mask: torch.Tensor  # int64 [B, S]
+    input_ids: torch.Tensor  # int64 [B, S] right-padded, or [1, N] packed
+    attention_mask: torch.Tensor | None  # int64 [B, S]; None when packed
     token_index: torch.Tensor  # int64 [N]: flat b * S + t of every real token, sample after sample
     sample_index: torch.Tensor  # int64 [N]: which sample (0..B-1) each real token belongs to
+    position_ids: torch.Tensor | None = None  # packed: int64 [1, N], 0.. for each sample
+    cu_seq_lens: torch.Tensor | None = None  # packed: int32 [B + 1], where each sample starts, then N
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seq_lens is not None
 
     def pin_memory(self) -> None:
-        self.input_ids = self.input_ids.pin_memory()
-        self.attention_mask = self.attention_mask.pin_memory()
-        self.token_index = self.token_index.pin_memory()
-        self.sample_index = self.sample_index.pin_memory()
+        for name in ("input_ids", "attention_mask", "token_index", "sample_index", "position_ids", "cu_seq_lens"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).pin_memory())
+
+    def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor | int]:
+        """The decoder's keyword arguments: ids with their padding mask, or with the packed boundaries
+        (flash-attention's and flash-linear-attention's names, which transformers passes down)."""
+        inputs: dict[str, torch.Tensor | int] = {"input_ids": self.input_ids.to(device, non_blocking=True)}
+        if not self.packed:
+            inputs["attention_mask"] = self.attention_mask.to(device, non_blocking=True)
+            return inputs
+        cu = self.cu_seq_lens.to(device, non_blocking=True)
+        longest = max(self.lengths)
+        return {**inputs, "position_ids": self.position_ids.to(device, non_blocking=True), "cu_seq_lens_q": cu,
+                "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+    @property
+    def shape_key(self) -> tuple:
+        """What a forward's kernels depend on: the padded shape, or the packed samples' lengths."""
+        return ("packed", *self.lengths) if self.packed else tuple(self.input_ids.shape)
 
     @property
     def lengths(self) -> list[int]:
@@ -55,6 +84,32 @@ def make_batch(samples: list[Sample], pad_token_id: int) -> Batch:
     token_index = torch.nonzero(attention_mask.flatten(), as_tuple=True)[0]
     sample_index = torch.repeat_interleave(torch.arange(B), torch.tensor(lengths))
     return Batch(samples, input_ids, attention_mask, token_index, sample_index)
+
+
+def make_packed_batch(samples: list[Sample]) -> Batch:
+    lengths = torch.tensor([len(s.input_ids) for s in samples])
+    N = int(lengths.sum())
+    cu_seq_lens = torch.zeros(len(samples) + 1, dtype=torch.int32)
+    cu_seq_lens[1:] = torch.cumsum(lengths, 0)
+    position_ids = torch.cat([torch.arange(int(n)) for n in lengths])[None]
+    return Batch(samples, torch.cat([s.input_ids for s in samples])[None], None, torch.arange(N),
+                 torch.repeat_interleave(torch.arange(len(samples)), lengths), position_ids, cu_seq_lens)
+
+
+def pack_window(samples: list[Sample], token_budget: int, max_batch_size: int) -> list[list[Sample]]:
+    """First fit, longest first: each sample joins the first batch with room for its tokens."""
+    groups: list[list[Sample]] = []
+    room: list[int] = []
+    for sample in sorted(samples, key=lambda s: len(s.input_ids), reverse=True):
+        n = len(sample.input_ids)
+        k = next((i for i, r in enumerate(room) if r >= n and len(groups[i]) < max_batch_size), None)
+        if k is None:
+            groups.append([])
+            room.append(token_budget)
+            k = len(groups) - 1
+        groups[k].append(sample)
+        room[k] -= n
+    return groups
 
 
 def cut_window(samples: list[Sample], token_budget: int, max_batch_size: int) -> list[list[Sample]]:
@@ -87,8 +142,8 @@ def iter_windows(rows: Iterable[Row], sort_window: int) -> Iterator[list[Row]]:
 
 
 def iter_batches(items: list[Sample | Reject], token_budget: int, max_batch_size: int,
-                 pad_token_id: int) -> Iterator[Batch | Reject]:
-    """One window's samples as batches; rejects pass straight through."""
+                 pad_token_id: int, packed: bool = False) -> Iterator[Batch | Reject]:
+    """One window's samples as batches, packed or padded; rejects pass straight through."""
     samples = []
     for item in items:
         if isinstance(item, Reject):
@@ -97,5 +152,7 @@ def iter_batches(items: list[Sample | Reject], token_budget: int, max_batch_size
             raise ValueError(f"row {item.row_id}: {len(item.input_ids)} tokens exceed token_budget {token_budget}")
         else:
             samples.append(item)
-    for group in cut_window(samples, token_budget, max_batch_size):
-        yield make_batch(group, pad_token_id)
+    if packed:
+        yield from (make_packed_batch(group) for group in pack_window(samples, token_budget, max_batch_size))
+    else:
+        yield from (make_batch(group, pad_token_id) for group in cut_window(samples, token_budget, max_batch_size))

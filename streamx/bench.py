@@ -29,12 +29,13 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from .batching import Batch, iter_windows
 from .ceilings import host_copy_gb_per_s, matmul_peak_tflops
 from .config import RunConfig
+from .packing import padded_attention
 from .pipeline import run
 from .plan import make_plan
 from .tokenize import Sample
 from .writebench import write_ceiling
 
-MODES = ("forward_only", "streamx", "naive")
+MODES = ("forward_only", "forward_padded", "streamx", "naive")  # forward_padded: only when the run packs
 
 
 class PeakRSS:
@@ -72,8 +73,7 @@ def _sync(device: torch.device) -> None:
 def forward_only(model, batches: list[Batch], device: torch.device) -> dict[str, Any]:
     with torch.inference_mode():
         for batch in batches:
-            model.model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                        use_cache=False)
+            model.model(**batch.model_inputs(device), use_cache=False)
     _sync(device)
     return {"bytes_written": 0}
 
@@ -87,13 +87,13 @@ _CPU_ATTENTION_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_c
                         torch.ops.aten.scaled_dot_product_attention: _cpu_sdpa_flops}
 
 
-def warm_up(model, batches: list[Batch], device: torch.device) -> dict[tuple[int, ...], int]:
+def warm_up(model, batches: list[Batch], device: torch.device) -> dict[tuple, int]:
     """One forward over one batch of each distinct shape, before anything is timed: compilation and
     autotuning happen per shape (Triton, flash-linear-attention) and would otherwise land in the first
     timed round. The forwards run under torch's FLOP counter, so the result is the model FLOPs of
     each shape: matmuls and attention as executed, MoE experts as routed; custom Triton kernels such as
     flash-linear-attention's recurrence (about 1% of a gated delta-net layer's FLOPs) go uncounted."""
-    first_of_shape = {tuple(b.input_ids.shape): b for b in reversed(batches)}
+    first_of_shape = {b.shape_key: b for b in reversed(batches)}
     flops = {}
     for shape, batch in first_of_shape.items():
         with FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION_FLOPS) as counter:
@@ -159,8 +159,12 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
         transformers.utils.logging.disable_progress_bar()
     plan = make_plan(config, log=log)  # what `streamx run` would do, loaded once for every mode
     model, info, layer_ids, device = plan.model, plan.info, plan.layer_ids, plan.device
-    batches = [b for window in iter_windows(plan.source, config.sort_window)
-               for b in plan.batches(plan.tokenize(window)) if isinstance(b, Batch)]
+    windows = [plan.tokenize(window) for window in iter_windows(plan.source, config.sort_window)]
+    batches = [b for window in windows for b in plan.batches(window) if isinstance(b, Batch)]
+    if plan.packing != "on":  # the forward pass over padded batches is forward_only itself
+        modes = tuple(m for m in modes if m != "forward_padded")
+    padded_batches = [b for window in windows for b in plan.batches(window, packed=False) if isinstance(b, Batch)] \
+        if "forward_padded" in modes else batches
     samples = [s for b in batches for s in b.samples]
     if not samples:
         raise ValueError("no usable samples in the data")
@@ -168,7 +172,10 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
     padded = sum(b.padded_tokens for b in batches)
 
     flops_by_shape = warm_up(model, batches, device)
-    round_flops = sum(flops_by_shape[tuple(b.input_ids.shape)] for b in batches)
+    round_flops = sum(flops_by_shape[b.shape_key] for b in batches)
+    if "forward_padded" in modes:
+        with padded_attention(model):
+            warm_up(model, padded_batches, device)
     warmups = (1 if device.type == "cuda" else 0) if warmup_rounds is None else warmup_rounds
     peak, host_copy = matmul_peak_tflops(device), host_copy_gb_per_s(device)
     totals = {m: {"seconds": 0.0, "rounds": [], "peak_rss_bytes": 0, "peak_device_bytes": 0, "bytes_written": 0}
@@ -186,6 +193,9 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
                     t0 = time.perf_counter()
                     if mode == "forward_only":
                         out = forward_only(model, batches, device)
+                    elif mode == "forward_padded":  # the same samples in padded batches, as --packing off runs them
+                        with padded_attention(model):
+                            out = forward_only(model, padded_batches, device)
                     elif mode == "streamx":
                         store = Path(tmp) / f"round{r}.zarr"
                         summary = run(plan.replace(out=str(store), overwrite=True), progress=False, log=log)
@@ -224,7 +234,8 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
             "rounds_tokens_per_s": [real / seconds for seconds in t["rounds"]],  # drift shows here
             "spread": (max(t["rounds"]) - min(t["rounds"])) / (t["seconds"] / rounds),  # of round times
             "seconds": t["seconds"] / rounds,
-            "padding_efficiency": 1.0 if mode == "naive" else real / padded,
+            "padding_efficiency": 1.0 if mode == "naive" else real / sum(
+                b.padded_tokens for b in (padded_batches if mode == "forward_padded" else batches)),
             "peak_rss_bytes": t["peak_rss_bytes"],
             "peak_device_bytes": t["peak_device_bytes"],
             "bytes_written_per_token": t["bytes_written"] / real,
@@ -247,6 +258,9 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
     s["bottleneck"] = bottleneck(busy, state_bytes, ceiling, device.type == "cuda")
     report["ratios"] = {f"streamx_vs_{m}": report["streamx"]["tokens_per_s"] / report[m]["tokens_per_s"]
                         for m in modes if m != "streamx"}
+    if "forward_padded" in report and "forward_only" in report:
+        report["ratios"]["packed_vs_padded_forward"] = (report["forward_only"]["tokens_per_s"]
+                                                        / report["forward_padded"]["tokens_per_s"])
     report["workload"] = {"samples": len(samples), "tokens": real, "padded_tokens": padded, "batches": len(batches),
                           "batch_shapes": len(flops_by_shape), "layer_ids": layer_ids, "rounds": rounds,
                           "warmup_rounds": warmups, "model_flops_per_round": round_flops,
@@ -291,8 +305,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{mode:<14}{m['samples_per_s']:>11.2f}{m['tokens_per_s']:>12,.0f}{m['padding_efficiency']:>9.1%}"
                      f"{m['peak_rss_bytes'] / 2**30:>9.2f}GB{m['peak_device_bytes'] / 2**30:>8.2f}GB"
                      f"{m['bytes_written_per_token']:>10,.0f}")
-    lines.append(", ".join(f"streamx / {k.removeprefix('streamx_vs_')} = {v:.3f}x"
-                           for k, v in report["ratios"].items()))
+    lines.append(", ".join(f"streamx / {k.removeprefix('streamx_vs_')} = {v:.3f}x" for k, v in report["ratios"].items()
+                           if k.startswith("streamx_vs_")))
+    if "packed_vs_padded_forward" in report["ratios"]:
+        lines.append(f"forward pass, packed / padded batches = {report['ratios']['packed_vs_padded_forward']:.3f}x "
+                     f"(padding efficiency {report['forward_padded']['padding_efficiency']:.1%} when padded)")
     peak = report["ceilings"]["bf16_matmul_peak_tflops"]
     lines.append(f"model FLOPs: {_flop(w['model_flops_per_real_token'])} per real token (padding included); "
                  + "; ".join(f"{mode} {_flop(report[mode]['model_tflops_per_s'] * 1e12)}/s"

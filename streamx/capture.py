@@ -101,11 +101,7 @@ class LayerCapture:
         device = packed.device
         self._target = (packed, batch.token_index.to(device, non_blocking=True))
         try:
-            self.decoder(
-                input_ids=batch.input_ids.to(device, non_blocking=True),
-                attention_mask=batch.attention_mask.to(device, non_blocking=True),
-                use_cache=False,
-            )
+            self.decoder(**batch.model_inputs(device), use_cache=False)
         except _StopForward:
             pass
         else:

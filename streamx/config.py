@@ -16,6 +16,7 @@ TRUNCATION_POLICIES = ("truncate", "skip")
 KERNELS = ("auto", "torch", "triton")
 COMPRESSORS = ("none", "zstd", "shuffle-lz4", "shuffle-zstd", "bitshuffle-lz4", "bitshuffle-zstd")
 STORAGE = ("bf16", "fp8")
+PACKING = ("on", "off")
 
 
 def setting(default: Any, help: str) -> Any:
@@ -57,7 +58,11 @@ class RunConfig:
     truncation: str = setting("truncate", "Longer samples: truncate (cut to --max-length) or skip (reject as "
                               "too_long).")
     # batching
-    token_budget: int = setting(4096, "Max padded tokens (batch x longest) per forward pass.")
+    token_budget: int = setting(4096, "Max tokens per forward pass: real tokens when packed, batch x longest when "
+                                "padded.")
+    packing: str = setting("on", "on: the samples of a forward pass side by side in one sequence, no padding, where a "
+                           "check at start proves this model keeps them apart (else padded batches, with the reason "
+                           "logged); off: right-padded batches.")
     max_batch_size: int = setting(256, "Max samples per forward pass.")
     sort_window: int = setting(1024, "Consecutive source rows sorted by length together before batching (more: "
                                "less padding, more host memory).")
@@ -87,6 +92,7 @@ class RunConfig:
         choose("kernel", self.kernel, KERNELS)
         choose("compressor", self.compressor, COMPRESSORS)
         choose("storage", self.storage, STORAGE)
+        choose("packing", self.packing, PACKING)
         for name in ("max_length", "token_budget", "max_batch_size", "sort_window", "queue_batches"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")

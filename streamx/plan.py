@@ -36,6 +36,7 @@ from .models import (
     resolve_dtype,
     resolve_model_path,
 )
+from .packing import configure as configure_packing
 from .source import Row, Source, open_source
 from .store import (
     Compat,
@@ -57,6 +58,7 @@ class RunPlan:
     rank: Rank  # this process under torchrun (rank 0 of 1 otherwise)
     source: Source
     layer_ids: list[int]  # speculators convention, ascending (docs/layers.md)
+    packing: str  # "on" (packed batches), "off", or "off: why" (streamx.packing.configure)
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     info: ModelInfo
@@ -71,9 +73,11 @@ class RunPlan:
     def tokenize(self, window: list[Row]) -> list[Sample | Reject]:
         return [self.builder(row) for row in window]
 
-    def batches(self, samples: list[Sample | Reject]) -> Iterator[Batch | Reject]:
+    def batches(self, samples: list[Sample | Reject], packed: bool | None = None) -> Iterator[Batch | Reject]:
+        """A window's samples as the run batches them (packed when packing is on), or as asked."""
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        return iter_batches(samples, self.config.token_budget, self.config.max_batch_size, pad_id)
+        return iter_batches(samples, self.config.token_budget, self.config.max_batch_size, pad_id,
+                            packed=self.packing == "on" if packed is None else packed)
 
     def replace(self, **changes: Any) -> RunPlan:
         """The same loaded model with other settings (bench: a fresh output per round)."""
@@ -95,11 +99,14 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
                                                   config.attn_implementation, config.device_map,
                                                   config.random_weights, config.tokenizer)
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
+    packing = configure_packing(model, config.packing)
+    if rank.is_main and loaded is None:
+        log(f"  packing {packing_note(packing)}")
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
     layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor,
                          config.storage)
-    return RunPlan(config, rank, source, layer_ids, model, tokenizer, info, builder, layout,
-                   store_metadata(config, info, builder, layer_ids, layout))
+    return RunPlan(config, rank, source, layer_ids, packing, model, tokenizer, info, builder, layout,
+                   store_metadata(config, info, builder, layer_ids, layout, packing))
 
 
 def announce(config: RunConfig, source: Source, device: str, log: Callable[[str], None]) -> None:
@@ -143,13 +150,20 @@ def check_space(config: RunConfig, source: Source, log: Callable[[str], None]) -
                          "free space, choose another --out, use --storage fp8, or pass --no-space-check")
 
 
+def packing_note(packing: str) -> str:
+    if packing == "on":
+        return ("on: each forward's samples side by side, no padding (checked on this model: a sample packed after "
+                "another has the states it has alone)")
+    return f"{packing}; padded batches" if packing != "off" else "off: padded batches"
+
+
 def fla_installed() -> bool:
     """flash-linear-attention (fla-core): the Triton kernels transformers uses for gated delta-net layers."""
     return importlib.util.find_spec("fla") is not None
 
 
 def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, layer_ids: list[int],
-                   layout: Layout) -> StoreMetadata:
+                   layout: Layout, packing: str) -> StoreMetadata:
     template = builder.tokenizer.chat_template or ""
     return StoreMetadata(
         layer_ids=layer_ids,
@@ -159,6 +173,7 @@ def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, l
         shard_tokens=layout.shard_tokens,
         compressor=layout.compressor,
         storage=layout.storage,
+        packing=packing,
         model=asdict(info),
         tokenizer={"name_or_path": builder.tokenizer.name_or_path, "fingerprint": builder.fingerprint,
                    "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()},
@@ -169,5 +184,6 @@ def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, l
                   "zarr": zarr.__version__},
         reject_reasons=list(REJECT_REASONS),
         compat=Compat(model=info.weights_fingerprint, compute_dtype=info.dtype, layer_ids=layer_ids,
-                      tokenization=builder.fingerprint, data=config.data, split=config.split, storage=layout.storage),
+                      tokenization=builder.fingerprint, data=config.data, split=config.split, storage=layout.storage,
+                      packing=packing.split(":")[0]),
     )

@@ -76,10 +76,11 @@ class Compat:
     data: str
     split: str
     storage: str = "bf16"
+    packing: str = "off"  # on or off: packed and padded forwards round differently, so a resume must not mix them
 
     def differences(self, theirs: dict[str, Any]) -> list[str]:
         ours = asdict(self)
-        theirs = {"storage": "bf16", **theirs}  # records from before fp8 storage existed
+        theirs = {"storage": "bf16", "packing": "off", **theirs}  # records from before fp8 storage and packing
         return [f"{k}: store has {theirs.get(k)!r}, this run {ours.get(k)!r}"
                 for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
 
@@ -108,6 +109,7 @@ class StoreMetadata:
     layer_convention_text: str = CONVENTION_TEXT
     last_id_is_pre_norm: bool = True
     storage: str = "bf16"  # or fp8
+    packing: str = "off"  # "on": packed forwards; "off"; "off: why" when the model cannot keep packed samples apart
 
     @property
     def num_slots(self) -> int:  # K

@@ -40,8 +40,14 @@ def test_bench_report(tiny_chat_model_dir, chat_jsonl, tmp_path):
     assert abs(r["streamx_vs_forward_only"] - tokens_per_s["streamx"] / tokens_per_s["forward_only"]) < 1e-9
     assert abs(r["streamx_vs_naive"] - report["streamx"]["tokens_per_s"] / report["naive"]["tokens_per_s"]) < 1e-9
     assert report["config"]["max_samples"] == 12 and report["machine"]["torch"]
+    # packed by default: the run and the plain forward compute no padding; forward_padded runs the same samples
+    # in the padded batches of --packing off
+    assert report["forward_only"]["padding_efficiency"] == report["streamx"]["padding_efficiency"] == 1.0
+    assert report["forward_padded"]["padding_efficiency"] < 1.0
+    assert r["packed_vs_padded_forward"] == tokens_per_s["forward_only"] / tokens_per_s["forward_padded"]
     json.dumps(report)  # serialisable for --json
-    assert "streamx / forward_only" in format_report(report)
+    text = format_report(report)
+    assert "streamx / forward_only" in text and "forward pass, packed / padded batches = " in text
 
 
 def test_warm_up_visits_every_batch_shape_before_timing(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
@@ -53,7 +59,7 @@ def test_warm_up_visits_every_batch_shape_before_timing(tiny_chat_model_dir, cha
     real_forward_only = bench_module.forward_only
 
     def recording(model, batches, device):
-        calls.append([tuple(b.input_ids.shape) for b in batches])
+        calls.append([b.shape_key for b in batches])
         return real_forward_only(model, batches, device)
 
     monkeypatch.setattr(bench_module, "forward_only", recording)

@@ -117,8 +117,11 @@ def test_rejects_what_it_cannot_write():
         pack_into_triton(torch.zeros(6, 1, 8, dtype=torch.bfloat16), 0, hidden.transpose(1, 2).contiguous().mT, index)
 
 
-def test_pipeline_store_is_identical_with_torch_and_triton(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
-    """Same data, same model (fp32 on CPU): the triton path stores exactly the bytes of the torch path."""
+@pytest.mark.parametrize("packing", ["off", "on"])
+def test_pipeline_store_is_identical_with_torch_and_triton(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch,
+                                                           packing):
+    """Same data, same model (fp32 on CPU): the triton path stores exactly the bytes of the torch path, gathering
+    from padded batches and from packed ones."""
     assert select_pack_fn("triton", torch.device("cpu")) is pack_into_triton
     calls = []
 
@@ -131,9 +134,9 @@ def test_pipeline_store_is_identical_with_torch_and_triton(tiny_chat_model_dir, 
     for kernel in ("torch", "triton"):
         cfg = load_config(None, model=tiny_chat_model_dir, data=chat_jsonl, out=str(tmp_path / f"{kernel}.zarr"),
                           kernel=kernel, layers="0,2,4", max_samples=8, token_budget=512, max_length=256,
-                          sort_window=8, chunk_tokens=16, shard_tokens=64)
+                          sort_window=8, chunk_tokens=16, shard_tokens=64, packing=packing)
         summary = run(cfg, progress=False)
-        assert summary.samples == 8 and summary.padded_tokens > summary.real_tokens  # padded batches
+        assert summary.samples == 8 and (summary.padded_tokens > summary.real_tokens) == (packing == "off")
         stores[kernel] = open_store(cfg.out)
     assert sorted(set(calls)) == [0, 1, 2]  # the triton run really packed through the kernel, every slot
     for row_id in stores["torch"].row_ids().tolist():

@@ -34,12 +34,16 @@ def write_jsonl(path, rows):
     return str(path)
 
 
-def test_store_matches_unbatched_reference(tiny_chat_model_dir, chat_jsonl, tmp_path):
-    summary = run(config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr"), progress=False)
+@pytest.mark.parametrize("packing", ["on", "off"])
+def test_store_matches_unbatched_reference(tiny_chat_model_dir, chat_jsonl, tmp_path, packing):
+    summary = run(config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", packing=packing), progress=False)
     store = open_store(str(tmp_path / "s.zarr"))
     rows = [json.loads(line) for line in open(chat_jsonl)]
     assert summary.samples == len(store) == len(rows) and summary.rejects == 0
-    assert summary.padded_tokens > summary.real_tokens  # batches really were padded
+    assert store.metadata.packing == packing
+    # packed: every token computed is real; padded: the batches really were padded
+    assert (summary.padded_tokens == summary.real_tokens) if packing == "on" else \
+        (summary.padded_tokens > summary.real_tokens)
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir, dtype=torch.float32).eval()
     model.model.norm = nn.Identity()  # id L is the pre-norm output of the last layer
     tok = AutoTokenizer.from_pretrained(tiny_chat_model_dir)

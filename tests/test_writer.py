@@ -274,6 +274,21 @@ def test_storage_is_part_of_what_a_resume_must_match(tmp_path):
         open_for_run(path, meta("fp8"))
 
 
+def test_packed_and_padded_runs_do_not_mix_in_one_store(tmp_path):
+    """They round differently, and a resumed store must equal an uninterrupted run bit for bit."""
+    path = str(tmp_path / "s.zarr")
+    prepare(path, meta(packing="on"))
+    with pytest.raises(StoreError, match="packing: store has 'on', this run 'off'"):
+        prepare(path, meta(packing="off"))
+    root = zarr.open_group(path)  # a store from before packing existed was padded
+    old = dict(root.attrs["streamx"])
+    del old["compat"]["packing"]
+    root.attrs["streamx"] = old
+    prepare(path, meta(packing="off"))
+    with pytest.raises(StoreError, match="packing: store has 'off', this run 'on'"):
+        open_for_run(path, meta(packing="on"))
+
+
 def test_a_newer_store_format_is_refused_in_one_line(tmp_path):
     path = str(tmp_path / "s.zarr")
     prepare(path, meta())

@@ -1,0 +1,138 @@
+"""Padding-free forward passes: several samples side by side in one sequence, kept apart.
+
+A packed batch (batching.make_packed_batch) is one row of the samples' real tokens, with position
+ids restarting at 0 for each sample and `cu_seq_lens` marking where each one starts (Batch.model_inputs
+hands them to the decoder). Three things
+must keep the samples apart:
+
+- attention: the `streamx_packed_sdpa` implementation runs transformers' own sdpa attention once
+  per sample segment (causal inside it), so a packed batch costs what its samples cost alone, never
+  a (sum of lengths)^2 mask; flash_attention_2/3 read the same `cu_seq_lens` natively (varlen);
+- recurrent and convolutional layers (gated delta-net, causal conv1d) must reset at each boundary,
+  which depends on the kernels transformers finds (fla reads `cu_seq_lens`; its torch fallbacks do
+  not);
+- nothing else may mix tokens (MLPs, MoE routing and norms work per token).
+
+Rather than trust versions and kernels, `enable` proves it on the loaded model: a probe runs two
+unrelated samples packed and each alone and compares every layer's output of the second one. Where
+they differ, or the attention implementation has no packed path, the run uses padded batches and
+says why (in the log and the store's metadata).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .batching import make_packed_batch
+from .capture import find_decoder
+from .tokenize import Sample
+
+PACKED_SDPA = "streamx_packed_sdpa"
+NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")  # transformers' own packed (varlen) paths
+PROBE_LENGTHS = (48, 24)  # a first sample, then the one that must not see it
+UNSUPPORTED = ("sliding_window", "softcap", "s_aux")  # attention features the per-segment path does not implement
+
+
+class _Segments:
+    """The host copy of the running batch's boundaries: `cu_seq_lens_q` lives on the device, and reading
+    it there in every layer would stall the GPU, so it is read once per batch."""
+
+    tensor: torch.Tensor | None = None
+    bounds: list[int] = []
+
+    @classmethod
+    def of(cls, cu_seq_lens: torch.Tensor) -> list[int]:
+        if cu_seq_lens is not cls.tensor:
+            cls.tensor, cls.bounds = cu_seq_lens, cu_seq_lens.tolist()
+        return cls.bounds
+
+
+def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """sdpa attention over each sample of a packed row separately: [1, heads, T, d] -> [1, T, heads, d]."""
+    unsupported = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
+    if unsupported or attention_mask is not None:
+        raise NotImplementedError(f"packed attention does not implement {unsupported or 'an attention mask'}")
+    cu_seq_lens = kwargs.pop("cu_seq_lens_q", None)
+    for name in ("cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal"):
+        kwargs.pop(name, None)
+    if cu_seq_lens is None:  # one sample (e.g. an unbatched forward)
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+    bounds = _Segments.of(cu_seq_lens)
+    outputs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
+                                      is_causal=True, **kwargs)[0] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return torch.cat(outputs, dim=1), None
+
+
+AttentionInterface.register(PACKED_SDPA, packed_sdpa)
+
+
+@contextmanager
+def padded_attention(model: nn.Module) -> Iterator[None]:
+    """The model's attention for padded batches for a while (bench runs both kinds on one model)."""
+    packed = model.config._attn_implementation == PACKED_SDPA
+    if packed:
+        model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        if packed:
+            model.set_attn_implementation(PACKED_SDPA)
+
+
+def configure(model: nn.Module, packing: str) -> str:
+    """Set `model` up for --packing: "on" when packed batches keep its samples apart, else "off", or
+    "off: why" when it cannot (the model then keeps its own attention)."""
+    if packing == "off":
+        if model.config._attn_implementation == PACKED_SDPA:  # a model an earlier plan switched
+            model.set_attn_implementation("sdpa")
+        return "off"
+    why = enable(model)
+    return "on" if why is None else f"off: {why}"
+
+
+def enable(model: nn.Module) -> str | None:
+    """Switch `model` to packed batches if they keep samples apart: None when it is on, else the reason
+    it stays off (the model is then left as it was)."""
+    before = model.config._attn_implementation
+    if before not in (None, "sdpa", PACKED_SDPA, *NATIVE_VARLEN):
+        return f"attention implementation {before} has no packed path (sdpa or flash_attention_2/3 have)"
+    if before in (None, "sdpa"):
+        model.set_attn_implementation(PACKED_SDPA)
+    leak = probe(model)
+    if leak is not None and before != PACKED_SDPA:
+        model.set_attn_implementation(before or "sdpa")
+    return leak
+
+
+@torch.inference_mode()
+def probe(model: nn.Module) -> str | None:
+    """Run two unrelated samples packed and each alone; None when the second one's states at every layer
+    are the same both ways (up to rounding), else where they differ."""
+    device = next(model.parameters()).device
+    vocab = model.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(0)
+    first, second = (Sample(i, torch.randint(0, vocab, (n,), generator=g), torch.ones(n, dtype=torch.long))
+                     for i, n in enumerate(PROBE_LENGTHS))
+    decoder = find_decoder(model)[0]
+    try:
+        packed = decoder(**make_packed_batch([first, second]).model_inputs(device), use_cache=False,
+                         output_hidden_states=True).hidden_states
+        alone = decoder(input_ids=second.input_ids[None].to(device), use_cache=False,
+                        output_hidden_states=True).hidden_states
+    except (NotImplementedError, TypeError, ValueError, RuntimeError) as err:
+        return f"the packed forward failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+    tolerance = 1e-3 if packed[0].dtype == torch.float32 else 5e-2  # a leak moves states by O(1)
+    for layer, (p, a) in enumerate(zip(packed, alone, strict=True)):
+        got, want = p[0, PROBE_LENGTHS[0]:].float(), a[0].float()
+        error = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
+        if not error <= tolerance:
+            return (f"a sample's states depend on the sample packed before it (layer output {layer}: relative "
+                    f"difference {error:.2g}); this model's layers or kernels do not reset at sample boundaries")
+    return None
