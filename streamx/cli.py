@@ -204,6 +204,30 @@ def inspect(
 
 
 @app.command()
+def verify(
+    store: str = typer.Argument(..., help="Store path."),
+    samples: int = typer.Option(32, help="Samples recomputed alone with the model, spread over the lengths (the "
+                                "longest always among them)."),
+    seed: int = typer.Option(0, help="Seed of that choice."),
+    device: str = typer.Option("auto", help="Where the model runs: auto, cpu, cuda, cuda:N."),
+    model: bool = typer.Option(True, "--model/--no-model", help="--no-model: only the structural checks, which "
+                               "read the whole store but no weights."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Check a finished store before training on it: its structure over every sample, and a few samples
+    recomputed with the model. Exit code 0 only when every check passes (docs/verify.md)."""
+    from .verify import verify as run_verify
+
+    try:
+        report = run_verify(store, samples=samples, seed=seed, device=device, use_model=model,
+                            log=(lambda m: None) if as_json else (lambda m: typer.echo(m, err=True)))
+    except Exception as err:  # noqa: BLE001
+        _fail(err)
+    typer.echo(json.dumps(report.to_json(), indent=2) if as_json else "\n".join(report.lines()))
+    raise typer.Exit(0 if report.passed else 1)
+
+
+@app.command()
 def convert(
     store: str = typer.Argument(..., help="Store path; a store written by several processes converts as one."),
     out: str = typer.Option(..., "--out", help="Output directory, the `speculators train --data-path`. Re-running "
@@ -244,7 +268,8 @@ def convert(
         f"speculators loads the verifier {summary.verifier['path']} (the model the store was made with, "
         f"{summary.verifier['model']}): it must be those very weights (fingerprint "
         f"{summary.verifier['weights_fingerprint'][:12]}); point --verifier-name-or-path at another copy of them "
-        "if that path is not there when you train"
+        "if that path is not there when you train\n"
+        f"before a long training run, check the store against the model: streamx verify {store}"
     )
 
 

@@ -414,6 +414,14 @@ def _open_compatible(path: str, metadata: StoreMetadata) -> zarr.Group:
     return root
 
 
+@dataclass(frozen=True)
+class SampleIndex:
+    rows: np.ndarray  # source row id of each sample
+    parts: np.ndarray  # its part's number (in store.parts order)
+    offsets: np.ndarray  # its first token in that part
+    lengths: np.ndarray
+
+
 class Store:
     """Read API over a store: samples by source row, counts, rejects, metadata."""
 
@@ -475,6 +483,15 @@ class Store:
         if not -len(self) <= position < len(self):
             raise IndexError(f"position {position} out of range for a store of {len(self)} samples")
         return self._read(int(self._order[position]))
+
+    @property
+    def index(self) -> SampleIndex:
+        """Where every committed sample lies, in store order (part by part, as written)."""
+        return SampleIndex(self._rows, self._part_ids, self._offsets, self._lengths)
+
+    def read(self, i: int, raw: bool = False) -> StoredSample:
+        """The sample at position i in store order (index's order)."""
+        return self._read(i, raw)
 
     def rejected(self) -> list[tuple[int, str]]:
         reasons = self.metadata.reject_reasons

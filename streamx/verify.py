@@ -1,0 +1,292 @@
+"""`streamx verify`: prove a finished store right before a drafter trains on it.
+
+Structural checks read the whole store without the model (`--no-model` stops there): commit records
+against array sizes, sample offsets and lengths, duplicate rows, token ids against the vocabulary,
+loss masks, and every slot of every sample finite and neither all zero nor constant. The model check
+recomputes a few samples (stratified by length, always the longest) one at a time, unbatched and
+unpadded, through transformers' `output_hidden_states` (ids < L) and the last layer's output before
+the final norm (id L), and compares each slot with what is stored. A mismatch is named when it looks
+like a known fault: a slot holding a neighbouring layer (an off-by-one hook), a last slot after the
+final norm, or states that belong to another sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .fp8 import FP8, dequantize_fp8
+from .models import load_model, read_text_config
+from .store import Store, StoreError, open_store
+
+READ_TOKENS = 1 << 16  # tokens per read of the hidden states in the structural pass
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    summary: str  # one line with counts
+    problems: list[str] = field(default_factory=list)  # the first few, for the user to look at
+
+
+@dataclass
+class Report:
+    path: str
+    checks: list[Check]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "passed": self.passed, "checks": [asdict(c) for c in self.checks]}
+
+    def lines(self) -> list[str]:
+        out = [f"{'ok  ' if c.passed else 'FAIL'} {c.name:<12} {c.summary}" for c in self.checks]
+        out += [f"     {c.name:<12} {p}" for c in self.checks if not c.passed for p in c.problems]
+        return out
+
+
+def _check(name: str, problems: list[str], ok: str, total: int, what: str) -> Check:
+    if not problems:
+        return Check(name, True, ok)
+    return Check(name, False, f"{len(problems):,} of {total:,} {what}", problems[:10])
+
+
+# -- structure, without the model
+
+
+def check_commits(store: Store) -> Check:
+    """Every part's arrays hold at least what its commit record says (exactly, once the part is closed)."""
+    problems = []
+    for name, part in store.parts.items():
+        commit = store.commits[name]
+        for array, need in (("hidden_states", commit.tokens), ("input_ids", commit.tokens),
+                            ("loss_mask", commit.tokens), ("sample_row_id", commit.samples),
+                            ("sample_offset", commit.samples), ("sample_length", commit.samples),
+                            ("reject_row_id", commit.rejects)):
+            size = part[array].shape[0]
+            if size < need or (commit.closed and size != need):
+                problems.append(f"{name}/{array}: {size:,} entries, the commit says {need:,}")
+    return _check("commits", problems, f"{len(store.parts)} part(s) agree with their commit records",
+                  len(store.parts), "parts disagree")
+
+
+def check_index(store: Store) -> Check:
+    """Each sample's tokens lie inside its part's committed tokens, and no two samples share a token."""
+    problems = []
+    for i, name in enumerate(store.parts):
+        mine = store.index.parts == i
+        offsets, lengths = store.index.offsets[mine], store.index.lengths[mine]
+        tokens = store.commits[name].tokens
+        order = np.argsort(offsets, kind="stable")
+        starts, ends = offsets[order], offsets[order] + lengths[order]
+        for k in np.flatnonzero((lengths[order] < 1) | (starts < 0) | (ends > tokens)):
+            problems.append(f"{name}: sample {int(order[k])} spans tokens {starts[k]}..{ends[k]} of {tokens:,}")
+        for k in np.flatnonzero(starts[1:] < ends[:-1]):
+            problems.append(f"{name}: samples at tokens {starts[k]} and {starts[k + 1]} overlap")
+    return _check("index", problems, f"{len(store):,} samples in range and disjoint", len(store),
+                  "samples out of place")
+
+
+def check_rows(store: Store) -> Check:
+    rows = store.index.rows
+    unique, counts = np.unique(rows, return_counts=True)
+    rejected = {r for r, _ in store.rejected()}
+    problems = [f"row {int(r)} stored {int(n)} times" for r, n in zip(unique, counts, strict=True) if n > 1]
+    problems += [f"row {r} is both a sample and a reject" for r in sorted(rejected & set(unique.tolist()))]
+    return _check("rows", problems, f"{len(store):,} samples, every row once", len(store), "rows duplicated")
+
+
+def _sample_bounds(store: Store, part: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(store positions, offsets, lengths) of a part's samples, by offset."""
+    mine = np.flatnonzero(store.index.parts == part)
+    order = mine[np.argsort(store.index.offsets[mine], kind="stable")]
+    return order, store.index.offsets[order], store.index.lengths[order]
+
+
+def _blocks(store: Store) -> Iterator[tuple[str, np.ndarray, np.ndarray, int, Any]]:
+    """Each part in reads of whole samples: (part name, store positions, offsets within the read, first token,
+    the part), at most READ_TOKENS tokens a read unless one sample is longer."""
+    for i, (name, part) in enumerate(store.parts.items()):
+        positions, offsets, lengths = _sample_bounds(store, i)
+        k = 0
+        while k < positions.size:
+            first, j = int(offsets[k]), k + 1
+            while j < positions.size and offsets[j] + lengths[j] - first <= READ_TOKENS:
+                j += 1
+            yield name, positions[k:j], offsets[k:j] - first, first, part
+            k = j
+
+
+def _states(store: Store, part: Any, a: int, b: int) -> torch.Tensor:
+    """Hidden states of tokens a..b of a part as float32 [T, K, H]."""
+    stored = part["hidden_states"][a:b]
+    if store.metadata.storage == "fp8":
+        values = torch.from_numpy(stored).view(FP8)
+        return dequantize_fp8(values, torch.from_numpy(part["hidden_states_scales"][a:b])).float()
+    return (torch.from_numpy(stored.astype(np.int32) << 16)).view(torch.float32)  # bf16 bits -> float32, exact
+
+
+def check_values(store: Store, vocab_size: int | None) -> list[Check]:
+    """Token ids, loss masks and states of every sample, read part by part in large slices."""
+    ids_bad, mask_bad, states_bad, unreadable = [], [], [], []
+    slots = store.layer_ids
+    for name, positions, starts, first, part in _blocks(store):
+        lengths = store.index.lengths[positions]
+        last = first + int(starts[-1] + lengths[-1])
+        try:
+            ids, mask = part["input_ids"][first:last], part["loss_mask"][first:last]
+            states = _states(store, part, first, last)
+        except Exception as err:  # noqa: BLE001 - a damaged file: say which part and go on
+            unreadable.append(f"{name}: tokens {first:,}..{last:,} cannot be read ({type(err).__name__}: {err})")
+            continue
+        finite = torch.isfinite(states).all(dim=2)  # [T, K]
+        high = torch.where(finite[..., None], states, -torch.inf).amax(dim=2)
+        low = torch.where(finite[..., None], states, torch.inf).amin(dim=2)
+        for pos, start, n in zip(positions.tolist(), starts.tolist(), lengths.tolist(), strict=True):
+            row = int(store.index.rows[pos])
+            sample_ids, sample_mask = ids[start : start + n], mask[start : start + n]
+            if sample_ids.min() < 0 or (vocab_size is not None and sample_ids.max() >= vocab_size):
+                ids_bad.append(f"row {row}: token ids {int(sample_ids.min())}..{int(sample_ids.max())} outside "
+                               f"0..{vocab_size - 1 if vocab_size else '?'}")
+            if not np.isin(sample_mask, (0, 1)).all():
+                mask_bad.append(f"row {row}: loss mask values other than 0 and 1")
+            elif not sample_mask.any():
+                mask_bad.append(f"row {row}: loss mask has no trainable token")
+            for slot, layer_id in enumerate(slots):
+                if not bool(finite[start : start + n, slot].all()):
+                    states_bad.append(f"row {row}: id {layer_id} holds NaN or Inf")
+                elif float(high[start : start + n, slot].max()) == float(low[start : start + n, slot].min()):
+                    value = float(high[start, slot])
+                    states_bad.append(f"row {row}: id {layer_id} is " + ("all zero" if value == 0 else
+                                                                         f"constant {value:g}"))
+    n = len(store)
+    checks = [
+        _check("read", unreadable, f"{sum(c.tokens for c in store.commits.values()):,} committed tokens read",
+               len(store.parts), "reads failed"),
+        _check("token_ids", ids_bad, f"{n:,} samples' ids within the vocabulary ({vocab_size or 'size unknown'})",
+               n, "samples"),
+        _check("loss_mask", mask_bad, f"{n:,} samples' masks are 0/1 with a trainable token", n, "samples"),
+        _check("states", states_bad, f"{n:,} samples x {len(slots)} slots finite, not all zero, not constant",
+               n * len(slots), "sample slots"),
+    ]
+    return checks
+
+
+# -- against the model
+
+
+def pick_samples(store: Store, n: int, seed: int) -> list[int]:
+    """Store positions of n samples spread over the lengths (the longest always among them)."""
+    if len(store) == 0 or n <= 0:
+        return []
+    by_length = np.argsort(store.index.lengths, kind="stable")
+    strata = np.array_split(by_length[:-1], max(1, min(n, len(store)) - 1))
+    rng = np.random.default_rng(seed)
+    picked = [int(rng.choice(s)) for s in strata if s.size][: n - 1]
+    return sorted({*picked, int(by_length[-1])})
+
+
+@torch.inference_mode()
+def reference_states(model: nn.Module, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One sample alone: every id 0..L (id L before the final norm) and the final norm's output, float32."""
+    from .capture import find_decoder
+
+    decoder, _ = find_decoder(model)
+    seen: list[torch.Tensor] = []
+    handle = decoder.norm.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+    try:
+        out = decoder(input_ids=input_ids[None].to(next(model.parameters()).device), output_hidden_states=True,
+                      use_cache=False)
+    finally:
+        handle.remove()
+    ids = [h[0].float().cpu() for h in out.hidden_states[:-1]] + [seen[0][0].float().cpu()]
+    return ids, out.hidden_states[-1][0].float().cpu()
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def check_model(store: Store, model: nn.Module, positions: list[int], tolerance: float,
+                log: Callable[[str], None]) -> Check:
+    """Each picked sample recomputed alone; a slot that does not match is named by what it matches instead."""
+    ids, L = store.layer_ids, store.metadata.num_layers
+    problems, references, stored = [], {}, {}
+    for k, pos in enumerate(positions):
+        try:
+            sample = store.read(pos)
+        except Exception as err:  # noqa: BLE001 - a damaged file; the read check names it
+            problems.append(f"row {int(store.index.rows[pos])}: cannot be read ({type(err).__name__})")
+            continue
+        log(f"verify: sample {k + 1}/{len(positions)} (row {sample.row_id}, {len(sample.input_ids):,} tokens)")
+        references[pos] = reference_states(model, sample.input_ids)
+        stored[pos] = sample
+    positions, worst = list(stored), 0.0
+    for pos in positions:
+        sample, (ref, post_norm) = stored[pos], references[pos]
+        got = sample.hidden_states.float()
+        for slot, layer_id in enumerate(ids):
+            error = _relative(got[:, slot], ref[layer_id])
+            if error <= tolerance:
+                worst = max(worst, error)
+                continue
+            others = {f"id {j}": ref[j] for j in (layer_id - 1, layer_id + 1) if 0 <= j <= L}
+            if layer_id == L:
+                others["the final norm's output"] = post_norm
+            close = {what: _relative(got[:, slot], state) for what, state in others.items()}
+            close.update({f"row {stored[p].row_id}'s id {layer_id}": _relative(got[:, slot],
+                                                                                 references[p][0][layer_id])
+                          for p in positions if p != pos and len(stored[p].input_ids) == len(sample.input_ids)})
+            what, best = min(close.items(), key=lambda kv: kv[1]) if close else (None, np.inf)
+            if what is not None and best <= tolerance:
+                fault = ("an off-by-one hook" if what.startswith("id ") else "a post-norm last slot (the final norm "
+                         "applied)" if what.startswith("the final") else "states swapped between samples")
+                problems.append(f"row {sample.row_id}: slot {slot} (id {layer_id}) holds {what} (relative difference "
+                                f"{best:.2g}): {fault}")
+            else:
+                problems.append(f"row {sample.row_id}: slot {slot} (id {layer_id}) differs from the model's states "
+                                f"(relative difference {error:.2g}, tolerance {tolerance:.2g})")
+    return _check("model", problems, f"{len(positions)} samples recomputed alone match every slot (largest relative "
+                  f"difference {worst:.2g}, tolerance {tolerance:.2g})", len(positions) * len(ids),
+                  "sample slots differ")
+
+
+def tolerance_for(store: Store) -> float:
+    """What separates rounding from a fault: bf16 storage of a bf16 or float32 forward, batched against
+    unbatched, over a few layers; fp8 keeps 3 mantissa bits."""
+    if store.metadata.storage == "fp8":
+        return 0.1
+    return 0.05 if store.metadata.compat.compute_dtype in ("bfloat16", "float16") else 0.02
+
+
+def verify(path: str, samples: int = 8, seed: int = 0, device: str = "auto", use_model: bool = True,
+           log: Callable[[str], None] = print) -> Report:
+    """Check the store at `path` (docs/verify.md says what each failure means)."""
+    store = open_store(path)
+    meta = store.metadata
+    try:
+        vocab_size = read_text_config(meta.model["path"]).vocab_size
+    except Exception:  # noqa: BLE001 - the model's config is not here: the ids are checked for sign only
+        vocab_size = None
+    checks = [check_commits(store), check_index(store), check_rows(store), *check_values(store, vocab_size)]
+    if use_model:
+        if meta.random_weights:
+            raise StoreError(f"{path} was made with --random-weights: there are no weights to check it against; "
+                             "use --no-model")
+        model, _, info = load_model(meta.model["path"], meta.compat.compute_dtype, device)
+        same = info.weights_fingerprint == meta.compat.model
+        checks.append(Check("weights", same, f"{meta.model['path']}: " + ("the weights the store was made with" if same
+                            else "NOT the weights the store was made with"),
+                            [] if same else [f"fingerprint {info.weights_fingerprint[:12]}, the store's "
+                                             f"{meta.compat.model[:12]}"]))
+        checks.append(check_model(store, model, pick_samples(store, samples, seed), tolerance_for(store), log))
+    return Report(path, checks)
+
