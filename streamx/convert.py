@@ -183,7 +183,8 @@ def _prefetch(pool: ThreadPoolExecutor, fn: Callable[[Any], Any], items: Iterabl
         yield pending.popleft().result()
 
 
-def _load(store: Store, K: int, H: int, hidden_states: str, row: int) -> tuple[int, StoredSample, str | None]:
+def training_sample(store: Store, K: int, H: int, hidden_states: str, row: int
+                    ) -> tuple[int, StoredSample, str | None]:
     """Read one sample with its states as the files hold them (bf16, or fp8 values and scales), and say what,
     if anything, makes it unusable for training."""
     s = store.sample(row, raw=hidden_states == "fp8")  # an fp8 store's own bytes, never quantised twice
@@ -213,7 +214,8 @@ def _convert_block(store: Store, rows: np.ndarray, start: int, K: int, H: int, h
     ids, masks, lengths, skipped = [], [], [], []
     writes: deque[Future] = deque()
     index, kept = start, 0
-    for row, s, problem in _prefetch(pool, lambda r: _load(store, K, H, hidden_states, int(r)), rows, depth):
+    read = lambda r: training_sample(store, K, H, hidden_states, int(r))  # noqa: E731 - one line, used once
+    for row, s, problem in _prefetch(pool, read, rows, depth):
         tick(1)
         if problem:
             skipped.append((row, problem))

@@ -12,8 +12,11 @@ final norm, or states that belong to another sample.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +25,7 @@ from torch import nn
 
 from .fp8 import FP8, dequantize_fp8
 from .models import load_model, read_text_config
+from .speculators import HS_DIR, META
 from .store import Store, StoreError, open_store
 
 READ_TOKENS = 1 << 16  # tokens per read of the hidden states in the structural pass
@@ -267,9 +271,62 @@ def tolerance_for(store: Store) -> float:
     return 0.05 if store.metadata.compat.compute_dtype in ("bfloat16", "float16") else 0.02
 
 
+# -- a converted speculators folder, against the store it came from
+
+
+def check_files(spec: Path, store: Store) -> Check:
+    """Every hs file holds what convert writes for its row of the store (found by its token ids), bit for bit,
+    and the dataset row of the same index has the same ids."""
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+
+    from .convert import training_sample
+
+    meta = json.loads((spec / META).read_text())
+    dtype = meta.get("hidden_states_dtype", "bf16")
+    rows = load_from_disk(str(spec))
+    by_ids: dict[bytes, list[int]] = {}
+    for i in range(len(store)):
+        by_ids.setdefault(hashlib.sha1(store.read(i).input_ids.numpy().tobytes()).digest(), []).append(i)
+    K, H = store.metadata.num_slots, store.metadata.hidden_size
+    problems = []
+    for i in range(len(rows)):
+        name = f"{HS_DIR}/hs_{i}.safetensors"
+        try:
+            f = load_file(spec / name)
+        except Exception as err:  # noqa: BLE001 - missing or damaged: say which and go on
+            problems.append(f"{name}: cannot be read ({type(err).__name__})")
+            continue
+        ids = f["token_ids"]
+        if not torch.equal(ids, rows[i]["input_ids"]):
+            problems.append(f"{name}: token ids differ from dataset row {i}'s input_ids")
+        candidates = [int(store.index.rows[p]) for p in by_ids.get(hashlib.sha1(ids.numpy().tobytes()).digest(), [])]
+        expected = [training_sample(store, K, H, dtype, row)[1] for row in candidates]
+        if not any(_same_states(f, e) for e in expected):
+            problems.append(f"{name}: " + ("its token ids match no sample of the store" if not candidates else
+                                           f"its states are not row {candidates[0]}'s as the store holds them"))
+    return _check("files", problems, f"{len(rows):,} hs files hold their rows' {dtype} states as the store "
+                  f"{meta['source']['store']} does, bit for bit", len(rows), "files differ")
+
+
+def _same_states(f: dict[str, torch.Tensor], s: Any) -> bool:
+    same = f["hidden_states"].shape == s.hidden_states.shape and torch.equal(
+        f["hidden_states"].view(torch.uint8), s.hidden_states.contiguous().view(torch.uint8))
+    if s.hidden_states_scales is not None:
+        same = same and torch.equal(f.get("hidden_states_scales", torch.empty(0)).flatten(), s.hidden_states_scales)
+    return same
+
+
 def verify(path: str, samples: int = 8, seed: int = 0, device: str = "auto", use_model: bool = True,
            log: Callable[[str], None] = print) -> Report:
-    """Check the store at `path` (docs/verify.md says what each failure means)."""
+    """Check the store at `path`, or a folder `streamx convert` wrote: its files against the store it came
+    from, then that store (docs/verify.md says what each failure means)."""
+    if (Path(path) / META).exists():
+        source = json.loads((Path(path) / META).read_text())["source"]["store"]
+        if not Path(source).exists():
+            raise StoreError(f"{path} was converted from {source}, which is not there: verify needs that store")
+        store_report = verify(source, samples, seed, device, use_model, log)
+        return Report(path, [check_files(Path(path), open_store(source)), *store_report.checks])
     store = open_store(path)
     meta = store.metadata
     try:

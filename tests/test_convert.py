@@ -194,7 +194,7 @@ def test_interrupted_convert_resumes_to_identical_output(tiny_store, tmp_path, m
 def test_samples_in_flight_are_bounded(tiny_store, tmp_path, monkeypatch):
     """Memory does not grow with the store: reads run at most a few samples ahead of slow writes."""
     live, peak, lock = [0], [0], threading.Lock()
-    real_load, real_write = convert_module._load, speculators.write_hs
+    real_load, real_write = convert_module.training_sample, speculators.write_hs
 
     def load(*args):
         with lock:
@@ -208,7 +208,7 @@ def test_samples_in_flight_are_bounded(tiny_store, tmp_path, monkeypatch):
         with lock:
             live[0] -= 1
 
-    monkeypatch.setattr(convert_module, "_load", load)
+    monkeypatch.setattr(convert_module, "training_sample", load)
     monkeypatch.setattr(speculators, "write_hs", slow_write)
     summary = convert(tiny_store, str(tmp_path / "spec"), workers=2, block_rows=1000, progress=False)
     depth = 2 * 2  # convert's samples in flight per stage for 2 workers

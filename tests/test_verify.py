@@ -152,3 +152,23 @@ def test_a_truncated_part_and_a_duplicated_row_are_named(full_store, tmp_path):
     assert result.exit_code == 1
     assert any(line.startswith("FAIL read") for line in result.stdout.splitlines())
     assert "part-00000: tokens 0.." in result.stdout and "cannot be read" in result.stdout
+
+
+def test_a_converted_folder_is_checked_against_its_store(full_store, tmp_path):
+    from streamx.convert import convert
+
+    good = write_store(full_store, tmp_path / "good.zarr", lambda s, x: x)
+    spec = tmp_path / "spec"
+    convert(good, str(spec), progress=False, log=lambda m: None)
+    report = verify(str(spec), samples=2, log=lambda m: None)
+    assert report.passed, report.lines()
+    assert report.checks[0].name == "files" and report.checks[-1].name == "model"  # then the store's own checks
+
+    hs = spec / "hidden_states"
+    (hs / "hs_0.safetensors").rename(hs / "tmp")  # two files swapped
+    (hs / "hs_1.safetensors").rename(hs / "hs_0.safetensors")
+    (hs / "tmp").rename(hs / "hs_1.safetensors")
+    result = CliRunner().invoke(app, ["verify", str(spec), "--no-model"])
+    assert result.exit_code == 1
+    assert "FAIL files        2 of" in result.stdout
+    assert "hidden_states/hs_0.safetensors: token ids differ from dataset row 0's input_ids" in result.stdout
