@@ -28,7 +28,7 @@ from .models import load_model, read_text_config
 from .speculators import HS_DIR, META
 from .store import Store, StoreError, open_store
 
-READ_TOKENS = 1 << 16  # tokens per read of the hidden states in the structural pass
+READ_BYTES = 256 << 20  # float32 states per read in the structural pass (its temporaries take ~3x this)
 
 
 @dataclass
@@ -117,13 +117,14 @@ def _sample_bounds(store: Store, part: int) -> tuple[np.ndarray, np.ndarray, np.
 
 def _blocks(store: Store) -> Iterator[tuple[str, np.ndarray, np.ndarray, int, Any]]:
     """Each part in reads of whole samples: (part name, store positions, offsets within the read, first token,
-    the part), at most READ_TOKENS tokens a read unless one sample is longer."""
+    the part), at most READ_BYTES of float32 states a read unless one sample is longer."""
+    limit = max(1, READ_BYTES // (store.metadata.num_slots * store.metadata.hidden_size * 4))
     for i, (name, part) in enumerate(store.parts.items()):
         positions, offsets, lengths = _sample_bounds(store, i)
         k = 0
         while k < positions.size:
             first, j = int(offsets[k]), k + 1
-            while j < positions.size and offsets[j] + lengths[j] - first <= READ_TOKENS:
+            while j < positions.size and offsets[j] + lengths[j] - first <= limit:
                 j += 1
             yield name, positions[k:j], offsets[k:j] - first, first, part
             k = j
