@@ -286,9 +286,13 @@ def check_files(spec: Path, store: Store) -> Check:
     meta = json.loads((spec / META).read_text())
     dtype = meta.get("hidden_states_dtype", "bf16")
     rows = load_from_disk(str(spec))
-    by_ids: dict[bytes, list[int]] = {}
-    for i in range(len(store)):
-        by_ids.setdefault(hashlib.sha1(store.read(i).input_ids.numpy().tobytes()).digest(), []).append(i)
+    by_ids: dict[bytes, list[int]] = {}  # token ids -> store positions: ids only, one read per part
+    index = store.index
+    for k, (name, part) in enumerate(store.parts.items()):
+        ids = part["input_ids"][: store.commits[name].tokens]
+        for i in np.flatnonzero(index.parts == k).tolist():
+            a = int(index.offsets[i])
+            by_ids.setdefault(hashlib.sha1(ids[a : a + int(index.lengths[i])].tobytes()).digest(), []).append(i)
     K, H = store.metadata.num_slots, store.metadata.hidden_size
     problems = []
     for i in range(len(rows)):
