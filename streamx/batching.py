@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .source import Row
@@ -73,27 +74,36 @@ class Batch:
         return int(self.input_ids.numel())
 
 
+# Batches are built with numpy: the producer thread must not run a multi-threaded torch op (repeat_interleave,
+# or arange and fill past 32k elements), which would give it an OpenMP thread team of its own for the rest of
+# the run; with more OpenMP threads than cores, libgomp stops spin-waiting and the model's CPU forward pass
+# slows by ~5% (bench/RESULTS.md, "Threads beside a CPU forward pass").
+
 def make_batch(samples: list[Sample], pad_token_id: int) -> Batch:
-    lengths = [len(s.input_ids) for s in samples]
-    B, S = len(samples), max(lengths)
-    input_ids = torch.full((B, S), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, S), dtype=torch.long)
+    lengths = np.array([len(s.input_ids) for s in samples])
+    B, S = len(samples), int(lengths.max())
+    input_ids = np.full((B, S), pad_token_id, dtype=np.int64)
+    attention_mask = np.zeros((B, S), dtype=np.int64)
     for b, sample in enumerate(samples):
-        input_ids[b, : lengths[b]] = sample.input_ids
+        input_ids[b, : lengths[b]] = sample.input_ids.numpy()
         attention_mask[b, : lengths[b]] = 1
-    token_index = torch.nonzero(attention_mask.flatten(), as_tuple=True)[0]
-    sample_index = torch.repeat_interleave(torch.arange(B), torch.tensor(lengths))
-    return Batch(samples, input_ids, attention_mask, token_index, sample_index)
+    return Batch(samples, torch.from_numpy(input_ids), torch.from_numpy(attention_mask),
+                 torch.from_numpy(np.flatnonzero(attention_mask)), _sample_index(lengths))
 
 
 def make_packed_batch(samples: list[Sample]) -> Batch:
-    lengths = torch.tensor([len(s.input_ids) for s in samples])
-    N = int(lengths.sum())
-    cu_seq_lens = torch.zeros(len(samples) + 1, dtype=torch.int32)
-    cu_seq_lens[1:] = torch.cumsum(lengths, 0)
-    position_ids = torch.cat([torch.arange(int(n)) for n in lengths])[None]
-    return Batch(samples, torch.cat([s.input_ids for s in samples])[None], None, torch.arange(N),
-                 torch.repeat_interleave(torch.arange(len(samples)), lengths), position_ids, cu_seq_lens)
+    lengths = np.array([len(s.input_ids) for s in samples])
+    cu_seq_lens = np.zeros(len(samples) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu_seq_lens[1:])
+    token_index = np.arange(cu_seq_lens[-1], dtype=np.int64)
+    position_ids = token_index - np.repeat(cu_seq_lens[:-1], lengths)
+    input_ids = np.concatenate([s.input_ids.numpy() for s in samples])
+    return Batch(samples, torch.from_numpy(input_ids)[None], None, torch.from_numpy(token_index),
+                 _sample_index(lengths), torch.from_numpy(position_ids)[None], torch.from_numpy(cu_seq_lens))
+
+
+def _sample_index(lengths: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths))
 
 
 def pack_window(samples: list[Sample], token_budget: int, max_batch_size: int) -> list[list[Sample]]:

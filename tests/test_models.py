@@ -245,3 +245,39 @@ def test_random_weights_from_a_config_file_read_no_weights(tmp_path, smollm2_dir
         assert name == ref_name and torch.equal(p, q), name
     again = load_model(str(path), dtype="float32", device="cpu", random_weights=True, tokenizer=smollm2_dir)[2]
     assert again.weights_fingerprint == info.weights_fingerprint
+
+
+
+HEAP_OF_A_FREED_TENSOR = """
+import ctypes, json, sys, torch
+from streamx.models import keep_freed_host_memory
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                               "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "keep":
+    assert keep_freed_host_memory()
+before = libc.mallinfo2()
+activation = torch.ones(31 << 18)  # 31 MiB of float32, touched
+during = libc.mallinfo2()
+del activation
+after = libc.mallinfo2()
+print(json.dumps({"mmapped": during.hblkhd - before.hblkhd, "heap_kept": after.arena - before.arena}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_cpu_tensors_come_from_a_heap_that_keeps_freed_memory():
+    """After keep_freed_host_memory, a 31 MiB tensor (an activation of a CPU forward pass) comes from the heap
+    and its memory stays there when it is freed, for the next forward to reuse without page faults; by
+    default glibc maps it fresh from the kernel and unmaps it again (the control). Fresh processes: glibc
+    adapts its thresholds to what a process has done."""
+    def heap(mode: str) -> dict[str, int]:
+        out = subprocess.run([sys.executable, "-c", HEAP_OF_A_FREED_TENSOR, mode], capture_output=True, text=True,
+                             check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    default, kept = heap("default"), heap("keep")
+    assert default["mmapped"] >= 31 << 20 and default["heap_kept"] < 1 << 20, default
+    assert kept["mmapped"] == 0 and kept["heap_kept"] >= 31 << 20, kept
