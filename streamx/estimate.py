@@ -79,9 +79,8 @@ def sampled(source: Source, sample_rows: int, seed: int = 0) -> tuple[list, int 
     total = source.num_rows
     if total is None or total <= sample_rows:
         return list(itertools.islice(source, sample_rows if total is None else None)), total
-    chosen = np.zeros(total, dtype=bool)
-    chosen[np.random.default_rng(seed).choice(total, sample_rows, replace=False)] = True
-    return [row for i, row in enumerate(source) if chosen[i]], total
+    chosen = np.sort(np.random.default_rng(seed).choice(total, sample_rows, replace=False))
+    return list(source.rows_at(chosen.tolist())), total
 
 
 def estimate(config: RunConfig, source: Source | None = None, builder: SampleBuilder | None = None,

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import yaml
 
@@ -31,13 +31,22 @@ class Row:
 class Source:
     """A re-iterable stream of Rows. `num_rows` is None when not cheaply known (hub streams)."""
 
-    def __init__(self, name: str, rows: Callable[[], Iterator[Row]],
-                 count: Callable[[], int | None], max_samples: int | None = None):
+    def __init__(self, name: str, rows: Callable[[], Iterator[Row]], count: Callable[[], int | None],
+                 max_samples: int | None = None, pick: Callable[[Sequence[int]], Iterator[Row]] | None = None):
         self.name = name
-        self._rows, self._count, self.max_samples = rows, count, max_samples
+        self._rows, self._count, self.max_samples, self._pick = rows, count, max_samples, pick
 
     def __iter__(self) -> Iterator[Row]:
         return itertools.islice(self._rows(), self.max_samples)
+
+    def rows_at(self, row_ids: Sequence[int]) -> Iterator[Row]:
+        """The rows with these ids (ascending), without parsing the others where the format allows
+        (a sample of a large jsonl for `streamx plan` and the free-space check)."""
+        wanted = [i for i in row_ids if self.max_samples is None or i < self.max_samples]
+        if self._pick is not None:
+            return self._pick(wanted)
+        chosen = set(wanted)
+        return (row for row in self if row.row_id in chosen)
 
     @cached_property
     def num_rows(self) -> int | None:
@@ -54,12 +63,13 @@ def open_source(data: str, split: str = "train", max_samples: int | None = None)
     if max_samples is not None and max_samples < 0:
         raise ValueError(f"max_samples must be >= 0, got {max_samples}")
     if data.startswith("chatterbot:"):
-        name, rows, count = _chatterbot(data.removeprefix("chatterbot:"))
-        return Source(name, rows, count, max_samples)
+        name, rows, count, pick = _chatterbot(data.removeprefix("chatterbot:"))
+        return Source(name, rows, count, max_samples, pick)
     path = Path(data).expanduser()
     if path.is_dir():
         ds = _load_from_disk(path, split)
-        return Source(str(path), lambda: _dataset_rows(ds), lambda: ds.num_rows, max_samples)
+        return Source(str(path), lambda: _dataset_rows(ds), lambda: ds.num_rows, max_samples,
+                      lambda row_ids: _dataset_rows_at(ds, row_ids))
     if path.is_file():
         return _file_source(path, max_samples)
     if _looks_like_path(data):
@@ -75,7 +85,8 @@ def _looks_like_path(data: str) -> bool:
 
 # ---- chatterbot-corpus: small YAML files shipped in a package, parsed eagerly ----
 
-def _chatterbot(language: str) -> tuple[str, Callable[[], Iterator[Row]], Callable[[], int]]:
+def _chatterbot(language: str) -> tuple[str, Callable[[], Iterator[Row]], Callable[[], int],
+                                       Callable[[Sequence[int]], Iterator[Row]]]:
     spec = importlib.util.find_spec("chatterbot_corpus")  # locate without importing it
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("chatterbot-corpus is not installed: pip install --no-deps chatterbot-corpus")
@@ -95,7 +106,7 @@ def _chatterbot(language: str) -> tuple[str, Callable[[], Iterator[Row]], Callab
             elif len(conv) >= 2:  # a lone utterance has nothing to answer
                 msgs = [{"role": _CHATTERBOT_ROLES[t % 2], "content": u} for t, u in enumerate(conv)]
                 rows.append(Row(len(rows), {"messages": msgs}))
-    return f"chatterbot:{language}", lambda: iter(rows), lambda: len(rows)
+    return f"chatterbot:{language}", lambda: iter(rows), lambda: len(rows), lambda row_ids: (rows[i] for i in row_ids)
 
 
 # ---- local files ----
@@ -103,11 +114,13 @@ def _chatterbot(language: str) -> tuple[str, Callable[[], Iterator[Row]], Callab
 def _file_source(path: Path, max_samples: int | None) -> Source:
     suffix = path.suffix.lower()
     if suffix == ".jsonl" or (suffix == ".json" and _first_byte(path) != b"["):
-        return Source(str(path), lambda: _jsonl_rows(path), lambda: _count_lines(path), max_samples)
+        return Source(str(path), lambda: _jsonl_rows(path), lambda: _count_lines(path), max_samples,
+                      lambda row_ids: _jsonl_rows(path, set(row_ids)))
     if suffix == ".json":  # a JSON array has to be parsed whole: use jsonl for large data
         with open(path, "rb") as fh:
             records = json.load(fh)
-        return Source(str(path), lambda: _record_rows(records), lambda: len(records), max_samples)
+        return Source(str(path), lambda: _record_rows(records), lambda: len(records), max_samples,
+                      lambda row_ids: (_row(i, records[i]) for i in row_ids))
     if suffix == ".parquet":
         import pyarrow.parquet as pq
         return Source(str(path), lambda: _parquet_rows(path),
@@ -115,7 +128,8 @@ def _file_source(path: Path, max_samples: int | None) -> Source:
     if suffix == ".arrow":
         import datasets
         ds = datasets.Dataset.from_file(str(path))  # memory-mapped, not read into RAM
-        return Source(str(path), lambda: _dataset_rows(ds), lambda: ds.num_rows, max_samples)
+        return Source(str(path), lambda: _dataset_rows(ds), lambda: ds.num_rows, max_samples,
+                      lambda row_ids: _dataset_rows_at(ds, row_ids))
     raise ValueError(f"unsupported data file {path}: expected .jsonl, .json, .parquet or .arrow")
 
 
@@ -127,11 +141,17 @@ def _first_byte(path: Path) -> bytes:
     return b""
 
 
-def _jsonl_rows(path: Path) -> Iterator[Row]:
-    row_id = 0
+def _jsonl_rows(path: Path, only: set[int] | None = None) -> Iterator[Row]:
+    """Every row, or only the rows whose ids are in `only` (the others are counted, not parsed)."""
+    row_id, last = 0, None if only is None else max(only, default=-1)
     with open(path, "rb") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():  # blank lines are not rows
+                continue
+            if only is not None and row_id not in only:
+                if row_id >= last:
+                    return
+                row_id += 1
                 continue
             try:
                 record = json.loads(line)
@@ -170,6 +190,10 @@ def _load_from_disk(path: Path, split: str):
 
 def _dataset_rows(ds) -> Iterator[Row]:
     return _record_rows(ds.with_format(None))  # plain Python objects, whatever format was saved
+
+
+def _dataset_rows_at(ds, row_ids: Sequence[int]) -> Iterator[Row]:
+    return (_row(i, r) for i, r in zip(row_ids, ds.select(row_ids).with_format(None), strict=True))
 
 
 def _hub_source(name: str, split: str, max_samples: int | None) -> Source:

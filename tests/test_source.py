@@ -157,3 +157,31 @@ def test_hub_names_stream_through_load_dataset(monkeypatch):
     assert src.num_rows is None  # unknown without split info
     assert list(src) == [Row(0, {"text": "a"}), Row(1, {"text": "b"})]
     assert list(open_source("imdb"))[2] == Row(2, None, ("unrecognised_row", "expected a JSON object, got str"))
+
+
+def test_rows_at_equals_the_rows_of_a_full_pass_in_every_format(tmp_path, monkeypatch):
+    """rows_at (the sample `streamx plan` and the free-space check tokenize) gives exactly the rows a full
+    pass gives for those ids, in every format; on jsonl it parses only those lines."""
+    records = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+               for i in range(40)]
+    lines = [json.dumps(r) for r in records]
+    lines[7], lines[20] = '{"messages": [', ""  # a malformed row keeps its id; a blank line is no row
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "a.json").write_text(json.dumps(records))
+    ds = datasets.Dataset.from_list(records)
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    (arrow,) = (tmp_path / "saved").glob("*.arrow")
+    ids = [0, 3, 7, 19, 20, 38]
+    for data in ("d.jsonl", "a.json", "d.parquet", "saved", arrow, "chatterbot:english"):
+        data = str(tmp_path / data) if not str(data).startswith(("chatterbot", "/")) else str(data)
+        for max_samples in (None, 20):
+            src = open_source(data, max_samples=max_samples)
+            want = [row for row in src if row.row_id in ids]
+            assert list(src.rows_at(ids)) == want and len(want) == (4 if max_samples else 6), (data, max_samples)
+
+    parsed = []
+    monkeypatch.setattr("streamx.source.json.loads", lambda line: parsed.append(line) or json.JSONDecoder().decode(
+        line.decode()))
+    assert [r.row_id for r in open_source(str(tmp_path / "d.jsonl")).rows_at([3, 19])] == [3, 19]
+    assert len(parsed) == 2
