@@ -4,7 +4,8 @@
 #   1. tests: the store writer under the newest zarr, the Triton kernel compiled for this GPU
 #   2. streamx bench --random-weights on a Qwen3-8B config (store in /tmp) and on a Qwen3.6-27B-like
 #      hybrid config (64 layers, hidden 5120, gated delta-net), built in GPU memory, no checkpoint;
-#      each with the forward pass over packed and over padded batches of the same chats
+#      each with the forward pass over packed and over padded batches of the same chats; the hybrid
+#      once more, last and on fewer chats, without flash-linear-attention (transformers' torch path)
 #   3. streamx bench --writer-only into tmpfs and into /tmp, 1..8 writer processes
 #   4. the gather-pack kernel bandwidth
 # Each step gets what is left of the 8 minutes (capped per step), so a slow step never loses the
@@ -26,9 +27,17 @@ mkdir -p "$out" "$work"
 log="$out/log.txt"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$work/site" \
-    "$wheels"/*.whl 2>&1 | grep -v -i warning | tee -a "$log"
-export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
+install() {  # install TARGET WHEELS...
+    local target=$1
+    shift
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$@" \
+        2>&1 | grep -v -i warning | tee -a "$log"
+}
+# flash-linear-attention in a folder of its own, so that one bench can run without it
+install "$work/site" $(ls "$wheels"/*.whl | grep -v -E '/(fla_core|einops)-')
+install "$work/fla" "$wheels"/fla_core-*.whl "$wheels"/einops-*.whl
+without_fla="$work/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$work/fla:$without_fla"
 python3 -c "import streamx_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . \
     2>&1 | grep -v -i warning | tee -a "$log"
 
@@ -65,21 +74,25 @@ tokenizer_dir=$(dirname "$(find "$tokenizer" -name tokenizer.json | head -1)")
 # chats of ~50 to ~1,500 tokens, spread as real ones are (packed batches against padded ones)
 python3 bench/long_chats.py --out "$work/chats.jsonl" --rows "$rows" --min-chars 200 --chars 6000 | tee -a "$log"
 
-bench() {  # bench NAME CAP MODEL EXTRA...: streamx bench --random-weights, JSON in OUT_DIR
+bench() {  # bench NAME CAP MODEL EXTRA...: streamx bench --random-weights, JSON in OUT_DIR (PYTHONPATH as set)
     local name=$1 cap=$2 model=$3
     shift 3
-    step "$name" "$cap" python3 -m streamx bench --random-weights --model "$model" --tokenizer "$tokenizer_dir" \
+    step "$name" "$cap" env PYTHONPATH="$PYTHONPATH" python3 -m streamx bench --random-weights --model "$model" --tokenizer "$tokenizer_dir" \
         --data "$work/chats.jsonl" --layers dflash --token-budget 16384 --out /tmp/streamx-bench/store.zarr \
         --json "$out/$name.json" "$@"
 }
 
 step tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_writer.py tests/test_kernel.py tests/test_fp8.py -k "not pipeline and not speculators" -rs
 bench qwen3_8b 150 "$model_8b" --rounds 2
-bench qwen3_6_27b_hybrid 170 "$model_hybrid" --rounds 2 --skip-naive
+# no uncounted round: the shape warm-up already compiles and autotunes every batch (packed and padded), and
+# the packed and padded forwards with streamx make three modes of about 20 s a round at 27B
+bench qwen3_6_27b_hybrid 170 "$model_hybrid" --rounds 2 --warmup-rounds 0 --skip-naive
 step writer_tmpfs 60 python3 -m streamx bench --writer-only --out /dev/shm/streamx-bench/store.zarr --processes 1,2,4,8 --gib "$writer_gib" \
     --rounds 2 --json "$out/writer_tmpfs.json"
 step writer_disk 50 python3 -m streamx bench --writer-only --out /tmp/streamx-bench/store.zarr --processes 1,4 --gib "$writer_gib" --rounds 2 \
     --json "$out/writer_disk.json"
 step kernel 40 python3 bench/kernel_bench.py --tokens 16384,65536 --iters 10 --json "$out/kernel.json"
+PYTHONPATH="$without_fla" bench qwen3_6_27b_hybrid_nofla 120 "$model_hybrid" --rounds 1 --warmup-rounds 0 --skip-naive \
+    --max-samples $((rows / 4))
 python3 bench/gpu_summary.py "$out" | tee "$out/summary.txt"
 echo "done in ${SECONDS}s; results in $out"

@@ -77,7 +77,7 @@ class Batch:
 # Batches are built with numpy: the producer thread must not run a multi-threaded torch op (repeat_interleave,
 # or arange and fill past 32k elements), which would give it an OpenMP thread team of its own for the rest of
 # the run; with more OpenMP threads than cores, libgomp stops spin-waiting and the model's CPU forward pass
-# slows by ~5% (bench/RESULTS.md, "Threads beside a CPU forward pass").
+# slows by ~5% (bench/RESULTS.md, "A CPU forward pass beside the pipeline's threads").
 
 def make_batch(samples: list[Sample], pad_token_id: int) -> Batch:
     lengths = np.array([len(s.input_ids) for s in samples])

@@ -254,7 +254,7 @@ def keep_freed_host_memory() -> bool:
 
     By default glibc adapts its thresholds as it goes, and with a forward pass's pattern (tensors of
     a few to tens of MB, freed in bursts) it keeps handing memory back to the kernel and taking it
-    again: millions of page faults per minute, ~10% of a small model's CPU forward (bench/RESULTS.md).
+    again: millions of page faults per minute, ~6% of a small model's CPU forward (bench/RESULTS.md).
     Fixed thresholds keep allocations up to 32 MB (glibc's maximum) in the heap and the heap at its
     peak size. Process-wide, so applied once a model is on the CPU; False where the C library has no
     mallopt (not glibc), which changes nothing."""

@@ -9,14 +9,16 @@ must keep the samples apart:
   per sample segment (causal inside it), so a packed batch costs what its samples cost alone, never
   a (sum of lengths)^2 mask; flash_attention_2/3 read the same `cu_seq_lens` natively (varlen);
 - recurrent and convolutional layers (gated delta-net, causal conv1d) must reset at each boundary,
-  which depends on the kernels transformers finds (fla reads `cu_seq_lens`; its torch fallbacks do
-  not);
+  which depends on the kernels transformers finds (fla reads `cu_seq_lens`; transformers' torch
+  fallbacks and its causal conv1d without the `causal-conv1d` package do not): where they do not,
+  `SampleWise` runs those layers once per sample (the rest of the model still sees the whole batch);
 - nothing else may mix tokens (MLPs, MoE routing and norms work per token).
 
 Rather than trust versions and kernels, `enable` proves it on the loaded model: a probe runs two
 unrelated samples packed and each alone and compares every layer's output of the second one. Where
-they differ, or the attention implementation has no packed path, the run uses padded batches and
-says why (in the log and the store's metadata).
+they differ with the model's own kernels, the linear-attention layers go sample-wise and the probe
+runs again; where they still differ, or the attention implementation has no packed path, the run
+uses padded batches and says why (in the log and the store's metadata).
 """
 
 from __future__ import annotations
@@ -72,6 +74,59 @@ def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa)
 
+SEQUENCE_MIXERS = ("linear_attn",)  # decoder-layer modules that mix tokens besides attention (Qwen3-Next/3.5/3.6)
+_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+class SampleWise:
+    """Runs the decoder's sequence-mixing layers (gated delta-net linear attention with its causal conv1d)
+    once per sample of a packed row, so that each starts from a clean state whatever kernels transformers
+    found; everything else still runs over the whole row. A pre-hook on the decoder takes each forward's
+    boundaries (`cu_seq_lens_q`); a forward without them (padded batches) runs the layers as they are."""
+
+    def __init__(self, model: nn.Module):
+        decoder, layers = find_decoder(model)
+        self.modules = [getattr(layer, name) for layer in layers for name in SEQUENCE_MIXERS if hasattr(layer, name)]
+        self.bounds: list[int] | None = None
+        self._hook = decoder.register_forward_pre_hook(self._take_bounds, with_kwargs=True)
+        self._own_forwards = [module.__dict__.get("forward") for module in self.modules]  # e.g. accelerate's hooks
+        for module in self.modules:
+            module.forward = self._per_sample(module.forward)
+
+    def _take_bounds(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        cu_seq_lens = kwargs.get("cu_seq_lens_q")
+        self.bounds = None if cu_seq_lens is None else _Segments.of(cu_seq_lens)
+
+    def _per_sample(self, forward):
+        def per_sample(*args, **kwargs):
+            bounds = self.bounds
+            if bounds is None:  # not packed
+                return forward(*args, **kwargs)
+            hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
+            args = args[1:] if args and hidden is args[0] else args
+            for name in _BOUNDARY_KWARGS:  # each call sees one plain sequence
+                kwargs.pop(name, None)
+            outputs = [forward(hidden[:, a:b], *args, **kwargs) for a, b in zip(bounds, bounds[1:], strict=False)]
+            if not all(isinstance(out, torch.Tensor) for out in outputs):
+                raise NotImplementedError(f"sample-wise layers return tensors; got {type(outputs[0]).__name__}")
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+        return per_sample
+
+    def remove(self) -> None:
+        self._hook.remove()
+        for module, forward in zip(self.modules, self._own_forwards, strict=True):
+            if forward is None:
+                del module.forward  # back to the class's own
+            else:
+                module.forward = forward
+
+
+def sample_wise_layers(model: nn.Module) -> int:
+    """How many of `model`'s layers run once per packed sample (SampleWise), 0 when none do."""
+    wrapper = getattr(model, "_streamx_sample_wise", None)
+    return len(wrapper.modules) if wrapper is not None else 0
+
 
 @contextmanager
 def padded_attention(model: nn.Module) -> Iterator[None]:
@@ -90,8 +145,7 @@ def configure(model: nn.Module, packing: str) -> str:
     """Set `model` up for --packing: "on" when packed batches keep its samples apart, else "off", or
     "off: why" when it cannot (the model then keeps its own attention)."""
     if packing == "off":
-        if model.config._attn_implementation == PACKED_SDPA:  # a model an earlier plan switched
-            model.set_attn_implementation("sdpa")
+        disable(model)
         return "off"
     why = enable(model)
     return "on" if why is None else f"off: {why}"
@@ -99,16 +153,30 @@ def configure(model: nn.Module, packing: str) -> str:
 
 def enable(model: nn.Module) -> str | None:
     """Switch `model` to packed batches if they keep samples apart: None when it is on, else the reason
-    it stays off (the model is then left as it was)."""
+    it stays off (the model is then left as it would run padded batches)."""
     before = model.config._attn_implementation
     if before not in (None, "sdpa", PACKED_SDPA, *NATIVE_VARLEN):
         return f"attention implementation {before} has no packed path (sdpa or flash_attention_2/3 have)"
     if before in (None, "sdpa"):
         model.set_attn_implementation(PACKED_SDPA)
     leak = probe(model)
-    if leak is not None and before != PACKED_SDPA:
-        model.set_attn_implementation(before or "sdpa")
+    if leak is not None and not sample_wise_layers(model) and any(
+            hasattr(layer, name) for layer in find_decoder(model)[1] for name in SEQUENCE_MIXERS):
+        model._streamx_sample_wise = SampleWise(model)  # the model's own kernels mix samples: one at a time
+        leak = probe(model)
+    if leak is not None:
+        disable(model)
     return leak
+
+
+def disable(model: nn.Module) -> None:
+    """Back to the model's own attention and layers (a model that an earlier plan set up for packing)."""
+    if model.config._attn_implementation == PACKED_SDPA:
+        model.set_attn_implementation("sdpa")
+    wrapper = getattr(model, "_streamx_sample_wise", None)
+    if wrapper is not None:
+        wrapper.remove()
+        del model._streamx_sample_wise
 
 
 @torch.inference_mode()

@@ -37,6 +37,7 @@ from .models import (
     resolve_model_path,
 )
 from .packing import configure as configure_packing
+from .packing import sample_wise_layers
 from .source import Row, Source, open_source
 from .store import (
     Compat,
@@ -101,7 +102,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     packing = configure_packing(model, config.packing)
     if rank.is_main and loaded is None:
-        log(f"  packing {packing_note(packing)}")
+        log(f"  packing {packing_note(packing, sample_wise_layers(model))}")
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
     layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor,
                          config.storage)
@@ -150,10 +151,11 @@ def check_space(config: RunConfig, source: Source, log: Callable[[str], None]) -
                          "free space, choose another --out, use --storage fp8, or pass --no-space-check")
 
 
-def packing_note(packing: str) -> str:
+def packing_note(packing: str, sample_wise: int = 0) -> str:
     if packing == "on":
         return ("on: each forward's samples side by side, no padding (checked on this model: a sample packed after "
-                "another has the states it has alone)")
+                "another has the states it has alone)" + (f"; its {sample_wise} linear-attention layers run once per "
+                                                          "sample" if sample_wise else ""))
     return f"{packing}; padded batches" if packing != "off" else "off: padded batches"
 
 

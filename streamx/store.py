@@ -407,10 +407,14 @@ def open_for_run(path: str, metadata: StoreMetadata) -> RunStore:
 
 def _open_compatible(path: str, metadata: StoreMetadata) -> zarr.Group:
     root = zarr.open_group(path, mode="r+")
-    differences = metadata.compat.differences(root.attrs["streamx"].get("compat", {}))
+    theirs = root.attrs["streamx"].get("compat", {})
+    differences = metadata.compat.differences(theirs)
     if differences:
+        # e.g. a hybrid model's store from before its linear-attention layers could pack
+        resume = f", --packing {theirs.get('packing', 'off')} to resume it" if differences[0].startswith("packing:") \
+            and len(differences) == 1 else ""
         raise StoreError(f"{path} was written by an incompatible run ({'; '.join(differences)}); pass --overwrite "
-                         "to start over or choose another --out")
+                         f"to start over{resume}, or choose another --out")
     return root
 
 

@@ -14,7 +14,7 @@ from streamx.batching import make_packed_batch, pack_window
 from streamx.capture import LayerCapture
 from streamx.config import load_config
 from streamx.pack import pack_into_torch
-from streamx.packing import PACKED_SDPA, enable, probe
+from streamx.packing import PACKED_SDPA, configure, enable, probe, sample_wise_layers
 from streamx.pipeline import run
 from streamx.store import open_store
 from streamx.tokenize import Sample
@@ -52,16 +52,13 @@ def packed_capture(model, samples, layer_ids) -> torch.Tensor:
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_5"])
 def test_packed_states_equal_each_sample_alone(family):
     model, untouched = tiny_model(family), tiny_model(family)  # same weights; the reference keeps plain sdpa
-    why_not = enable(model)
+    assert enable(model) is None and model.config._attn_implementation == PACKED_SDPA
+    # the hybrid's gated delta-net layers run once per sample unless transformers found kernels that reset at
+    # boundaries (flash-linear-attention and causal-conv1d, CUDA only)
     if family != "qwen3_5":
-        assert why_not is None and model.config._attn_implementation == PACKED_SDPA
-    elif why_not is not None:
-        # transformers' gated delta-net resets at boundaries only with flash-linear-attention's kernels: without
-        # them the packed forward is refused or leaks, packing stays off and the run uses padded batches (whose
-        # states test_capture checks against the same reference)
-        assert "flash-linear-attention" in why_not or "depend on the sample packed before it" in why_not
-        assert model.config._attn_implementation == "sdpa"
-        return
+        assert sample_wise_layers(model) == 0
+    elif not torch.cuda.is_available():
+        assert sample_wise_layers(model) == 3
     samples = samples_after_a_long_one(model.config.vocab_size)
     ids = [0, 1, 2, 3, 4]
     packed = packed_capture(model, samples, ids)
@@ -74,6 +71,31 @@ def test_packed_states_equal_each_sample_alone(family):
             torch.testing.assert_close(got, want, rtol=BF16_ULP, atol=1e-5 * want.abs().max().item(),
                                        msg=f"{family}: sample {sample.row_id} id {layer_id}")
         offset += T
+
+
+def test_hybrid_linear_attention_mixes_packed_samples_unless_run_sample_wise():
+    """Without SampleWise, transformers' own gated delta-net path refuses packed rows on the CPU (or, with
+    flash-linear-attention but no causal-conv1d, lets the conv window cross the boundary): the probe says so.
+    With it, packing is on; padded batches afterwards (--packing off, or bench's padded forward) run the
+    layers as they are, and off removes the wrapper."""
+    model = tiny_model("qwen3_5")
+    if not torch.cuda.is_available():  # (CUDA with both kernel packages keeps samples apart by itself)
+        model.set_attn_implementation(PACKED_SDPA)
+        assert "flash-linear-attention" in probe(model)
+        model.set_attn_implementation("sdpa")
+    assert configure(model, "on") == "on" and sample_wise_layers(model) == 3
+    untouched = tiny_model("qwen3_5")
+    one = samples_after_a_long_one(model.config.vocab_size)[4:5]  # a packed batch of one sample (a long one alone)
+    packed = packed_capture(model, one, [4])[:, 0].float()
+    torch.testing.assert_close(packed, reference(untouched, one[0].input_ids)[4].to(torch.bfloat16).float())
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        model.set_attn_implementation("sdpa")  # padded batches: the same model, its attention as it was
+        got = model.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+        want = untouched.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert configure(model, "off") == "off" and sample_wise_layers(model) == 0
+    assert model.config._attn_implementation == "sdpa"
 
 
 def leaky_attention(module, query, key, value, attention_mask, **kwargs):

@@ -218,6 +218,11 @@ def test_incompatible_store_is_refused(tmp_path):
         prepare(path, meta(model="other"))
     with pytest.raises(StoreError, match="incompatible run.*data: store has 'd', this run 'e'"):
         open_for_run(path, meta(data="e"))
+    with pytest.raises(StoreError, match="model: store has 'm', this run 'other'; packing.*start over, or"):
+        prepare(path, meta(model="other", packing="on"))  # two differences: no hint to resume
+    # packing alone (a store from before the model could pack): the error says how to resume it
+    with pytest.raises(StoreError, match="packing: store has 'off', this run 'on'.*--packing off to resume it"):
+        prepare(path, meta(packing="on"))
     prepare(path, meta(model="other"), overwrite=True)
     assert Store(path).metadata.compat.model == "other"
 
