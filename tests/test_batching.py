@@ -42,13 +42,14 @@ def test_packed_batch_restarts_positions_and_marks_boundaries():
 
 
 def _threads_started_by(work) -> int:
-    """OS threads that appear while `work` runs in a fresh thread (an OpenMP team lives as long as its thread)."""
+    """OS threads that appear while `work` runs in a fresh thread and are still there when it is done (an
+    OpenMP team lives as long as its thread); threads of earlier work that end meanwhile do not count."""
     started = {}
 
     def body() -> None:
-        before = len(os.listdir("/proc/self/task"))
+        before = set(os.listdir("/proc/self/task"))
         work()
-        started["n"] = len(os.listdir("/proc/self/task")) - before
+        started["n"] = len(set(os.listdir("/proc/self/task")) - before)
 
     t = threading.Thread(target=body)
     t.start()
