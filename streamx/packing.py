@@ -85,8 +85,8 @@ class SampleWise:
     boundaries (`cu_seq_lens_q`); a forward without them (padded batches) runs the layers as they are."""
 
     def __init__(self, model: nn.Module):
-        decoder, layers = find_decoder(model)
-        self.modules = [getattr(layer, name) for layer in layers for name in SEQUENCE_MIXERS if hasattr(layer, name)]
+        decoder = find_decoder(model)[0]
+        self.modules = sequence_mixers(model)
         self.bounds: list[int] | None = None
         self._hook = decoder.register_forward_pre_hook(self._take_bounds, with_kwargs=True)
         self._own_forwards = [module.__dict__.get("forward") for module in self.modules]  # e.g. accelerate's hooks
@@ -120,6 +120,12 @@ class SampleWise:
                 del module.forward  # back to the class's own
             else:
                 module.forward = forward
+
+
+def sequence_mixers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers' SEQUENCE_MIXERS modules (none in a plain transformer)."""
+    layers = find_decoder(model)[1]
+    return [getattr(layer, name) for layer in layers for name in SEQUENCE_MIXERS if hasattr(layer, name)]
 
 
 def sample_wise_layers(model: nn.Module) -> int:
@@ -160,8 +166,7 @@ def enable(model: nn.Module) -> str | None:
     if before in (None, "sdpa"):
         model.set_attn_implementation(PACKED_SDPA)
     leak = probe(model)
-    if leak is not None and not sample_wise_layers(model) and any(
-            hasattr(layer, name) for layer in find_decoder(model)[1] for name in SEQUENCE_MIXERS):
+    if leak is not None and not sample_wise_layers(model) and sequence_mixers(model):
         model._streamx_sample_wise = SampleWise(model)  # the model's own kernels mix samples: one at a time
         leak = probe(model)
     if leak is not None:

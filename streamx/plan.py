@@ -153,9 +153,9 @@ def check_space(config: RunConfig, source: Source, log: Callable[[str], None]) -
 
 def packing_note(packing: str, sample_wise: int = 0) -> str:
     if packing == "on":
+        layers = f"; its {sample_wise} linear-attention layers run once per sample" if sample_wise else ""
         return ("on: each forward's samples side by side, no padding (checked on this model: a sample packed after "
-                "another has the states it has alone)" + (f"; its {sample_wise} linear-attention layers run once per "
-                                                          "sample" if sample_wise else ""))
+                f"another has the states it has alone){layers}")
     return f"{packing}; padded batches" if packing != "off" else "off: padded batches"
 
 
