@@ -19,13 +19,15 @@ import platform
 import shutil
 import time
 from pathlib import Path
+from typing import get_args
 
 import torch
 
-from streamx.config import COMPRESSORS
-from streamx.fp8 import quantize_fp8
-from streamx.store import make_layout, open_for_run, open_store, prepare, stored_bits
+from streamx.config import Compressor
+from streamx.store import STORAGES, make_layout, open_for_run, open_store, prepare
 from streamx.writer import PartWriter
+
+COMPRESSORS = get_args(Compressor)
 
 
 def state_bytes(path: Path) -> int:
@@ -37,7 +39,7 @@ def state_bytes(path: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("store")
-    parser.add_argument("--storage", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument("--storage", choices=tuple(STORAGES), default="bf16")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path)
     opts = parser.parse_args()
@@ -46,8 +48,9 @@ def main() -> None:
     meta = source.metadata
     samples = []
     for s in source.samples():
-        values, scales = quantize_fp8(s.hidden_states) if opts.storage == "fp8" else (s.hidden_states, None)
-        samples.append((s.row_id, s.input_ids.numpy(), s.loss_mask.numpy().astype("uint8"), stored_bits(values),
+        values, scales = STORAGES[opts.storage].encode(s.hidden_states)
+        samples.append((s.row_id, s.input_ids.numpy(), s.loss_mask.numpy().astype("uint8"),
+                        STORAGES[opts.storage].to_bits(values),
                         None if scales is None else scales.numpy()))
     raw = sum(s[3].nbytes + (0 if s[4] is None else s[4].nbytes) for s in samples)
     print(f"{len(samples):,} samples, {sum(len(s[1]) for s in samples):,} tokens, {raw / 1e9:.3f} GB of "

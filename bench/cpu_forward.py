@@ -28,10 +28,10 @@ import time
 import torch
 
 from streamx import models
-from streamx.batching import Batch, iter_windows
+from streamx.batching import Batch
 from streamx.bench import forward_only, warm_up
 from streamx.config import load_config
-from streamx.plan import make_plan
+from streamx.runplan import make_plan
 
 
 def load_batches(args, kept: bool):
@@ -41,8 +41,7 @@ def load_batches(args, kept: bool):
         config = load_config(None, data=args.data, model=args.model, max_samples=args.max_samples,
                              out=f"{tmp}/s.zarr", space_check=False)
         plan = make_plan(config, log=lambda message: None)
-    windows = [plan.tokenize(window) for window in iter_windows(plan.source, plan.config.sort_window)]
-    batches = [b for window in windows for b in plan.batches(window) if isinstance(b, Batch)]
+    batches = [b for b in plan.batch_stream() if isinstance(b, Batch)]
     warm_up(plan.model, batches, plan.device)
     return plan, batches
 

@@ -6,7 +6,7 @@
 #      hybrid config (64 layers, hidden 5120, gated delta-net), built in GPU memory, no checkpoint;
 #      each with the forward pass over packed and over padded batches of the same chats; the hybrid
 #      once more, last and on fewer chats, without flash-linear-attention (transformers' torch path)
-#   3. streamx bench --writer-only into tmpfs and into /tmp, 1..8 writer processes
+#   3. streamx bench-writer into tmpfs and into /tmp, 1..8 writer processes
 #   4. the gather-pack kernel bandwidth
 # Each step gets what is left of the 8 minutes (capped per step), so a slow step never loses the
 # rest; results are JSON files and one log in OUT_DIR, with summary.txt holding the table rows.
@@ -87,9 +87,9 @@ bench qwen3_8b 150 "$model_8b" --rounds 2
 # no uncounted round: the shape warm-up already compiles and autotunes every batch (packed and padded), and
 # the packed and padded forwards with streamx make three modes of about 20 s a round at 27B
 bench qwen3_6_27b_hybrid 170 "$model_hybrid" --rounds 2 --warmup-rounds 0 --skip-naive
-step writer_tmpfs 60 python3 -m streamx bench --writer-only --out /dev/shm/streamx-bench/store.zarr --processes 1,2,4,8 --gib "$writer_gib" \
+step writer_tmpfs 60 python3 -m streamx bench-writer --out /dev/shm/streamx-bench/store.zarr --processes 1,2,4,8 --gib "$writer_gib" \
     --rounds 2 --json "$out/writer_tmpfs.json"
-step writer_disk 50 python3 -m streamx bench --writer-only --out /tmp/streamx-bench/store.zarr --processes 1,4 --gib "$writer_gib" --rounds 2 \
+step writer_disk 50 python3 -m streamx bench-writer --out /tmp/streamx-bench/store.zarr --processes 1,4 --gib "$writer_gib" --rounds 2 \
     --json "$out/writer_disk.json"
 step kernel 40 python3 bench/kernel_bench.py --tokens 16384,65536 --iters 10 --json "$out/kernel.json"
 PYTHONPATH="$without_fla" bench qwen3_6_27b_hybrid_nofla 120 "$model_hybrid" --rounds 1 --warmup-rounds 0 --skip-naive \

@@ -60,7 +60,7 @@ def kernel_rows(out: Path) -> list[str]:
         return []
     rows = ["| dtype | tokens | method | GB/s | % of copy |", "| --- | ---: | --- | ---: | ---: |"]
     for r in json.loads(f.read_text())["rows"]:
-        if r["table"] == "pack":
+        if r["table"] == "gather":
             rows.append(f"| {r['dtype']} | {r['tokens']} | {r['method']} | {r['gb_per_s']:.0f} | "
                         f"{r['pct_of_copy']:.0f}% |")
     return rows

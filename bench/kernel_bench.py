@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 
 from streamx.ceilings import median_seconds
-from streamx.pack import pack_into_torch
-from streamx_kernels.pack import pack_into_triton
+from streamx.gather import gather_into_torch
+from streamx_kernels.gather import gather_into_triton
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -47,57 +47,57 @@ def run(args: argparse.Namespace) -> list[dict]:
         dtype = DTYPES[name]
         for tokens in [int(t) for t in args.tokens.split(",")]:
             hidden, index = batch(tokens, H, dtype, args.max_length, device)
-            packed = torch.empty(tokens, K, H, dtype=torch.bfloat16, device=device)
+            states = torch.empty(tokens, K, H, dtype=torch.bfloat16, device=device)
             layer_bytes = tokens * H * (hidden.element_size() + 2)
             src = torch.empty(layer_bytes // 2, dtype=torch.uint8, device=device)
             dst = torch.empty_like(src)
 
             def each_slot(pack, **kw) -> Callable[[], None]:
-                return lambda: [pack(packed, k, hidden, index, **kw) for k in range(K)]  # noqa: B023 - this round
+                return lambda: [pack(states, k, hidden, index, **kw) for k in range(K)]  # noqa: B023 - this round
 
             methods = {"copy": lambda: [dst.copy_(src) for _ in range(K)],  # noqa: B023 - timed this round
-                       "torch": each_slot(pack_into_torch)}
+                       "torch": each_slot(gather_into_torch)}
             if cuda or tokens <= args.interp_max_tokens:
                 label = "triton" if cuda else "triton (interpreter)"
                 for bn, bh in blocks:
                     tile = f" {bn}x{bh}" if bn else ""
-                    methods[label + tile] = each_slot(pack_into_triton, block_n=bn, block_h=bh)
+                    methods[label + tile] = each_slot(gather_into_triton, block_n=bn, block_h=bh)
             seconds = {m: median_seconds(fn, args.iters, device, warmups=1) / K for m, fn in methods.items()}
             for m, s in seconds.items():
-                rows.append(dict(table="pack", device=str(device), dtype=name, tokens=tokens, H=H, K=K, method=m,
+                rows.append(dict(table="gather", device=str(device), dtype=name, tokens=tokens, H=H, K=K, method=m,
                                  ms_per_layer=s * 1e3, gb_per_s=layer_bytes / s / 1e9,
                                  pct_of_copy=100 * seconds["copy"] / s))
             if cuda:
-                rows += host_handoff(packed, hidden, index, name, args.iters, device)
+                rows += host_handoff(states, hidden, index, name, args.iters, device)
     return rows
 
 
-def host_handoff(packed: torch.Tensor, hidden: torch.Tensor, index: torch.Tensor, name: str, iters: int,
+def host_handoff(states: torch.Tensor, hidden: torch.Tensor, index: torch.Tensor, name: str, iters: int,
                  device: torch.device) -> list[dict]:
     """Per batch (K layers): device buffer + one async copy to pinned host, vs the kernel writing pinned host memory."""
-    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-    K = packed.shape[1]
+    host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
+    K = states.shape[1]
 
     def device_then_copy() -> None:
         for k in range(K):
-            pack_into_triton(packed, k, hidden, index)
-        host.copy_(packed, non_blocking=True)
+            gather_into_triton(states, k, hidden, index)
+        host.copy_(states, non_blocking=True)
 
     def mapped() -> None:
         for k in range(K):
-            pack_into_triton(host, k, hidden, index)
+            gather_into_triton(host, k, hidden, index)
 
-    out_bytes = packed.numel() * packed.element_size()
+    out_bytes = states.numel() * states.element_size()
     seconds = {"device + async D2H": median_seconds(device_then_copy, iters, device, warmups=1),
                "mapped pinned host": median_seconds(mapped, iters, device, warmups=1)}
     base = seconds["device + async D2H"]
-    return [dict(table="host", device=str(device), dtype=name, tokens=packed.shape[0], H=packed.shape[2], K=K,
+    return [dict(table="host", device=str(device), dtype=name, tokens=states.shape[0], H=states.shape[2], K=K,
                  method=m, ms_per_batch=s * 1e3, host_gb_per_s=out_bytes / s / 1e9, speedup=base / s)
             for m, s in seconds.items()]
 
 
 def print_tables(rows: list[dict]) -> None:
-    pack = [r for r in rows if r["table"] == "pack"]
+    pack = [r for r in rows if r["table"] == "gather"]
     print(f"{'dtype':5} {'tokens':>7} {'method':28} {'ms/layer':>9} {'GB/s':>8} {'% copy':>7}")
     for r in pack:
         print(f"{r['dtype']:5} {r['tokens']:>7} {r['method']:28} {r['ms_per_layer']:9.3f} {r['gb_per_s']:8.2f} "

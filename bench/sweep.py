@@ -44,7 +44,7 @@ def plot(results: dict, out: Path) -> None:
     a.legend()
     b.plot(x, [r["padding_efficiency"] for r in budgets], "o-")
     b.set(xscale="log", xlabel="token budget", ylabel="real / computed tokens", title="padding efficiency")
-    stages = ["source_tokenize", "batching", "forward", "pack", "d2h", "write"]
+    stages = ["source_tokenize", "batching", "forward", "gather", "d2h", "write"]
     labels = [f"{len(r['layers'].split(','))} ids" for r in results["layers"]]
     bottom = [0.0] * len(labels)
     for stage in stages:

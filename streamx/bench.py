@@ -10,6 +10,7 @@ that machine drift hits all of them equally:
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import resource
@@ -18,6 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +28,13 @@ import transformers
 from safetensors.torch import save_file
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from .batching import Batch, iter_windows
+from .batching import Batch
+from .capture import find_decoder
 from .ceilings import host_copy_gb_per_s, matmul_peak_tflops
 from .config import RunConfig
 from .packing import padded_attention
 from .pipeline import run
-from .plan import make_plan
+from .runplan import RunPlan, make_plan
 from .tokenize import Sample
 from .writebench import write_ceiling
 
@@ -71,9 +74,10 @@ def _sync(device: torch.device) -> None:
 
 
 def forward_only(model, batches: list[Batch], device: torch.device) -> dict[str, Any]:
+    decoder = find_decoder(model).module
     with torch.inference_mode():
         for batch in batches:
-            model.model(**batch.model_inputs(device), use_cache=False)
+            decoder(**batch.model_inputs(device), use_cache=False)
     _sync(device)
     return {"bytes_written": 0}
 
@@ -119,15 +123,11 @@ def calibrate(config: RunConfig, batches: int = 8, log: Callable[[str], None] = 
     """Tokens/s of the model's forward pass over the first `batches` batches of the data, after one
     uncounted batch (kernels load or compile): the rate `streamx run` approaches (bench/RESULTS.md)."""
     plan = make_plan(config.replace(space_check=False), log=log)
-    taken: list[Batch] = []
-    for window in iter_windows(plan.source, config.sort_window):
-        taken += [b for b in plan.batches(plan.tokenize(window)) if isinstance(b, Batch)]
-        if len(taken) > batches:
-            break
+    taken = list(itertools.islice((b for b in plan.batch_stream() if isinstance(b, Batch)), batches + 1))
     if len(taken) < 2:
         raise ValueError("too few rows to calibrate on: pass --tokens-per-s")
     forward_only(plan.model, taken[:1], plan.device)
-    timed = taken[1 : batches + 1]
+    timed = taken[1:]
     started = time.perf_counter()
     forward_only(plan.model, timed, plan.device)
     return sum(b.num_tokens for b in timed) / (time.perf_counter() - started)
@@ -143,13 +143,73 @@ def machine() -> dict[str, Any]:
     return info
 
 
+@dataclass
+class Workload:
+    """What every mode runs, built once from the plan: the run's own batches (RunPlan.batch_stream), the same
+    samples in padded batches (forward_padded, when the run packs), and their model FLOPs."""
+
+    plan: RunPlan
+    batches: list[Batch]
+    padded_batches: list[Batch]
+    flops_by_shape: dict[tuple, int] = field(default_factory=dict)  # filled by warm_up
+
+    @classmethod
+    def build(cls, plan: RunPlan, padded: bool) -> Workload:
+        batches = [b for b in plan.batch_stream() if isinstance(b, Batch)]
+        padded_batches = [b for b in plan.batch_stream(packed=False) if isinstance(b, Batch)] if padded else batches
+        if not batches:
+            raise ValueError("no usable samples in the data")
+        return cls(plan, batches, padded_batches)
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for b in self.batches for s in b.samples]
+
+    @property
+    def tokens(self) -> int:
+        return sum(b.num_tokens for b in self.batches)
+
+    @property
+    def round_flops(self) -> int:
+        return sum(self.flops_by_shape[b.shape_key] for b in self.batches)
+
+    def warm_up(self, padded: bool) -> None:
+        """Every batch shape once before timing (and the padded ones, under the padded attention)."""
+        model, device = self.plan.model, self.plan.device
+        self.flops_by_shape = warm_up(model, self.batches, device)
+        if padded:
+            with padded_attention(model):
+                warm_up(model, self.padded_batches, device)
+
+
+def run_mode(mode: str, work: Workload, scratch: Path, r: int) -> tuple[dict[str, Any], Any]:
+    """One round of one mode: what it wrote, and the run's summary for the streamx mode."""
+    plan = work.plan
+    if mode == "forward_only":
+        return forward_only(plan.model, work.batches, plan.device), None
+    if mode == "forward_padded":  # the same samples in padded batches, as --packing off runs them
+        with padded_attention(plan.model):
+            return forward_only(plan.model, work.padded_batches, plan.device), None
+    if mode == "streamx":
+        store = scratch / f"round{r}.zarr"
+        summary = run(plan.with_output(str(store), overwrite=True), progress=False, log=lambda m: None)
+        written = _dir_bytes(store)
+        shutil.rmtree(store)  # a round's store can be GBs: keep one at a time
+        return {"bytes_written": written}, summary
+    naive_dir = scratch / f"naive{r}"
+    naive_dir.mkdir()
+    out = naive(plan.model, work.samples, plan.layer_ids, plan.device, naive_dir)
+    shutil.rmtree(naive_dir)
+    return out, None
+
+
 def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callable[[str], None] = print,
           modes: tuple[str, ...] = MODES, out_dir: str | None = None, ceiling_bytes: int = 1 << 30,
           warmup_rounds: int | None = None) -> dict[str, Any]:
     """Run the modes `rounds` times each, interleaved; figures are totals over the rounds. Before them,
     the model sees every batch shape once (kernel compilation and autotuning are per shape), then
     `warmup_rounds` rounds of every mode run uncounted (default: 1 on CUDA, where the naive mode's
-    per-sample shapes and the pack kernel compile too; 0 on CPU). Stores and naive files go to a
+    per-sample shapes and the gather kernel compile too; 0 on CPU). Stores and naive files go to a
     temporary folder in `out_dir` (default: the system's), whose plain sequential write speed is
     measured too (`ceiling_bytes` per pass), so the report can say whether the disk binds."""
     unknown = set(modes) - set(MODES)
@@ -158,59 +218,32 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
     if not progress:
         transformers.utils.logging.disable_progress_bar()
     plan = make_plan(config, log=log)  # what `streamx run` would do, loaded once for every mode
-    model, info, layer_ids, device = plan.model, plan.info, plan.layer_ids, plan.device
-    windows = [plan.tokenize(window) for window in iter_windows(plan.source, config.sort_window)]
-    batches = [b for window in windows for b in plan.batches(window) if isinstance(b, Batch)]
-    if plan.packing != "on":  # the forward pass over padded batches is forward_only itself
+    if not plan.packing.on:  # the forward pass over padded batches is forward_only itself
         modes = tuple(m for m in modes if m != "forward_padded")
-    padded_batches = [b for window in windows for b in plan.batches(window, packed=False) if isinstance(b, Batch)] \
-        if "forward_padded" in modes else batches
-    samples = [s for b in batches for s in b.samples]
-    if not samples:
-        raise ValueError("no usable samples in the data")
-    real = sum(len(s.input_ids) for s in samples)
-    padded = sum(b.padded_tokens for b in batches)
-
-    flops_by_shape = warm_up(model, batches, device)
-    round_flops = sum(flops_by_shape[b.shape_key] for b in batches)
-    if "forward_padded" in modes:
-        with padded_attention(model):
-            warm_up(model, padded_batches, device)
+    work = Workload.build(plan, padded="forward_padded" in modes)
+    work.warm_up(padded="forward_padded" in modes)
+    device = plan.device
     warmups = (1 if device.type == "cuda" else 0) if warmup_rounds is None else warmup_rounds
     peak, host_copy = matmul_peak_tflops(device), host_copy_gb_per_s(device)
+    ceiling = write_ceiling(out_dir, ceiling_bytes)
     totals = {m: {"seconds": 0.0, "rounds": [], "peak_rss_bytes": 0, "peak_device_bytes": 0, "bytes_written": 0}
               for m in modes}
     stages: dict[str, float] = {}
     fills: dict[str, float] = {}
-    ceiling = write_ceiling(out_dir, ceiling_bytes)
+    samples, real = len(work.samples), work.tokens
     with tempfile.TemporaryDirectory(prefix="streamx-bench-", dir=out_dir) as tmp:
         for r in range(warmups + rounds):
-            order = modes[r % len(modes):] + modes[: r % len(modes)]
-            for mode in order:
+            for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 with PeakRSS() as rss:
                     t0 = time.perf_counter()
-                    if mode == "forward_only":
-                        out = forward_only(model, batches, device)
-                    elif mode == "forward_padded":  # the same samples in padded batches, as --packing off runs them
-                        with padded_attention(model):
-                            out = forward_only(model, padded_batches, device)
-                    elif mode == "streamx":
-                        store = Path(tmp) / f"round{r}.zarr"
-                        summary = run(plan.replace(out=str(store), overwrite=True), progress=False, log=log)
-                        out = {"bytes_written": _dir_bytes(store)}
-                        shutil.rmtree(store)  # a round's store can be GBs: keep one at a time
-                    else:
-                        naive_dir = Path(tmp) / f"naive{r}"
-                        naive_dir.mkdir()
-                        out = naive(model, samples, layer_ids, device, naive_dir)
-                        shutil.rmtree(naive_dir)
+                    out, summary = run_mode(mode, work, Path(tmp), r)
                     seconds = time.perf_counter() - t0
                 if r < warmups:
                     log(f"warm-up round {r + 1}/{warmups} {mode:<12} {real / seconds:10,.0f} tokens/s (not counted)")
                     continue
-                if mode == "streamx":
+                if summary is not None:
                     for k, v in summary.stage_seconds.items():
                         stages[k] = stages.get(k, 0.0) + v
                     fills = summary.queue_fill
@@ -222,66 +255,75 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
                 if device.type == "cuda":
                     t["peak_device_bytes"] = max(t["peak_device_bytes"], torch.cuda.max_memory_allocated(device))
                 if progress:
-                    log(f"round {r - warmups + 1}/{rounds} {mode:<12} {len(samples) / seconds:8.2f} samples/s "
+                    log(f"round {r - warmups + 1}/{rounds} {mode:<12} {samples / seconds:8.2f} samples/s "
                         f"{real / seconds:10,.0f} tokens/s")
+    busy = {k: v / rounds for k, v in stages.items()}
+    return report(work, modes, totals, busy, fills, rounds, warmups,
+                  {"bf16_matmul_peak_tflops": peak, "host_copy_gb_per_s": host_copy, "write_gb_per_s": ceiling / 1e9})
 
-    report: dict[str, Any] = {}
+
+def report(work: Workload, modes: tuple[str, ...], totals: dict[str, dict[str, Any]], busy: dict[str, float],
+           fills: dict[str, float], rounds: int, warmups: int, ceilings: dict[str, float | None]) -> dict[str, Any]:
+    """The figures of the measured rounds: per mode, the streamx run's stages and ceilings, the ratios."""
+    plan, samples, real = work.plan, len(work.samples), work.tokens
+    peak, ceiling = ceilings["bf16_matmul_peak_tflops"], ceilings["write_gb_per_s"] * 1e9
+    out: dict[str, Any] = {}
     for mode in modes:
         t = totals[mode]
-        report[mode] = {
-            "samples_per_s": rounds * len(samples) / t["seconds"],
+        out[mode] = {
+            "samples_per_s": rounds * samples / t["seconds"],
             "tokens_per_s": rounds * real / t["seconds"],
             "rounds_tokens_per_s": [real / seconds for seconds in t["rounds"]],  # drift shows here
             "spread": (max(t["rounds"]) - min(t["rounds"])) / (t["seconds"] / rounds),  # of round times
             "seconds": t["seconds"] / rounds,
             "padding_efficiency": 1.0 if mode == "naive" else real / sum(
-                b.padded_tokens for b in (padded_batches if mode == "forward_padded" else batches)),
+                b.padded_tokens for b in (work.padded_batches if mode == "forward_padded" else work.batches)),
             "peak_rss_bytes": t["peak_rss_bytes"],
             "peak_device_bytes": t["peak_device_bytes"],
             "bytes_written_per_token": t["bytes_written"] / real,
         }
     for mode in ("forward_only", "streamx"):
-        if mode in report:  # both compute the model's forward over the same batches: the same model FLOPs
-            achieved = round_flops / report[mode]["seconds"] / 1e12
-            report[mode]["model_tflops_per_s"] = achieved
-            report[mode]["fraction_of_matmul_peak"] = achieved / peak if peak else None
-    busy = {k: v / rounds for k, v in stages.items()}
-    s = report["streamx"]
+        if mode in out:  # both compute the model's forward over the same batches: the same model FLOPs
+            achieved = work.round_flops / out[mode]["seconds"] / 1e12
+            out[mode]["model_tflops_per_s"] = achieved
+            out[mode]["fraction_of_matmul_peak"] = achieved / peak if peak else None
+    s = out["streamx"]
     s["stage_seconds"] = busy
     s["queue_fill"] = fills
     state_bytes = real * plan.layout.bytes_per_token  # per round
     s["write_ceiling_bytes_per_s"] = ceiling
-    s["host_copy_bytes_per_s"] = host_copy * 1e9 if host_copy else None
+    s["host_copy_bytes_per_s"] = ceilings["host_copy_gb_per_s"] * 1e9 if ceilings["host_copy_gb_per_s"] else None
     s["writer_bytes_per_s"] = state_bytes / busy["write"] if busy.get("write") else None
-    at_forward = report.get("forward_only", {}).get("seconds")
+    at_forward = out.get("forward_only", {}).get("seconds")
     s["bytes_per_s_at_forward_only"] = state_bytes / at_forward if at_forward else None
-    s["bottleneck"] = bottleneck(busy, state_bytes, ceiling, device.type == "cuda")
-    report["ratios"] = {f"streamx_vs_{m}": report["streamx"]["tokens_per_s"] / report[m]["tokens_per_s"]
-                        for m in modes if m != "streamx"}
-    if "forward_padded" in report and "forward_only" in report:
-        report["ratios"]["packed_vs_padded_forward"] = (report["forward_only"]["tokens_per_s"]
-                                                        / report["forward_padded"]["tokens_per_s"])
-    report["workload"] = {"samples": len(samples), "tokens": real, "padded_tokens": padded, "batches": len(batches),
-                          "batch_shapes": len(flops_by_shape), "packing": plan.packing, "layer_ids": layer_ids,
-                          "rounds": rounds, "warmup_rounds": warmups, "model_flops_per_round": round_flops,
-                          "model_flops_per_real_token": round_flops / real}
-    report["ceilings"] = {"bf16_matmul_peak_tflops": peak, "host_copy_gb_per_s": host_copy,
-                          "write_gb_per_s": ceiling / 1e9}
-    report["machine"] = machine()
-    report["model"] = {"model": info.model, "architecture": info.architecture, "num_layers": info.num_layers,
-                       "hidden_size": info.hidden_size, "dtype": info.dtype, "device": info.device,
-                       "random_weights": info.random_weights}
-    report["config"] = config.to_dict()
-    return report
+    s["bottleneck"] = bottleneck(busy, state_bytes, ceiling, plan.device.type == "cuda")
+    out["ratios"] = {f"streamx_vs_{m}": out["streamx"]["tokens_per_s"] / out[m]["tokens_per_s"]
+                     for m in modes if m != "streamx"}
+    if "forward_padded" in out and "forward_only" in out:
+        out["ratios"]["packed_vs_padded_forward"] = (out["forward_only"]["tokens_per_s"]
+                                                     / out["forward_padded"]["tokens_per_s"])
+    out["workload"] = {"samples": samples, "tokens": real, "padded_tokens": sum(b.padded_tokens for b in work.batches),
+                       "batches": len(work.batches), "batch_shapes": len(work.flops_by_shape),
+                       "packing": str(plan.packing), "layer_ids": plan.layer_ids, "rounds": rounds,
+                       "warmup_rounds": warmups, "model_flops_per_round": work.round_flops,
+                       "model_flops_per_real_token": work.round_flops / real}
+    out["ceilings"] = ceilings
+    out["machine"] = machine()
+    info = plan.info
+    out["model"] = {"model": info.model, "architecture": info.architecture, "num_layers": info.num_layers,
+                    "hidden_size": info.hidden_size, "dtype": info.dtype, "device": info.device,
+                    "random_weights": info.random_weights}
+    out["config"] = plan.config.to_dict()
+    return out
 
 
 def bottleneck(busy: dict[str, float], state_bytes: int, ceiling: float, cuda: bool) -> str:
     """The stage thread whose busy time is closest to the wall time bounds the run (they overlap).
     The writer's busy time includes waiting for the filesystem: when writing the bytes at the
     measured ceiling would take most of it, the disk binds rather than the writer's own work."""
-    model = "GPU stage (forward, pack, copy to host)" if cuda else "model stage (forward, pack)"
+    model = "GPU stage (forward, gather, copy to host)" if cuda else "model stage (forward, gather)"
     threads = {"producer (source, tokenize, batching)": busy.get("source_tokenize", 0) + busy.get("batching", 0),
-               model: sum(busy.get(stage, 0) for stage in ("forward", "pack", "quantize", "d2h")),
+               model: sum(busy.get(stage, 0) for stage in ("forward", "gather", "quantize", "d2h")),
                "writer": busy.get("write", 0)}
     name = max(threads, key=threads.get)
     if name == "writer" and state_bytes / ceiling >= 0.8 * threads["writer"]:

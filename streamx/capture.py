@@ -4,25 +4,27 @@ Layer ids follow the speculators convention (docs/layers.md), for a decoder of L
   id 0        the embeddings output = input of layers[0]         (forward pre-hook on layers[0])
   id k, 1..L  the residual stream leaving layers[k-1]            (forward hook on layers[k-1])
 so id L is the last layer's output *before* the final norm (HF's hidden_states[L] is after it).
-Only the decoder stack runs (never the lm_head), and it stops right after the deepest hook.
+Only the decoder stack runs (never the lm_head), and it stops right after the deepest hook. Each
+hook gathers its layer's real tokens into one slot of the [N, K, H] states buffer (streamx.gather).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .batching import Batch
 from .config import check_layer_ids
-from .pack import PackFn
+from .gather import GatherFn
 
-# Where decoder stacks live across transformers architectures (first match wins).
+# Where decoder stacks live across transformers architectures (first match wins); each is tested
+# (tests/test_capture.py), since bench, verify and packing call the decoder found here too.
 LAYER_PATHS = (
     "model.layers",  # Llama, Qwen2/3, Qwen3-MoE, Qwen3.5 text, Mistral, Gemma
     "model.language_model.layers",  # multimodal wrappers (Qwen3.5 / Gemma3 conditional generation)
-    "language_model.model.layers",
-    "model.decoder.layers",  # OPT
-    "transformer.h",  # GPT-2 style
+    "language_model.model.layers",  # older multimodal wrappers (LLaVA style)
     "layers",  # a bare decoder
 )
 
@@ -35,34 +37,40 @@ class _StopForward(Exception):
     """Raised by the deepest hook: nothing after it is needed."""
 
 
-def find_decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
-    """The module to call (the decoder stack, without lm_head) and its list of layers."""
+@dataclass(frozen=True)
+class Decoder:
+    """The part of a causal LM that streamx runs: the decoder stack without the lm_head."""
+
+    module: nn.Module  # called with a batch's inputs (Batch.model_inputs)
+    layers: nn.ModuleList
+    norm: nn.Module | None  # the final norm: id L is its input (verify)
+
+
+def find_decoder(model: nn.Module) -> Decoder:
+    """The decoder of `model`, wherever its architecture keeps it (LAYER_PATHS)."""
     for path in LAYER_PATHS:
         module: nn.Module | None = model
         for part in path.split(".")[:-1]:
             module = getattr(module, part, None)
         layers = getattr(module, path.split(".")[-1], None) if module is not None else None
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
-            return module, layers
+            return Decoder(module, layers, getattr(module, "norm", None))
     raise LayerDiscoveryError(
         f"cannot find the decoder layers of {type(model).__name__}: looked for {', '.join(LAYER_PATHS)}"
     )
 
 
-def num_decoder_layers(model: nn.Module) -> int:
-    return len(find_decoder(model)[1])
-
-
 class LayerCapture:
-    """Hooks that write the selected layers of each forward into a packed [N, K, H] buffer.
+    """Hooks that write the selected layers of each forward into an [N, K, H] states buffer.
 
-    Use as a context manager (hooks are removed on exit) and call `forward(batch, packed)`."""
+    Use as a context manager (hooks are removed on exit) and call `forward(batch, states)`."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], pack_fn: PackFn):
-        self.decoder, self.layers = find_decoder(model)
+    def __init__(self, model: nn.Module, layer_ids: list[int], gather_fn: GatherFn):
+        decoder = find_decoder(model)
+        self.decoder, self.layers = decoder.module, decoder.layers
         self.layer_ids = check_layer_ids(layer_ids, len(self.layers))
-        self.pack_fn = pack_fn
-        self._target: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed, token_index) of the running batch
+        self.gather_fn = gather_fn
+        self._target: tuple[torch.Tensor, torch.Tensor] | None = None  # (states, token_index) of the running batch
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         deepest = max(self.layer_ids)
         for slot, layer_id in enumerate(self.layer_ids):
@@ -73,33 +81,34 @@ class LayerCapture:
             else:
                 self._handles.append(self.layers[layer_id - 1].register_forward_hook(self._post_hook(slot, stop)))
 
-    def _pack(self, slot: int, hidden: torch.Tensor, stop: bool) -> None:
+    def _gather(self, slot: int, hidden: torch.Tensor, stop: bool) -> None:
         if self._target is None:  # a forward outside `forward()`: leave it alone
             return
-        packed, token_index = self._target
-        self.pack_fn(packed, slot, hidden.to(packed.device) if hidden.device != packed.device else hidden, token_index)
+        states, token_index = self._target
+        self.gather_fn(states, slot, hidden.to(states.device) if hidden.device != states.device else hidden,
+                       token_index)
         if stop:
             raise _StopForward
 
     def _pre_hook(self, slot: int, stop: bool):
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
-            self._pack(slot, hidden, stop)
+            self._gather(slot, hidden, stop)
 
         return hook
 
     def _post_hook(self, slot: int, stop: bool):
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, (tuple, list)) else output  # MoE/older layers return tuples
-            self._pack(slot, hidden, stop)
+            self._gather(slot, hidden, stop)
 
         return hook
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, packed: torch.Tensor) -> None:
-        """Run the decoder on `batch` and fill packed [batch.num_tokens, K, H] (bf16, on the model's device)."""
-        device = packed.device
-        self._target = (packed, batch.token_index.to(device, non_blocking=True))
+    def forward(self, batch: Batch, states: torch.Tensor) -> None:
+        """Run the decoder on `batch` and fill states [batch.num_tokens, K, H] (bf16, on the model's device)."""
+        device = states.device
+        self._target = (states, batch.token_index.to(device, non_blocking=True))
         try:
             self.decoder(**batch.model_inputs(device), use_cache=False)
         except _StopForward:
@@ -121,10 +130,10 @@ class LayerCapture:
         self.close()
 
 
-def sample_is_finite(packed: torch.Tensor, sample_index: torch.Tensor, num_samples: int) -> torch.Tensor:
+def sample_is_finite(states: torch.Tensor, sample_index: torch.Tensor, num_samples: int) -> torch.Tensor:
     """[B] bool: every captured value of sample b is finite (NaN/Inf samples are rejected, not stored).
-    sample_index [N] maps each packed token to its sample; computed on the host, so no device sync here."""
-    token_ok = torch.isfinite(packed).flatten(1).all(dim=1)
-    bad = torch.zeros(num_samples, device=packed.device, dtype=torch.int32)
-    bad.index_add_(0, sample_index.to(packed.device, non_blocking=True), (~token_ok).to(torch.int32))
+    sample_index [N] maps each token to its sample; computed on the host, so no device sync here."""
+    token_ok = torch.isfinite(states).flatten(1).all(dim=1)
+    bad = torch.zeros(num_samples, device=states.device, dtype=torch.int32)
+    bad.index_add_(0, sample_index.to(states.device, non_blocking=True), (~token_ok).to(torch.int32))
     return bad == 0

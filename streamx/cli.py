@@ -1,43 +1,50 @@
-"""The `streamx` command: a thin shell over the Python API (streamx.pipeline.run, streamx.store.open_store)."""
+"""The `streamx` command: a thin shell over the Python API. Each command parses its options, calls the
+API, and prints the text its result gives (`lines()`); the run settings' options are generated from
+RunConfig."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
-import shlex
 from collections.abc import Callable
 from dataclasses import fields
 from inspect import Parameter, Signature, signature
 from pathlib import Path
-from typing import Annotated, Any, Optional, get_args, get_type_hints
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 import typer
 
-from .config import RunConfig, load_config
-from .metrics import gb
+from .config import RunConfig, StorageName, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Stream a causal LM's selected hidden states over a chat dataset into a Zarr store "
                        "for speculative-decoding drafter training.")
 
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML file of run settings; flags override it. "
-                                                    "The defaults shown are configs/default.yaml's.")]
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML file of run settings, e.g. "
+                                                    "configs/default.yaml; flags override it.")]
+
+
+def _option_type(hint: Any) -> Any:
+    """The type a setting's option parses: Optional[X] -> X (Literal choices are kept, typer lists them)."""
+    if get_origin(hint) is Union:
+        return next(t for t in get_args(hint) if t is not type(None))
+    return hint
 
 
 def with_run_settings(command: Callable[..., None]) -> Callable[..., None]:
-    """Give a command one option per RunConfig field (its declared help, the effective default shown)
-    plus --config. The command's first parameter receives the RunConfig: defaults < --config < flags."""
+    """Give a command one option per RunConfig field (its declared help, the default shown) plus --config.
+    The command's first parameter receives the RunConfig: defaults < --config < flags."""
     own = list(signature(command).parameters.values())[1:]
     hints = get_type_hints(RunConfig)
-    shown = load_config(None).to_dict()  # the dataclass defaults, then configs/default.yaml
+    defaults = RunConfig().to_dict()
     settings = []
     for f in fields(RunConfig):
-        kind = next(t for t in (*get_args(hints[f.name]), hints[f.name]) if t is not type(None))
+        kind = _option_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         decl = f"{flag}/--no-{flag[2:]}" if kind is bool else flag
-        value = shown[f.name]
+        value = defaults[f.name]
         default = "unset" if value is None else str(value).lower() if kind is bool else str(value)
         option = typer.Option(None, decl, help=f"{f.metadata['help']}  [default: {default}]", show_default=False)
         settings.append(Parameter(f.name, Parameter.KEYWORD_ONLY, default=option, annotation=Optional[kind]))
@@ -66,35 +73,29 @@ def _fail(err: BaseException) -> None:
     raise typer.Exit(1)
 
 
+def _log(message: str) -> None:
+    typer.echo(message, err=True)
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
 @app.command()
 @with_run_settings
 def run(
     cfg: RunConfig,
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the live progress bar."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress: a live bar on a terminal, "
+                                  "a status line every 30 s in a log."),
 ) -> None:
     """Run the model over the data and write the selected layers' hidden states to a store."""
     from .pipeline import run as run_pipeline
 
     try:
-        summary = run_pipeline(cfg, progress=progress, log=lambda m: typer.echo(m, err=True))
+        summary = run_pipeline(cfg, progress=progress, log=_log)
     except Exception as err:  # noqa: BLE001 - every failure is one line for the user
         _fail(err)
-    rejects = ", ".join(f"{k}: {v}" for k, v in sorted(summary.reject_counts.items())) or "none"
-    if summary.rank:  # under torchrun, rank 0 prints the whole summary
-        typer.echo(f"[rank {summary.rank}] committed {summary.samples:,} samples, rejected {summary.rejects:,} "
-                   f"({rejects})")
-        return
-    typer.echo(
-        f"committed {summary.samples:,} samples ({summary.tokens:,} tokens, {summary.trainable_tokens:,} trainable) "
-        f"in {summary.seconds:.0f} s; rejected {summary.rejects:,} ({rejects})\n"
-        f"layer ids {summary.layer_ids} (speculators convention; id {summary.num_layers} = the last layer's output "
-        f"before the final norm)\n"
-        f"hidden states written: {gb(summary.hidden_bytes)}; padding efficiency {summary.padding_efficiency:.1%}"
-        + (f"; {summary.resumed_rows:,} rows were already committed" if summary.resumed_rows else "")
-        + f"\nstore: {summary.out} ({summary.store_samples:,} samples, {summary.store_tokens:,} tokens in total)\n"
-        f"next: streamx inspect {summary.out}   |   streamx convert {summary.out} --out SPEC_DIR (speculators "
-        f"training data)   |   python: streamx.open_store({summary.out!r}).sample(row_id)"
-    )
+    typer.echo("\n".join(summary.lines()))
 
 
 @app.command()
@@ -112,8 +113,7 @@ def plan(
     """Say what `streamx run` with the same settings would write, before running it: rows, tokens, the
     store's bytes and files for each storage choice, the free space at --out, and the time."""
     from .bench import calibrate as calibrate_rate
-    from .estimate import estimate
-    from .store import free_bytes
+    from .estimate import Forecast, estimate
 
     try:
         if sample_rows < 1:
@@ -121,44 +121,11 @@ def plan(
         est = estimate(cfg, sample_rows=sample_rows)
         rate, how = tokens_per_s, "given"
         if rate is None and calibrate:
-            rate, how = calibrate_rate(cfg, log=lambda m: typer.echo(m, err=True)), "calibrated: forward pass alone"
+            rate, how = calibrate_rate(cfg, log=_log), "calibrated: forward pass alone"
     except Exception as err:  # noqa: BLE001
         _fail(err)
-    free = free_bytes(cfg.out)
-    seconds = est.tokens / rate if rate else None
-    if as_json:
-        typer.echo(json.dumps({**est.to_json(), "storage": cfg.storage, "free_bytes": free, "tokens_per_s": rate,
-                               "seconds": seconds}, indent=2))
-        return
-    scaled = "" if est.exact else (f" (scaled from {est.sampled_rows:,} sampled rows)" if est.rows else
-                                   f" in the first {est.sampled_rows:,} rows (the stream's length is not known)")
-    rejects = ", ".join(f"{k} {v:,}" for k, v in sorted(est.rejects.items())) or "none"
-    lines = [
-        f"rows         {est.rows:,}" if est.rows is not None else "rows         unknown (a stream)",
-        f"samples      {est.samples:,}, rejected {rejects}{scaled}",
-        f"tokens       {est.tokens:,} ({est.trainable_tokens:,} trainable); longest sample {est.longest_sample:,}",
-        f"layers       {est.layer_ids} of {est.num_layers}, hidden {est.hidden_size}",
-        "storage      bytes/token   store        files" + ("   (uncompressed: an upper bound)"
-                                                          if cfg.compressor != "none" else ""),
-    ]
-    for storage, size in est.sizes.items():
-        chosen = "   <- --storage" if storage == cfg.storage else ""
-        lines.append(f"  {storage:<10} {size.bytes_per_token:>11,}   {gb(size.bytes):<12} {size.files:,}{chosen}")
-    if free is not None:
-        needed = est.sizes[cfg.storage].bytes
-        lines.append(f"free         {gb(free)} at {cfg.out}: " + ("fits" if free >= needed else
-                                                                   f"TOO SMALL for {gb(needed)}"))
-    if seconds is not None:
-        note = "" if how == "given" else "; streamx measured 0.99x of the forward pass on CPU (bench/RESULTS.md)"
-        lines.append(f"time         {_duration(seconds)} at {rate:,.0f} tokens/s ({how}{note})")
-    else:
-        lines.append("time         pass --tokens-per-s N (e.g. from streamx bench) or --calibrate")
-    typer.echo("\n".join(lines))
-
-
-def _duration(seconds: float) -> str:
-    hours, rest = divmod(round(seconds), 3600)
-    return f"{hours:,} h {rest // 60:02d} min" if hours else f"{rest // 60} min {rest % 60:02d} s"
+    forecast = Forecast(est, cfg, rate, how)
+    typer.echo(json.dumps(forecast.to_json(), indent=2) if as_json else "\n".join(forecast.lines()))
 
 
 @app.command()
@@ -171,41 +138,15 @@ def inspect(
 
     try:
         opened = open_store(store)
-        summary = opened.summary()
+        text = to_json(opened.summary()) if as_json else "\n".join(opened.describe())
     except Exception as err:  # noqa: BLE001
         _fail(err)
-    if as_json:
-        typer.echo(to_json(summary))
-        return
-    meta, model = opened.metadata, opened.metadata.model
-    random = "; RANDOM WEIGHTS (--random-weights)" if meta.random_weights else ""
-    lines = [
-        f"store        {summary['path']} ({meta.format})",
-        f"model        {model['model']} ({model['architecture']}, {meta.num_layers} layers, hidden {meta.hidden_size}, "
-        f"computed in {model['dtype']}; weights {model['weights_fingerprint'][:12]}{random})",
-        f"layer ids    {meta.layer_ids} ({meta.layer_convention}: id {meta.num_layers} = last layer before the final "
-        "norm)",
-        f"data         {meta.config['data']} (split {meta.config['split']}), max_length {meta.max_length} "
-        f"({meta.truncation})",
-        f"samples      {summary['samples']:,} committed, {summary['rejected']:,} rejected"
-        + (f", {summary['duplicate_rows']} DUPLICATE rows" if summary["duplicate_rows"] else ""),
-        f"tokens       {summary['tokens']:,} ({summary['trainable_tokens']:,} trainable)",
-        f"size         {gb(summary['hidden_state_bytes'])} of {meta.storage} hidden states"
-        + (" (+ a float32 scale per token)" if meta.storage == "fp8" else "") + f", {meta.bytes_per_token:,} "
-        f"bytes/token, chunks {meta.chunk_tokens} tokens, shards {meta.shard_tokens} tokens, compressor "
-        f"{meta.compressor}",
-    ]
-    for reason, n in sorted(summary["reject_counts"].items(), key=lambda kv: -kv[1]):
-        lines.append(f"  rejected {n:>6,} {reason}  (e.g. {summary['reject_examples'].get(reason, '')})")
-    for name, part in summary["parts"].items():
-        state = "complete" if part["closed"] else "interrupted (re-run the same command to resume)"
-        lines.append(f"part         {name}: {part['samples']:,} samples, {part['tokens']:,} tokens, {state}")
-    typer.echo("\n".join(lines))
+    typer.echo(text)
 
 
 @app.command()
 def verify(
-    store: str = typer.Argument(..., help="Store path."),
+    store: str = typer.Argument(..., help="Store path, or a folder `streamx convert` wrote."),
     samples: int = typer.Option(32, help="Samples recomputed alone with the model, spread over the lengths (the "
                                 "longest always among them)."),
     seed: int = typer.Option(0, help="Seed of that choice."),
@@ -220,7 +161,7 @@ def verify(
 
     try:
         report = run_verify(store, samples=samples, seed=seed, device=device, use_model=model,
-                            log=(lambda m: None) if as_json else (lambda m: typer.echo(m, err=True)))
+                            log=_quiet if as_json else _log)
     except Exception as err:  # noqa: BLE001
         _fail(err)
     typer.echo(json.dumps(report.to_json(), indent=2) if as_json else "\n".join(report.lines()))
@@ -232,12 +173,13 @@ def convert(
     store: str = typer.Argument(..., help="Store path; a store written by several processes converts as one."),
     out: str = typer.Option(..., "--out", help="Output directory, the `speculators train --data-path`. Re-running "
                             "resumes."),
-    fmt: str = typer.Option("speculators", "--format", help="Output format: speculators (Arrow rows + "
-                            "hs_{i}.safetensors)."),
+    fmt: Literal["speculators"] = typer.Option("speculators", "--format", help="Output format: speculators (Arrow "
+                                               "rows + hs_{i}.safetensors)."),
     seed: int = typer.Option(0, help="Row shuffle seed (speculators validates on the last rows)."),
-    hidden_states: Optional[str] = typer.Option(None, "--hidden-states", help="The files' states: bf16, or fp8 "
-                                                "(speculators' fp8 backend: half the bytes; an fp8 store's own "
-                                                "bytes, a bf16 store's quantised). Default: the store's storage."),
+    hidden_states: Optional[StorageName] = typer.Option(None, "--hidden-states", help="The files' states: bf16, "
+                                                        "or fp8 (speculators' fp8 backend: half the bytes; an fp8 "
+                                                        "store's own bytes, a bf16 store's quantised). Default: the "
+                                                        "store's storage."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an --out that holds another conversion."),
     workers: int = typer.Option(4, help="Threads reading the store and writing files."),
     allow_random_weights: bool = typer.Option(False, "--allow-random-weights", help="Convert a store made with "
@@ -245,32 +187,14 @@ def convert(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Write a store as speculators training data and print the `speculators train` flags to use."""
-    from .convert import FORMATS
     from .convert import convert as run_convert
 
     try:
-        if fmt not in FORMATS:
-            raise ValueError(f"--format must be one of {', '.join(FORMATS)}; got {fmt!r}")
         summary = run_convert(store, out, seed=seed, overwrite=overwrite, workers=workers, progress=progress,
-                              log=lambda m: typer.echo(m, err=True), allow_random_weights=allow_random_weights,
-                              hidden_states=hidden_states)
+                              log=_log, allow_random_weights=allow_random_weights, hidden_states=hidden_states)
     except Exception as err:  # noqa: BLE001
         _fail(err)
-    skipped = ", ".join(f"{k}: {v}" for k, v in sorted(summary.skipped.items())) or "none"
-    commands = {algo: shlex.join(argv) for algo, argv in summary.commands.items()}
-    typer.echo(
-        f"{summary.rows:,} rows ({summary.tokens:,} tokens, {summary.trainable_tokens:,} trainable) in {out} "
-        f"({summary.seconds:.0f} s); skipped {skipped}"
-        + (f"; {summary.kept_files:,} hs files were already written" if summary.kept_files else "")
-        + f"\ntrain an EAGLE-3 draft:\n  {commands['eagle3']}\nor a DFlash draft:\n  {commands['dflash']}\n"
-        f"(add --draft-vocab-size N for a reduced draft vocabulary counted in token_freq.pt; "
-        f"these commands are saved in {out}/streamx_meta.json)\n"
-        f"speculators loads the verifier {summary.verifier['path']} (the model the store was made with, "
-        f"{summary.verifier['model']}): it must be those very weights (fingerprint "
-        f"{summary.verifier['weights_fingerprint'][:12]}); point --verifier-name-or-path at another copy of them "
-        "if that path is not there when you train\n"
-        f"before a long training run, check the store against the model: streamx verify {store}"
-    )
+    typer.echo("\n".join(summary.lines(store)))
 
 
 @app.command()
@@ -282,49 +206,63 @@ def bench(
                                                 "CUDA, where kernels compile per shape; 0 on CPU)."),
     skip_naive: bool = typer.Option(False, "--skip-naive/--with-naive", help="Leave out the (slow) naive per-sample "
                                     "mode."),
-    writer_only: bool = typer.Option(False, "--writer-only/--full", help="Measure only the store writer on synthetic "
-                                     "batches against plain sequential writes (no model, no data)."),
-    processes: str = typer.Option("1,2", help="--writer-only: writer process counts to measure, e.g. 1,2,4,8."),
-    gib: float = typer.Option(2.0, "--gib", help="--writer-only: GiB of hidden states per pass (all processes "
-                              "together)."),
-    slots: int = typer.Option(6, help="--writer-only: layer slots K per token."),
-    hidden_size: int = typer.Option(4096, help="--writer-only: hidden size H."),
-    sample_tokens: int = typer.Option(800, help="--writer-only: mean sample length in tokens."),
-    sync: bool = typer.Option(False, "--sync/--no-sync", help="--writer-only: time until the bytes are on disk "
-                              "(os.sync), not only in the page cache."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full report as JSON here."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Print each round as it finishes."),
 ) -> None:
-    """Measure streamx against the plain forward pass and the naive per-sample approach, in one process,
-    or with --writer-only the store writer against the filesystem. Temporary stores go in the folder
-    of --out, whose plain write speed is measured in the same run."""
+    """Measure streamx against the plain forward pass and the naive per-sample approach, in one process.
+    Temporary stores go in the folder of --out, whose plain write speed is measured in the same run."""
     from .bench import MODES, format_report
     from .bench import bench as run_bench
+
+    modes = tuple(m for m in MODES if not (skip_naive and m == "naive"))
+    _measure(lambda scratch: run_bench(cfg, rounds=rounds, progress=progress, log=_log if progress else _quiet,
+                                       modes=modes, out_dir=scratch, warmup_rounds=warmup_rounds),
+             format_report, cfg.out, json_out)
+
+
+@app.command("bench-writer")
+def bench_writer(
+    out: str = typer.Option("streamx-out/store.zarr", "--out", help="Measure the filesystem of this path's folder "
+                            "(its temporary files go there)."),
+    processes: str = typer.Option("1,2", help="Writer process counts to measure, e.g. 1,2,4,8."),
+    gib: float = typer.Option(2.0, "--gib", help="GiB of hidden states per pass (all processes together)."),
+    slots: int = typer.Option(6, help="Layer slots K per token."),
+    hidden_size: int = typer.Option(4096, help="Hidden size H."),
+    sample_tokens: int = typer.Option(800, help="Mean sample length in tokens."),
+    rounds: int = typer.Option(2, help="Rounds of each mode, interleaved."),
+    sync: bool = typer.Option(False, "--sync/--no-sync", help="Time until the bytes are on disk (os.sync), not only "
+                              "in the page cache."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full report as JSON here."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Print each process count as it finishes."),
+) -> None:
+    """Measure the store writer on synthetic batches against plain sequential writes of the same bytes, with
+    1..N writer processes (as torchrun ranks write their own parts); no model, no data."""
     from .writebench import WriteWorkload, format_writer_report, writer_bench
 
-    log = (lambda m: typer.echo(m, err=True)) if progress else (lambda m: None)
-    scratch = str(Path(cfg.out).parent) if "://" not in cfg.out else None
+    def measure(scratch: str | None) -> dict[str, Any]:
+        counts = tuple(int(p) for p in processes.split(",") if p.strip())
+        if not counts or min(counts) < 1:
+            raise ValueError(f"--processes must be positive integers, e.g. 1,2,4; got {processes!r}")
+        workload = WriteWorkload(total_bytes=int(gib * 2**30), num_slots=slots, hidden_size=hidden_size,
+                                 sample_tokens=sample_tokens, rounds=rounds, sync=sync)
+        return writer_bench(workload, scratch, counts, log=_log if progress else _quiet)
+
+    _measure(measure, format_writer_report, out, json_out)
+
+
+def _measure(measure: Callable[[str | None], dict[str, Any]], render: Callable[[dict[str, Any]], str], out: str,
+             json_out: Path | None) -> None:
+    """Run a benchmark in the folder of `out` (its scratch files go there), save and print its report."""
+    scratch = str(Path(out).parent) if "://" not in out else None
     try:
         if scratch:
             Path(scratch).mkdir(parents=True, exist_ok=True)
-        if writer_only:
-            counts = tuple(int(p) for p in processes.split(",") if p.strip())
-            if not counts or min(counts) < 1:
-                raise ValueError(f"--processes must be positive integers, e.g. 1,2,4; got {processes!r}")
-            workload = WriteWorkload(total_bytes=int(gib * 2**30), num_slots=slots, hidden_size=hidden_size,
-                                     sample_tokens=sample_tokens, rounds=rounds, sync=sync)
-            report = writer_bench(workload, scratch, counts, log=log)
-            text = format_writer_report(report)
-        else:
-            modes = tuple(m for m in MODES if not (skip_naive and m == "naive"))
-            report = run_bench(cfg, rounds=rounds, progress=progress, log=log, modes=modes, out_dir=scratch,
-                               warmup_rounds=warmup_rounds)
-            text = format_report(report)
+        report = measure(scratch)
         if json_out is not None:
             json_out.write_text(json.dumps(report, indent=2))
     except Exception as err:  # noqa: BLE001
         _fail(err)
-    typer.echo(text)
+    typer.echo(render(report))
 
 
 def main() -> None:

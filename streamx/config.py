@@ -1,22 +1,25 @@
-"""One run configuration: defaults < configs/*.yaml < CLI flags. Saved into every store."""
+"""One run configuration: defaults < a configs/*.yaml file < CLI flags. Saved into every store.
+
+Every setting is declared once, here, with its type and help: the CLI's options are generated from
+these fields (streamx.cli), and a choice typed as a Literal is validated and listed by the CLI too.
+The defaults are the embedded default run; configs/default.yaml spells them out (a test keeps the
+two equal), so `--config configs/default.yaml` and no --config at all run the same."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
-
 LAYER_PRESETS = ("eagle3", "dflash")
-TRUNCATION_POLICIES = ("truncate", "skip")
-KERNELS = ("auto", "torch", "triton")
-COMPRESSORS = ("none", "zstd", "shuffle-lz4", "shuffle-zstd", "bitshuffle-lz4", "bitshuffle-zstd")
-STORAGE = ("bf16", "fp8")
-PACKING = ("on", "off")
+Truncation = Literal["truncate", "skip"]
+Kernel = Literal["auto", "torch", "triton"]
+Compressor = Literal["none", "zstd", "shuffle-lz4", "shuffle-zstd", "bitshuffle-lz4", "bitshuffle-zstd"]
+StorageName = Literal["bf16", "fp8"]
+PackingSetting = Literal["on", "off"]
 
 
 def setting(default: Any, help: str) -> Any:
@@ -52,17 +55,18 @@ class RunConfig:
                                      "balanced (accelerate).")
     attn_implementation: str | None = setting(None, "transformers attention implementation (sdpa, eager, "
                                               "flash_attention_2, ...); transformers' default when unset.")
-    kernel: str = setting("auto", "Pack path: auto (Triton on CUDA, torch elsewhere), torch, triton.")
+    kernel: Kernel = setting("auto", "The gather of each layer's real tokens: auto (Triton on CUDA, torch "
+                             "elsewhere), torch, triton.")
     # tokenization
-    max_length: int = setting(4096, "Maximum tokens per sample.")
-    truncation: str = setting("truncate", "Longer samples: truncate (cut to --max-length) or skip (reject as "
-                              "too_long).")
+    max_length: int = setting(2048, "Maximum tokens per sample.")
+    truncation: Truncation = setting("truncate", "Longer samples: truncate (cut to --max-length) or skip (reject "
+                                     "as too_long).")
     # batching
     token_budget: int = setting(4096, "Max tokens per forward pass: real tokens when packed, batch x longest when "
                                 "padded.")
-    packing: str = setting("on", "on: the samples of a forward pass side by side in one sequence, no padding, where a "
-                           "check at start proves this model keeps them apart (else padded batches, with the reason "
-                           "logged); off: right-padded batches.")
+    packing: PackingSetting = setting("on", "on: the samples of a forward pass side by side in one sequence, no "
+                                      "padding, where a check at start proves this model keeps them apart (else "
+                                      "padded batches, with the reason logged); off: right-padded batches.")
     max_batch_size: int = setting(256, "Max samples per forward pass.")
     sort_window: int = setting(1024, "Consecutive source rows sorted by length together before batching (more: "
                                "less padding, more host memory).")
@@ -70,10 +74,12 @@ class RunConfig:
     # storage
     chunk_tokens: int = setting(0, "Tokens per Zarr chunk, the unit a reader fetches (0: about 4 MiB of states).")
     shard_tokens: int = setting(0, "Tokens per shard file, a multiple of --chunk-tokens (0: about 256 MiB).")
-    compressor: str = setting("none", "Hidden-state compressor: none or zstd (bf16 activations barely compress; "
-                              "zstd costs writer CPU and takes zarr's slower write path).")
-    storage: str = setting("bf16", "Hidden-state storage: bf16 (exact) or fp8 (float8_e4m3fn with one float32 scale "
-                           "per token, speculators' fp8 format: half the bytes, quantised on the model's device).")
+    compressor: Compressor = setting("none", "Lossless hidden-state compressor, through zarr's codecs: bf16 "
+                                     "activations save 17-19% at best, at 7-14x the writer's CPU and zarr's slower "
+                                     "write path (bench/RESULTS.md, \"Lossless codecs\").")
+    storage: StorageName = setting("bf16", "Hidden-state storage: bf16 (exact) or fp8 (float8_e4m3fn with one "
+                                   "float32 scale per token, speculators' fp8 format: half the bytes, quantised on "
+                                   "the model's device).")
     # safety
     space_check: bool = setting(True, "Refuse to start when the output filesystem has less free space than the "
                                 "estimated store, and stop cleanly when it nearly fills up.")
@@ -84,15 +90,11 @@ class RunConfig:
         self.validate()
 
     def validate(self) -> None:
-        def choose(name: str, value: Any, choices: tuple) -> None:
-            if value not in choices:
-                raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-
-        choose("truncation", self.truncation, TRUNCATION_POLICIES)
-        choose("kernel", self.kernel, KERNELS)
-        choose("compressor", self.compressor, COMPRESSORS)
-        choose("storage", self.storage, STORAGE)
-        choose("packing", self.packing, PACKING)
+        hints = get_type_hints(RunConfig)
+        for f in fields(self):  # the Literal settings, for configs from YAML and Python (the CLI checks them too)
+            choices = get_args(hints[f.name]) if get_origin(hints[f.name]) is Literal else None
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
         for name in ("max_length", "token_budget", "max_batch_size", "sort_window", "queue_batches"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
@@ -117,17 +119,17 @@ class RunConfig:
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
-    """Defaults, then the YAML file (configs/default.yaml when none is given), then overrides.
+    """The defaults, then the YAML file when one is given, then overrides.
 
     Overrides whose value is None are ignored, so CLI flags left unset keep the file's value."""
-    path = Path(path) if path is not None else DEFAULT_CONFIG
     values: dict[str, Any] = {}
-    if path.exists():
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"config file not found: {path}")
         values = yaml.safe_load(path.read_text()) or {}
         if not isinstance(values, dict):
             raise ValueError(f"{path}: expected a mapping of config fields")
-    elif path != DEFAULT_CONFIG:
-        raise FileNotFoundError(f"config file not found: {path}")
     values.update({k: v for k, v in overrides.items() if v is not None})
     known = {f.name for f in fields(RunConfig)}
     unknown = sorted(set(values) - known)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import shutil
 import time
 from collections import Counter, deque
@@ -28,10 +29,9 @@ from safetensors.torch import save
 from tqdm import tqdm
 
 from . import speculators
-from .config import STORAGE, check_layer_ids, resolve_layer_ids
-from .fp8 import quantize_fp8
+from .config import check_layer_ids, resolve_layer_ids
 from .speculators import HS_DIR, META, WORK, atomic_write
-from .store import Store, StoredSample, open_store
+from .store import STORAGES, Storage, Store, StoredSample, open_store
 
 FORMATS = ("speculators",)
 BLOCK_ROWS = 1024  # resume granularity: an interrupted convert re-reads at most this many rows
@@ -53,6 +53,24 @@ class ConvertSummary:
     commands: dict[str, list[str]]  # algorithm -> `speculators train` argv
     verifier: dict[str, Any]  # the store's model record: what --verifier-name-or-path must load
     already_complete: bool = False
+
+    def lines(self, store: str) -> list[str]:
+        """What `streamx convert` prints: the rows written, and the `speculators train` commands to run."""
+        skipped = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) or "none"
+        commands = {algo: shlex.join(argv) for algo, argv in self.commands.items()}
+        kept = f"; {self.kept_files:,} hs files were already written" if self.kept_files else ""
+        v = self.verifier
+        return [
+            f"{self.rows:,} rows ({self.tokens:,} tokens, {self.trainable_tokens:,} trainable) in {self.out} "
+            f"({self.seconds:.0f} s); skipped {skipped}{kept}",
+            "train an EAGLE-3 draft:", f"  {commands['eagle3']}", "or a DFlash draft:", f"  {commands['dflash']}",
+            "(add --draft-vocab-size N for a reduced draft vocabulary counted in token_freq.pt; these commands are "
+            f"saved in {self.out}/{META})",
+            f"speculators loads the verifier {v['path']} (the model the store was made with, {v['model']}): it must "
+            f"be those very weights (fingerprint {v['weights_fingerprint'][:12]}); point --verifier-name-or-path at "
+            "another copy of them if that path is not there when you train",
+            f"before a long training run, check the store against the model: streamx verify {store}",
+        ]
 
 
 @dataclass
@@ -104,9 +122,10 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     started = time.perf_counter()
     store = open_store(store_path)
     aux = check_store(store)
-    hidden_states = hidden_states or store.metadata.storage
-    if hidden_states not in STORAGE:
-        raise ConvertError(f"--hidden-states must be one of {', '.join(STORAGE)}; got {hidden_states!r}")
+    name = hidden_states or store.metadata.storage
+    if name not in STORAGES:
+        raise ConvertError(f"--hidden-states must be one of {', '.join(STORAGES)}; got {name!r}")
+    files = STORAGES[name]  # the hs files' states
     if store.metadata.random_weights and not allow_random_weights:
         raise ConvertError(f"{store_path} was made with --random-weights: its states train nothing; "
                            "pass --allow-random-weights to convert it anyway")
@@ -114,7 +133,7 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     order = training_order(all_rows, seed)
     if not order.size:
         raise ConvertError(f"{store_path} has no committed samples")
-    identity = _identity(store, order, seed, block_rows, hidden_states)
+    identity = _identity(store, order, seed, block_rows, files)
     out_dir = Path(out)
     try:
         complete = speculators.prepare(out_dir, identity, order.size, overwrite)
@@ -137,7 +156,7 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
             if block is not None and _all_written(hs_dir, block):
                 bar.update(rows.size)
             else:  # not done, or hs files were deleted since
-                block, n_kept = _convert_block(store, rows, start, K, H, hidden_states, hs_dir, pool, depth,
+                block, n_kept = _convert_block(store, rows, start, K, H, files, hs_dir, pool, depth,
                                                bar.update)
                 atomic_write(path, lambda tmp, blk=block: _write_block(tmp, blk))
                 kept += n_kept
@@ -152,7 +171,7 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     read_blocks = lambda: (_read_block(path) for path in blocks)  # noqa: E731 - read twice, one block at a time
     totals = speculators.write_dataset(out_dir, read_blocks(), identity["order_sha256"], progress)
     atomic_write(out_dir / "token_freq.pt", lambda tmp: tmp.write_bytes(speculators.token_freq(read_blocks())))
-    commands = speculators.train_commands(str(out_dir.resolve()), store.metadata.model["path"], aux, hidden_states)
+    commands = speculators.train_commands(str(out_dir.resolve()), store.metadata.model["path"], aux, files)
     meta = speculators.meta(store, identity, aux, totals, skipped, commands)
     atomic_write(out_dir / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
     shutil.rmtree(work)
@@ -161,12 +180,12 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     return _summary(meta, out, kept, time.perf_counter() - started)
 
 
-def _identity(store: Store, order: np.ndarray, seed: int, block_rows: int, hidden_states: str) -> dict[str, Any]:
+def _identity(store: Store, order: np.ndarray, seed: int, block_rows: int, files: Storage) -> dict[str, Any]:
     """What a resumed convert must match: the store (its creation and compat record), the training order,
     the block size (block files cover fixed ranges of it) and the files' dtype."""
     return {"store_created": store.metadata.created, "store_compat": asdict(store.metadata.compat),
             "layer_ids": store.layer_ids, "seed": seed, "rows": int(order.size), "block_rows": block_rows,
-            "order_sha256": hashlib.sha256(order.astype("<i8").tobytes()).hexdigest(), "hidden_states": hidden_states}
+            "order_sha256": hashlib.sha256(order.astype("<i8").tobytes()).hexdigest(), "hidden_states": files.name}
 
 
 # -- one block: read and validate in order, write hs files in parallel
@@ -183,13 +202,12 @@ def _prefetch(pool: ThreadPoolExecutor, fn: Callable[[Any], Any], items: Iterabl
         yield pending.popleft().result()
 
 
-def training_sample(store: Store, K: int, H: int, hidden_states: str, row: int
-                    ) -> tuple[int, StoredSample, str | None]:
+def training_sample(store: Store, K: int, H: int, files: Storage, row: int) -> tuple[int, StoredSample, str | None]:
     """Read one sample with its states as the files hold them (bf16, or fp8 values and scales), and say what,
     if anything, makes it unusable for training."""
-    s = store.sample(row, raw=hidden_states == "fp8")  # an fp8 store's own bytes, never quantised twice
-    if hidden_states == "fp8" and s.hidden_states_scales is None:  # from a bf16 store
-        s.hidden_states, s.hidden_states_scales = quantize_fp8(s.hidden_states)
+    s = store.sample(row, raw=files.scaled)  # an fp8 store's own bytes, never quantised twice
+    if files.scaled and s.hidden_states_scales is None:  # from a bf16 store
+        s.hidden_states, s.hidden_states_scales = files.encode(s.hidden_states)
     T = s.input_ids.numel()
     if T == 0:
         problem = "empty"
@@ -208,13 +226,13 @@ def training_sample(store: Store, K: int, H: int, hidden_states: str, row: int
     return row, s, problem
 
 
-def _convert_block(store: Store, rows: np.ndarray, start: int, K: int, H: int, hidden_states: str, hs_dir: Path,
+def _convert_block(store: Store, rows: np.ndarray, start: int, K: int, H: int, files: Storage, hs_dir: Path,
                    pool: ThreadPoolExecutor, depth: int, tick: Callable[[int], Any]) -> tuple[_Block, int]:
     """Training indices are given in order to the rows that pass validation, so they are the same on every run."""
     ids, masks, lengths, skipped = [], [], [], []
     writes: deque[Future] = deque()
     index, kept = start, 0
-    read = lambda r: training_sample(store, K, H, hidden_states, int(r))  # noqa: E731 - one line, used once
+    read = lambda r: training_sample(store, K, H, files, int(r))  # noqa: E731 - one line, used once
     for row, s, problem in _prefetch(pool, read, rows, depth):
         tick(1)
         if problem:

@@ -28,6 +28,11 @@ class Rank:
     def part_name(self) -> str:
         return f"part-{self.rank:05d}"
 
+    def owns(self, window: int) -> bool:
+        """Whether this rank computes sorting window number `window` (source rows window * sort_window
+        onwards): windows go round the ranks, so every rank gets a share of every part of the data."""
+        return window % self.world_size == self.rank
+
     def device(self, device: str) -> str:
         """`auto` under torchrun picks this process's GPU (LOCAL_RANK)."""
         if device == "auto" and torch.cuda.is_available():

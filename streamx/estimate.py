@@ -9,20 +9,27 @@ model's config.
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .config import STORAGE, RunConfig, resolve_layer_ids
+from .config import RunConfig, resolve_layer_ids
+from .metrics import gb
 from .models import model_tokenizer, read_text_config, resolve_model_path
 from .source import Source, open_source
-from .store import INDEX_CHUNK, TOKEN_ID_BYTES, Layout, make_layout
+from .store import STORAGES, Layout, free_bytes, make_layout
+from .store.format import (
+    GROUP_DOCUMENTS,
+    INDEX_CHUNK,
+    REJECT_ARRAYS,
+    SAMPLE_ARRAYS,
+    TOKEN_ID_ARRAYS,
+    entry_bytes,
+)
+from .store.shards import shard_index_bytes
 from .tokenize import Reject, SampleBuilder
 
-SAMPLE_INDEX_BYTES = 3 * 8  # sample_row_id, sample_offset, sample_length (int64; stored zstd-compressed)
-REJECT_INDEX_BYTES = 8 + 1
-GROUP_FILES = 3  # zarr.json of the store, of parts/ and of the part
 GROUP_METADATA_BYTES = 4 << 10  # the store's zarr.json (metadata with the config), parts/ and the part (commit)
 ARRAY_METADATA_BYTES = 1 << 10  # each array's zarr.json
 
@@ -55,7 +62,6 @@ class Estimate:
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "exact": self.exact}
 
-
 def store_size(layout: Layout, tokens: int, samples: int, rejects: int) -> StoreSize:
     """Bytes and files of a one-part store of `tokens` tokens: shards of the token arrays (a partial last
     chunk is stored whole, each shard ends with its index), the per-sample and per-reject index arrays
@@ -63,14 +69,14 @@ def store_size(layout: Layout, tokens: int, samples: int, rejects: int) -> Store
     shard, chunk = layout.shard_tokens, layout.chunk_tokens
     shards = -(-tokens // shard)
     stored_tokens = (shards - 1) * shard + -(-(tokens - (shards - 1) * shard) // chunk) * chunk if shards else 0
-    token_arrays = 4 if layout.storage == "fp8" else 3  # fp8: + hidden_states_scales
-    index_bytes = shard // chunk * 16 + 4
-    nbytes = (stored_tokens * (layout.bytes_per_token + TOKEN_ID_BYTES) + shards * token_arrays * index_bytes
-              + samples * SAMPLE_INDEX_BYTES + rejects * REJECT_INDEX_BYTES)
-    index_files = 3 * -(-samples // INDEX_CHUNK) + 2 * -(-rejects // INDEX_CHUNK)
-    arrays = token_arrays + 5
+    token_arrays = len(layout.storage.token_arrays)
+    nbytes = (stored_tokens * (layout.bytes_per_token + entry_bytes(TOKEN_ID_ARRAYS))
+              + shards * token_arrays * shard_index_bytes(shard // chunk)
+              + samples * entry_bytes(SAMPLE_ARRAYS) + rejects * entry_bytes(REJECT_ARRAYS))
+    index_files = len(SAMPLE_ARRAYS) * -(-samples // INDEX_CHUNK) + len(REJECT_ARRAYS) * -(-rejects // INDEX_CHUNK)
+    arrays = token_arrays + len(SAMPLE_ARRAYS) + len(REJECT_ARRAYS)
     nbytes += GROUP_METADATA_BYTES + arrays * ARRAY_METADATA_BYTES
-    return StoreSize(nbytes, GROUP_FILES + arrays + shards * token_arrays + index_files, layout.bytes_per_token)
+    return StoreSize(nbytes, GROUP_DOCUMENTS + arrays + shards * token_arrays + index_files, layout.bytes_per_token)
 
 
 def sampled(source: Source, sample_rows: int, seed: int = 0) -> tuple[list, int | None]:
@@ -109,5 +115,62 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
     rejects = {reason: round(n * scale) for reason, n in rejects.items()}
     sizes = {storage: store_size(make_layout(len(layer_ids), H, config.chunk_tokens, config.shard_tokens,
                                              config.compressor, storage), tokens, samples, sum(rejects.values()))
-             for storage in STORAGE}
+             for storage in STORAGES}
     return Estimate(total, len(rows), samples, rejects, tokens, trainable, longest, layer_ids, L, H, sizes)
+
+
+@dataclass
+class Forecast:
+    """`streamx plan`: the estimate, the free space at --out, and the time at a rate (`how`: given or calibrated)."""
+
+    estimate: Estimate
+    config: RunConfig
+    tokens_per_s: float | None
+    how: str
+    free: int | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.free = free_bytes(self.config.out)
+
+    @property
+    def seconds(self) -> float | None:
+        return self.estimate.tokens / self.tokens_per_s if self.tokens_per_s else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.estimate.to_json(), "storage": self.config.storage, "free_bytes": self.free,
+                "tokens_per_s": self.tokens_per_s, "seconds": self.seconds}
+
+    def lines(self) -> list[str]:
+        """What `streamx plan` prints: rows, samples, tokens, the store per storage choice, free space, time."""
+        config, free, tokens_per_s, how, e = self.config, self.free, self.tokens_per_s, self.how, self.estimate
+        scaled = "" if e.exact else (f" (scaled from {e.sampled_rows:,} sampled rows)" if e.rows else
+                                     f" in the first {e.sampled_rows:,} rows (the stream's length is not known)")
+        rejects = ", ".join(f"{k} {v:,}" for k, v in sorted(e.rejects.items())) or "none"
+        lines = [
+            f"rows         {e.rows:,}" if e.rows is not None else "rows         unknown (a stream)",
+            f"samples      {e.samples:,}, rejected {rejects}{scaled}",
+            f"tokens       {e.tokens:,} ({e.trainable_tokens:,} trainable); longest sample "
+            f"{e.longest_sample:,}",
+            f"layers       {e.layer_ids} of {e.num_layers}, hidden {e.hidden_size}",
+            "storage      bytes/token   store        files" + ("   (uncompressed: an upper bound)"
+                                                              if config.compressor != "none" else ""),
+        ]
+        for storage, size in e.sizes.items():
+            chosen = "   <- --storage" if size is e.sizes[config.storage] else ""
+            lines.append(f"  {storage:<10} {size.bytes_per_token:>11,}   {gb(size.bytes):<12} {size.files:,}{chosen}")
+        if free is not None:
+            needed = e.sizes[config.storage].bytes
+            lines.append(f"free         {gb(free)} at {config.out}: " + ("fits" if free >= needed else
+                                                                         f"TOO SMALL for {gb(needed)}"))
+        if tokens_per_s:
+            note = "" if how == "given" else "; streamx measured 0.99x of the forward pass on CPU (bench/RESULTS.md)"
+            lines.append(f"time         {duration(self.seconds)} at {tokens_per_s:,.0f} tokens/s ({how}{note})")
+        else:
+            lines.append("time         pass --tokens-per-s N (e.g. from streamx bench) or --calibrate")
+        return lines
+
+
+
+def duration(seconds: float) -> str:
+    hours, rest = divmod(round(seconds), 3600)
+    return f"{hours:,} h {rest // 60:02d} min" if hours else f"{rest // 60} min {rest % 60:02d} s"

@@ -12,8 +12,14 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from .tokenize import Reject
+
+if TYPE_CHECKING:
+    from .batching import Batch
 
 
 class StageTimes:
@@ -67,6 +73,14 @@ class Throughput:
     rows: int = 0  # samples and rejects past the model stage
     real_tokens: int = 0
     padded_tokens: int = 0
+
+    def tokenized(self, item: Batch | Reject) -> None:
+        """Count a batch (or reject) the producer hands over."""
+        if isinstance(item, Reject):
+            self.tokenized_rows += 1
+        else:
+            self.tokenized_rows += len(item.samples)
+            self.tokenized_tokens += item.num_tokens
 
     def eta_seconds(self, total_rows: int | None, elapsed: float) -> float | None:
         """Seconds left, from tokens rather than rows (a row costs its length, and length-sorted windows

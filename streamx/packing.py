@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -85,7 +86,7 @@ class SampleWise:
     boundaries (`cu_seq_lens_q`); a forward without them (padded batches) runs the layers as they are."""
 
     def __init__(self, model: nn.Module):
-        decoder = find_decoder(model)[0]
+        decoder = find_decoder(model).module
         self.modules = sequence_mixers(model)
         self.bounds: list[int] | None = None
         self._hook = decoder.register_forward_pre_hook(self._take_bounds, with_kwargs=True)
@@ -124,7 +125,7 @@ class SampleWise:
 
 def sequence_mixers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers' SEQUENCE_MIXERS modules (none in a plain transformer)."""
-    layers = find_decoder(model)[1]
+    layers = find_decoder(model).layers
     return [getattr(layer, name) for layer in layers for name in SEQUENCE_MIXERS if hasattr(layer, name)]
 
 
@@ -147,14 +148,41 @@ def padded_attention(model: nn.Module) -> Iterator[None]:
             model.set_attn_implementation(PACKED_SDPA)
 
 
-def configure(model: nn.Module, packing: str) -> str:
-    """Set `model` up for --packing: "on" when packed batches keep its samples apart, else "off", or
-    "off: why" when it cannot (the model then keeps its own attention)."""
+@dataclass(frozen=True)
+class Packing:
+    """How a run's batches go through the model: packed, or padded (asked for, or because packed samples
+    would mix in this model: `reason`)."""
+
+    on: bool
+    reason: str | None = None  # why they are padded although packing was asked for
+    sample_wise_layers: int = 0  # linear-attention layers run once per packed sample (SampleWise)
+
+    @property
+    def setting(self) -> str:
+        """on or off: what a resume must match (packed and padded forwards round differently)."""
+        return "on" if self.on else "off"
+
+    def __str__(self) -> str:  # as the store's metadata records it
+        return self.setting if self.reason is None else f"off: {self.reason}"
+
+    def note(self) -> str:
+        """The run's log line."""
+        if self.on:
+            layers = (f"; its {self.sample_wise_layers} linear-attention layers run once per sample"
+                      if self.sample_wise_layers else "")
+            return ("on: each forward's samples side by side, no padding (checked on this model: a sample packed "
+                    f"after another has the states it has alone){layers}")
+        return f"{self}; padded batches" if self.reason else "off: padded batches"
+
+
+def configure(model: nn.Module, packing: str) -> Packing:
+    """Set `model` up for --packing (on or off): packed where packed batches keep its samples apart, else
+    padded with the reason (the model then keeps its own attention)."""
     if packing == "off":
         disable(model)
-        return "off"
+        return Packing(on=False)
     why = enable(model)
-    return "on" if why is None else f"off: {why}"
+    return Packing(on=True, sample_wise_layers=sample_wise_layers(model)) if why is None else Packing(False, why)
 
 
 def enable(model: nn.Module) -> str | None:
@@ -193,7 +221,7 @@ def probe(model: nn.Module) -> str | None:
     g = torch.Generator().manual_seed(0)
     first, second = (Sample(i, torch.randint(0, vocab, (n,), generator=g), torch.ones(n, dtype=torch.long))
                      for i, n in enumerate(PROBE_LENGTHS))
-    decoder = find_decoder(model)[0]
+    decoder = find_decoder(model).module
     try:
         packed = decoder(**make_packed_batch([first, second]).model_inputs(device), use_cache=False,
                          output_hidden_states=True).hidden_states

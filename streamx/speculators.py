@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save
 
 from . import __version__
-from .store import Store, StoredSample
+from .store import BF16, Storage, Store, StoredSample
 
 META = "streamx_meta.json"
 WORK = ".streamx-convert"  # a convert's block files and plan; removed when the conversion completes
@@ -128,14 +128,14 @@ def write_hs(path: Path, s: StoredSample) -> None:
     atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
-def train_commands(out: str, verifier: str, target_layer_ids: list[int], hidden_states: str = "bf16"
+def train_commands(out: str, verifier: str, target_layer_ids: list[int], files: Storage = BF16
                    ) -> dict[str, list[str]]:
     """`speculators train` argv per algorithm: --on-missing raise (the default, generate, calls a vLLM server);
     fp8 files need the fp8 hidden-states backend, which dequantises them to bf16 as it loads."""
     base = ["speculators", "train", "--data-path", out, "--verifier-name-or-path", verifier, "--on-missing", "raise",
             "--target-layer-ids", *map(str, target_layer_ids)]
-    if hidden_states == "fp8":
-        base += ["--hidden-states-backend", "fp8"]
+    if files.scaled:
+        base += ["--hidden-states-backend", files.name]  # speculators' backend is named after the storage: fp8
     return {algo: [*base, "--speculator-type", algo] for algo in ALGORITHMS}
 
 

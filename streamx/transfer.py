@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from .threads import get
+
 
 @dataclass
 class HostBatch:
@@ -42,19 +44,11 @@ class HostTransfer:
                 self.free.put((torch.empty(max_tokens * num_slots * hidden_size, dtype=hidden_dtype, pin_memory=True),
                                torch.empty(max_tokens, dtype=torch.float32, pin_memory=True)))
 
-    def _take_buffer(self) -> tuple[torch.Tensor, torch.Tensor]:
-        while not self.stop.is_set():
-            try:
-                return self.free.get(timeout=0.1)
-            except queue.Empty:
-                continue
-        raise RuntimeError("stopped while waiting for a host buffer")
-
     def start(self, packed: torch.Tensor, finite: torch.Tensor, scales: torch.Tensor | None = None) -> HostBatch:
         """Start copying a packed batch (and its fp8 scales) to the host."""
         if not self.cuda:
             return HostBatch(packed, finite, scales)
-        buffers = self._take_buffer()
+        buffers = get(self.free, self.stop)  # Stopped when the writer fails meanwhile
         host = buffers[0][: packed.numel()].view(packed.shape)
         scales_host = None if scales is None else buffers[1][: scales.numel()]
         finite_host = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .fp8 import FP8, dequantize_fp8
+from .capture import find_decoder
 from .models import load_model, read_text_config
 from .speculators import HS_DIR, META
-from .store import Store, StoreError, open_store
+from .store import BF16, STORAGES, Store, StoreError, open_store
 
 READ_BYTES = 256 << 20  # float32 states per read in the structural pass (its temporaries take ~3x this)
 
@@ -132,11 +132,8 @@ def _blocks(store: Store) -> Iterator[tuple[str, np.ndarray, np.ndarray, int, An
 
 def _states(store: Store, part: Any, a: int, b: int) -> torch.Tensor:
     """Hidden states of tokens a..b of a part as float32 [T, K, H]."""
-    stored = part["hidden_states"][a:b]
-    if store.metadata.storage == "fp8":
-        values = torch.from_numpy(stored).view(FP8)
-        return dequantize_fp8(values, torch.from_numpy(part["hidden_states_scales"][a:b])).float()
-    return (torch.from_numpy(stored.astype(np.int32) << 16)).view(torch.float32)  # bf16 bits -> float32, exact
+    scales = part["hidden_states_scales"][a:b] if store.storage.scaled else None
+    return store.storage.decode_float32(part["hidden_states"][a:b], scales)
 
 
 def check_values(store: Store, vocab_size: int | None) -> list[Check]:
@@ -202,13 +199,11 @@ def pick_samples(store: Store, n: int, seed: int) -> list[int]:
 @torch.inference_mode()
 def reference_states(model: nn.Module, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """One sample alone: every id 0..L (id L before the final norm) and the final norm's output, float32."""
-    from .capture import find_decoder
-
-    decoder, _ = find_decoder(model)
+    decoder = find_decoder(model)
     seen: list[torch.Tensor] = []
     handle = decoder.norm.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
     try:
-        out = decoder(input_ids=input_ids[None].to(next(model.parameters()).device), output_hidden_states=True,
+        out = decoder.module(input_ids=input_ids[None].to(next(model.parameters()).device), output_hidden_states=True,
                       use_cache=False)
     finally:
         handle.remove()
@@ -227,7 +222,7 @@ def check_model(store: Store, model: nn.Module, positions: list[int], tolerance:
     problems, references, stored = [], {}, {}
     for k, pos in enumerate(positions):
         try:
-            sample = store.read(pos)
+            sample = store.at(pos)
         except Exception as err:  # noqa: BLE001 - a damaged file; the read check names it
             problems.append(f"row {int(store.index.rows[pos])}: cannot be read ({type(err).__name__})")
             continue
@@ -267,7 +262,7 @@ def check_model(store: Store, model: nn.Module, positions: list[int], tolerance:
 def tolerance_for(store: Store) -> float:
     """What separates rounding from a fault: bf16 storage of a bf16 or float32 forward, batched against
     unbatched, over a few layers; fp8 keeps 3 mantissa bits."""
-    if store.metadata.storage == "fp8":
+    if not store.storage.lossless:
         return 0.1
     return 0.05 if store.metadata.compat.compute_dtype in ("bfloat16", "float16") else 0.02
 
@@ -284,7 +279,7 @@ def check_files(spec: Path, store: Store) -> Check:
     from .convert import training_sample
 
     meta = json.loads((spec / META).read_text())
-    dtype = meta.get("hidden_states_dtype", "bf16")
+    files = STORAGES[meta.get("hidden_states_dtype", BF16.name)]
     rows = load_from_disk(str(spec))
     by_ids: dict[bytes, list[int]] = {}  # token ids -> store positions: ids only, one read per part
     index = store.index
@@ -306,11 +301,11 @@ def check_files(spec: Path, store: Store) -> Check:
         if not torch.equal(ids, rows[i]["input_ids"]):
             problems.append(f"{name}: token ids differ from dataset row {i}'s input_ids")
         candidates = [int(store.index.rows[p]) for p in by_ids.get(hashlib.sha1(ids.numpy().tobytes()).digest(), [])]
-        expected = [training_sample(store, K, H, dtype, row)[1] for row in candidates]
+        expected = [training_sample(store, K, H, files, row)[1] for row in candidates]
         if not any(_same_states(f, e) for e in expected):
             problems.append(f"{name}: " + ("its token ids match no sample of the store" if not candidates else
                                            f"its states are not row {candidates[0]}'s as the store holds them"))
-    return _check("files", problems, f"{len(rows):,} hs files hold their rows' {dtype} states as the store "
+    return _check("files", problems, f"{len(rows):,} hs files hold their rows' {files.name} states as the store "
                   f"{meta['source']['store']} does, bit for bit", len(rows), "files differ")
 
 
@@ -322,7 +317,7 @@ def _same_states(f: dict[str, torch.Tensor], s: Any) -> bool:
     return same
 
 
-def verify(path: str, samples: int = 8, seed: int = 0, device: str = "auto", use_model: bool = True,
+def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", use_model: bool = True,
            log: Callable[[str], None] = print) -> Report:
     """Check the store at `path`, or a folder `streamx convert` wrote: its files against the store it came
     from, then that store (docs/verify.md says what each failure means)."""

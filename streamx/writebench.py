@@ -1,7 +1,7 @@
 """How fast the writer stores hidden states, against what the filesystem takes from plain writes.
 
-`writer_bench` (`streamx bench --writer-only`) pushes synthetic, non-zero bf16 batches through
-the real writer thread (`write_loop` + `PartWriter`, a fresh store each round) and, interleaved
+`writer_bench` (`streamx bench-writer`) pushes synthetic, non-zero bf16 batches through
+the real writer thread (`WriterStage` + `PartWriter`, a fresh store each round) and, interleaved
 with it in rounds, writes the same bytes with plain sequential `os.write` calls into files of
 one shard each: the most any writer can reach on that filesystem. Each of P processes writes
 its own share, as torchrun ranks write their own parts; the figure for P is the total bytes over
@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from .metrics import QueueFill, StageTimes
-from .pipeline import Worker, put
 from .store import Compat, Store, StoreMetadata, make_layout, open_for_run, prepare
+from .threads import Worker, put
 from .tokenize import REJECT_REASONS, Sample
 from .transfer import HostBatch
-from .writer import PackedBatch, PartWriter, RejectRate, write_loop
+from .writer import CapturedBatch, PartWriter, RejectRate, WriterStage
 
 MODES = ("plain", "writer")
 
@@ -57,7 +57,7 @@ class WriteWorkload:
         return self.num_slots * self.hidden_size * 2
 
 
-def _batches(w: WriteWorkload, nbytes: int, seed: int) -> Iterator[PackedBatch]:
+def _batches(w: WriteWorkload, nbytes: int, seed: int) -> Iterator[CapturedBatch]:
     """Batches of random-length samples adding up to `nbytes` of states. The states are one random
     bf16 pool (non-zero normals) reused by every batch, so that generating them is not timed."""
     g = torch.Generator().manual_seed(seed)
@@ -75,10 +75,10 @@ def _batches(w: WriteWorkload, nbytes: int, seed: int) -> Iterator[PackedBatch]:
             ids = torch.from_numpy(rng.integers(0, 150_000, n))
             samples.append(Sample(row_id, ids, (ids % 2).long()))
             used, remaining, row_id = used + n, remaining - n, row_id + 1
-        yield PackedBatch(samples, HostBatch(pool[:used], torch.ones(len(samples), dtype=torch.bool)))
+        yield CapturedBatch(samples, HostBatch(pool[:used], torch.ones(len(samples), dtype=torch.bool)))
 
 
-def _plain_pass(directory: Path, batches: list[PackedBatch], file_bytes: int) -> int:
+def _plain_pass(directory: Path, batches: list[CapturedBatch], file_bytes: int) -> int:
     """The batches' state bytes, in order, by plain os.write into files of `file_bytes` each."""
     written, fd = 0, -1
     try:
@@ -107,17 +107,17 @@ def _open_writer(path: Path, w: WriteWorkload) -> PartWriter:
         config={}, versions={}, reject_reasons=list(REJECT_REASONS),
         compat=Compat(model="synthetic", compute_dtype="bfloat16", layer_ids=list(range(w.num_slots)),
                       tokenization="", data="synthetic", split=""))
-    prepare(str(path), metadata)
-    return PartWriter(open_for_run(str(path), metadata).part("part-00000", layout))
+    root = prepare(str(path), metadata)
+    return PartWriter(open_for_run(str(path), metadata, root).part("part-00000", layout))
 
 
-def _writer_pass(writer: PartWriter, batches: list[PackedBatch]) -> float:
+def _writer_pass(writer: PartWriter, batches: list[CapturedBatch]) -> float:
     """The batches through the writer thread, as `streamx run` hands them over, up to the closed
     part; returns the writer's busy seconds."""
     items: queue.Queue = queue.Queue(maxsize=4)
     times, stop = StageTimes(), threading.Event()
-    thread = Worker("streamx-writer", lambda: write_loop(items, writer, stop, set(), RejectRate(1.0), times,
-                                                         QueueFill(items)), stop)
+    stage = WriterStage(writer, set(), RejectRate(1.0), times)
+    thread = Worker("streamx-writer", lambda: stage.run(items, stop, QueueFill(items)), stop)
     thread.start()
     for item in [*batches, None]:
         put(items, item, stop)

@@ -10,118 +10,39 @@ always written whole, and overwrites whatever lies beyond the commit.
 
 Speed. The hidden states are nearly all the bytes. With no compressor on a local store, each
 shard file is streamed: a sample's states go from the host batch to the file by one write call,
-no copy and no encode (store.shard_path), and the file is renamed into place when the shard is
-full. Otherwise (compressed arrays, object stores, and the small token-id and mask arrays) a
-shard is collected in a host buffer and written through zarr.
+no copy and no encode (streamx.store.shards), and the file is renamed into place when the shard
+is full. Otherwise (compressed arrays, object stores) a shard is collected in a host buffer and
+written through zarr.
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import zarr
 
 from .metrics import QueueFill, StageTimes
-from .store import (
-    SAMPLE_ARRAYS,
-    TOKEN_ARRAYS,
-    Commit,
-    SpaceGuard,
-    shard_index,
-    shard_key,
-    stored_bits,
-    streamable_dir,
-)
+from .store import Commit, SpaceGuard
+from .store.format import REJECT_ARRAYS, SAMPLE_ARRAYS, part_storage
+from .store.shards import ShardSink, shard_sink
+from .threads import get
 from .tokenize import REJECT_REASONS, Reject, Sample
 from .transfer import HostBatch
 
 
 @dataclass
-class PackedBatch:
-    samples: list[Sample]  # row ids, input ids and loss masks, in packed order
-    host: HostBatch  # their hidden states [N, K, H] and per-sample finite flags
+class CapturedBatch:
+    """A forward's captured states on their way to the store: the samples, and their states on the host."""
 
-
-class ShardSink(Protocol):
-    """Receives one token array's values shard by shard, in order."""
-
-    def write(self, values: np.ndarray) -> None: ...  # the next tokens of the current shard
-
-    def seal(self, start: int, tokens: int) -> Callable[[], None]:
-        """End the current shard (at token `start`, holding `tokens`); return the work that puts it
-        in place, which the committer runs while the next shard is being written."""
-        ...
-
-
-class StreamedShards:
-    """Shard files written as their bytes arrive, then renamed into place whole."""
-
-    def __init__(self, arr: zarr.Array, start: int):
-        self.arr, self.chunk_tokens, self.shard_tokens = arr, arr.chunks[0], arr.shards[0]
-        self.start = start  # first token of the shard being written
-        self.dir = streamable_dir(arr)
-        self.token_nbytes = int(np.prod(arr.shape[1:], dtype=np.int64)) * arr.dtype.itemsize
-        self.fd: int | None = None
-        self.tmp: Path | None = None
-        for stale in self.dir.glob("streamx-shard-*.partial"):  # a killed writer's; one writer per part
-            stale.unlink()
-
-    def write(self, values: np.ndarray) -> None:
-        if self.fd is None:
-            self.tmp = self.dir / f"streamx-shard-{self.start // self.shard_tokens:06d}.partial"
-            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        _write_all(self.fd, memoryview(np.ascontiguousarray(values)).cast("B"))
-
-    def seal(self, start: int, tokens: int) -> Callable[[], None]:
-        fd, tmp, self.fd, self.start = self.fd, self.tmp, None, start + tokens
-        return lambda: self.finish(fd, tmp, start, tokens)
-
-    def finish(self, fd: int, tmp: Path, start: int, tokens: int) -> None:
-        """Pad the last chunk, append the shard index, and rename the file into place."""
-        chunks = -(-tokens // self.chunk_tokens)
-        padding = (chunks * self.chunk_tokens - tokens) * self.token_nbytes  # a partial last chunk is stored whole
-        _write_all(fd, memoryview(bytes(padding)))
-        _write_all(fd, memoryview(shard_index(chunks, self.shard_tokens // self.chunk_tokens,
-                                              self.chunk_tokens * self.token_nbytes)))
-        os.close(fd)
-        target = self.dir / shard_key(self.arr, start // self.shard_tokens)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, target)  # readers see the old file or the whole new one, never a torn one
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        view = view[os.write(fd, view):]
-
-
-class BufferedShards:
-    """Shards collected in host memory, then written through zarr (which encodes and compresses);
-    two buffers, so that the next shard fills while the committer writes the last one."""
-
-    def __init__(self, arr: zarr.Array):
-        self.arr = arr
-        self.buffers = [np.empty((arr.shards[0], *arr.shape[1:]), dtype=arr.dtype) for _ in range(2)]
-        self.tokens = 0
-
-    def write(self, values: np.ndarray) -> None:
-        self.buffers[0][self.tokens : self.tokens + len(values)] = values
-        self.tokens += len(values)
-
-    def seal(self, start: int, tokens: int) -> Callable[[], None]:
-        sealed = self.buffers[0]
-        self.buffers.reverse()  # the committer is done with the other one: one shard in flight at most
-        self.tokens = 0
-        return lambda: self.arr.__setitem__(slice(start, start + tokens), sealed[:tokens])
+    samples: list[Sample]  # row ids, input ids and loss masks, in the batch's token order
+    host: HostBatch  # their hidden states [N, K, H] as stored (bf16 or fp8, + scales) and per-sample finite flags
 
 
 class PartWriter:
@@ -132,6 +53,7 @@ class PartWriter:
     def __init__(self, part: zarr.Group, space: SpaceGuard | None = None):
         self.part, self.space = part, space
         self.arrays = {name: arr for name, arr in part.arrays()}
+        self.storage = part_storage(part)
         self.shard = self.arrays["hidden_states"].shards[0]
         record = part.attrs["commit"]
         self.opened = Commit.from_json(record)  # what earlier runs committed
@@ -142,9 +64,9 @@ class PartWriter:
         self.flushed = committed // self.shard * self.shard  # tokens handed to the committer in whole shards
         self.end = committed  # tokens appended so far (committed + pending)
         self.sinks: dict[str, ShardSink] = {}
-        for name in (name for name in TOKEN_ARRAYS if name in self.arrays):  # the scales: fp8 stores only
+        for name in self.storage.token_arrays:
             arr = self.arrays[name]
-            self.sinks[name] = StreamedShards(arr, self.flushed) if streamable_dir(arr) else BufferedShards(arr)
+            self.sinks[name] = shard_sink(arr, self.flushed)
             if committed > self.flushed:  # the committed part of the last, partial shard
                 self.sinks[name].write(arr[self.flushed : committed])
         self.pending_samples: list[tuple[int, int, int, int]] = []  # (row_id, offset, length, trainable)
@@ -189,11 +111,7 @@ class PartWriter:
 
     def this_run(self) -> Commit:
         """What this writer has committed beyond what earlier runs had: after close(), this run's work."""
-        c, o = self.commit, self.opened
-        return Commit(samples=c.samples - o.samples, tokens=c.tokens - o.tokens,
-                      trainable_tokens=c.trainable_tokens - o.trainable_tokens, rejects=c.rejects - o.rejects,
-                      reject_counts={k: n - o.reject_counts.get(k, 0) for k, n in c.reject_counts.items()
-                                     if n > o.reject_counts.get(k, 0)}, closed=c.closed, updated=c.updated)
+        return self.commit.since(self.opened)
 
     def _end_shard(self, tokens: int) -> None:
         """Hand the shard ending here, and the samples and rejects it completes, to the committer."""
@@ -228,7 +146,7 @@ class PartWriter:
     def _committed_size(self, name: str) -> int:
         if name in self.sinks:
             return self.commit.tokens
-        return self.commit.samples if name.startswith("sample_") else self.commit.rejects
+        return self.commit.samples if name in SAMPLE_ARRAYS else self.commit.rejects
 
     def _grow(self, name: str, stop: int) -> None:
         """Make room for `stop` entries. Arrays grow by doubling (a resize is a metadata write, as dear
@@ -254,8 +172,9 @@ class PartWriter:
             c.tokens = int(offsets[-1] + lengths[-1])
             c.trainable_tokens += int(trainable.sum())
         if rejects:
-            self._write("reject_row_id", c.rejects, np.array([r.row_id for r in rejects], dtype=np.int64))
-            codes = np.array([REJECT_REASONS.index(r.reason) for r in rejects], dtype=np.uint8)
+            rows = np.array([r.row_id for r in rejects], dtype=REJECT_ARRAYS["reject_row_id"])
+            codes = np.array([REJECT_REASONS.index(r.reason) for r in rejects], dtype=REJECT_ARRAYS["reject_reason"])
+            self._write("reject_row_id", c.rejects, rows)
             self._write("reject_reason", c.rejects, codes)
             c.rejects += len(rejects)
             for r in rejects:
@@ -292,50 +211,50 @@ class RejectRate:
                                   f"{top} ({n} rows)")
 
 
-def write_loop(items: queue.Queue, writer: PartWriter, stop: threading.Event, done: set[int], rate: RejectRate,
-               times: StageTimes, fill: QueueFill) -> None:
-    """The writer thread's body: PackedBatch / Reject items until a None sentinel, then close.
-    Rows in `done` (committed by an earlier run, recomputed with their batch) are dropped."""
+class WriterStage:
+    """The writer thread's body: CapturedBatch and Reject items until a None sentinel, then close. Rows
+    in `done` (committed by an earlier run, recomputed with their batch) are dropped."""
 
-    def record_reject(reject: Reject) -> None:
-        if reject.row_id not in done:
-            writer.reject(reject)
-            rate.reject(reject.reason)
+    def __init__(self, writer: PartWriter, done: Collection[int], rate: RejectRate, times: StageTimes):
+        self.writer, self.done, self.rate, self.times = writer, done, rate, times
 
-    def write_batch(batch: PackedBatch) -> None:
-        with times.measure("d2h_wait"):
+    def run(self, items: queue.Queue, stop: threading.Event, fill: QueueFill | None = None) -> None:
+        while True:
+            item = get(items, stop)
+            if fill is not None:
+                fill.record()
+            if item is None:
+                with self.times.measure("write"):
+                    self.writer.close()
+                return
+            if isinstance(item, Reject):
+                self.reject(item)
+            else:
+                self.write(item)
+
+    def reject(self, reject: Reject) -> None:
+        if reject.row_id not in self.done:
+            self.writer.reject(reject)
+            self.rate.reject(reject.reason)
+
+    def write(self, batch: CapturedBatch) -> None:
+        with self.times.measure("d2h_wait"):
             batch.host.wait()
-        with times.measure("write"):
-            hidden_bits = stored_bits(batch.host.hidden)
+        with self.times.measure("write"):
+            hidden_bits = self.writer.storage.to_bits(batch.host.hidden)
             scales = None if batch.host.scales is None else batch.host.scales.numpy()
             offset = 0
             for sample, finite in zip(batch.samples, batch.host.finite.tolist(), strict=True):
                 T = len(sample.input_ids)
-                if sample.row_id in done:
+                if sample.row_id in self.done:
                     pass
                 elif finite:
                     mask = sample.loss_mask.numpy().astype(np.uint8)
-                    writer.append(sample.row_id, sample.input_ids.numpy(), mask, hidden_bits[offset : offset + T],
-                                  None if scales is None else scales[offset : offset + T])
-                    rate.accept()
+                    self.writer.append(sample.row_id, sample.input_ids.numpy(), mask,
+                                       hidden_bits[offset : offset + T],
+                                       None if scales is None else scales[offset : offset + T])
+                    self.rate.accept()
                 else:
-                    record_reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states"))
+                    self.reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states"))
                 offset += T
             batch.host.release()
-
-    while True:
-        try:
-            item = items.get(timeout=0.1)
-        except queue.Empty:
-            if stop.is_set():
-                return
-            continue
-        fill.record()
-        if item is None:
-            with times.measure("write"):
-                writer.close()
-            return
-        if isinstance(item, Reject):
-            record_reject(item)
-        else:
-            write_batch(item)

@@ -5,12 +5,13 @@ forward with the final norm replaced by identity (HF's hidden_states[L] is post-
 
 import pytest
 import torch
+from helpers import reference_states
 from tiny_models import tiny_model
 from torch import nn
 
 from streamx.batching import make_batch
-from streamx.capture import LayerCapture, LayerDiscoveryError, sample_is_finite
-from streamx.pack import pack_into_torch
+from streamx.capture import LAYER_PATHS, LayerCapture, LayerDiscoveryError, find_decoder, sample_is_finite
+from streamx.gather import gather_into_torch
 from streamx.tokenize import Sample
 
 BF16_ULP = 2.0**-7  # relative spacing of bf16
@@ -22,23 +23,11 @@ def random_samples(vocab: int, lengths: list[int], seed: int = 0) -> list[Sample
                    loss_mask=torch.ones(n, dtype=torch.long)) for i, n in enumerate(lengths)]
 
 
-@torch.inference_mode()
-def reference_states(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
-    """All L+1 ids for one unbatched sample, id L taken before the final norm."""
-    base = model.model
-    norm, base.norm = base.norm, nn.Identity()
-    try:
-        out = model(input_ids=input_ids[None], output_hidden_states=True)
-    finally:
-        base.norm = norm
-    return [h[0] for h in out.hidden_states]
-
-
 def capture(model, samples, layer_ids):
     batch = make_batch(samples, pad_token_id=0)
     H = model.config.get_text_config().hidden_size
     packed = torch.full((batch.num_tokens, len(layer_ids), H), float("nan"), dtype=torch.bfloat16)  # poisoned
-    with LayerCapture(model, layer_ids, pack_into_torch) as cap:
+    with LayerCapture(model, layer_ids, gather_into_torch) as cap:
         cap.forward(batch, packed)
     return batch, packed
 
@@ -99,11 +88,11 @@ def test_forward_stops_after_deepest_layer():
 def test_layer_id_errors_name_the_range():
     model = tiny_model("llama", num_layers=4)
     with pytest.raises(ValueError, match=r"valid ids are 0\.\.4"):
-        LayerCapture(model, [2, 5], pack_into_torch)
+        LayerCapture(model, [2, 5], gather_into_torch)
     with pytest.raises(ValueError, match="without duplicates"):
-        LayerCapture(model, [2, 2], pack_into_torch)
+        LayerCapture(model, [2, 2], gather_into_torch)
     with pytest.raises(LayerDiscoveryError, match="cannot find the decoder layers"):
-        LayerCapture(nn.Linear(2, 2), [0], pack_into_torch)
+        LayerCapture(nn.Linear(2, 2), [0], gather_into_torch)
 
 
 def test_non_finite_samples_are_flagged():
@@ -111,3 +100,35 @@ def test_non_finite_samples_are_flagged():
     packed[6, 1, 3] = float("inf")
     sample_index = torch.tensor([0] * 4 + [1] * 3 + [2] * 3)
     assert sample_is_finite(packed, sample_index, 3).tolist() == [True, False, True]
+
+
+@pytest.mark.parametrize("path", LAYER_PATHS)
+def test_every_decoder_path_is_found_and_run_by_capture_bench_and_verify(path):
+    """Each place find_decoder looks is exercised: a tiny Llama's decoder put there is found with its norm,
+    the capture hooks gather through it, bench's plain forward runs it, and verify's reference (every id,
+    id L before the norm) equals the one of the unwrapped model."""
+    from streamx.bench import forward_only
+    from streamx.verify import reference_states as verify_reference
+
+    model = tiny_model("llama", num_layers=4)
+    decoder, top = model.model, model.model
+    if path != "layers":  # nest the decoder at the path's modules (e.g. model.language_model)
+        top = holder = nn.Module()
+        names = path.split(".")[:-1]
+        for name in names[:-1]:
+            setattr(holder, name, nn.Module())
+            holder = getattr(holder, name)
+        setattr(holder, names[-1], decoder)
+        top.config = model.config
+    found = find_decoder(top)
+    assert found.module is decoder and found.layers is decoder.layers and found.norm is decoder.norm
+    samples = random_samples(model.config.vocab_size, [5, 8])
+    _, states = capture(top, samples, [1, 4])
+    _, plain = capture(model, samples, [1, 4])
+    assert torch.equal(states, plain)
+    forward_only(top, [make_batch(samples, pad_token_id=0)], torch.device("cpu"))
+    ids = samples[1].input_ids
+    wrapped, unwrapped = verify_reference(top, ids), verify_reference(model, ids)
+    assert all(torch.equal(a, b) for a, b in zip(wrapped[0], unwrapped[0], strict=True))
+    want = wrapped[0][4].to(torch.bfloat16).float()  # id 4: the last layer's output before the norm
+    torch.testing.assert_close(states[5:, 1].float(), want, rtol=BF16_ULP, atol=1e-5 * want.abs().max().item())

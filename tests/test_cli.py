@@ -1,18 +1,19 @@
 """The command line is generated from RunConfig: every setting declared once, flags > --config > defaults."""
 
 from dataclasses import fields
+from typing import get_args
 
 import typer
 from typer.testing import CliRunner
 
 from streamx.cli import app, with_run_settings
-from streamx.config import RunConfig, load_config
+from streamx.config import Compressor, RunConfig
 
 runner = CliRunner()
 
 
 def probe_app(seen: dict) -> typer.Typer:
-    probe = typer.Typer()
+    probe = typer.Typer(rich_markup_mode=None)
 
     @probe.command()
     @with_run_settings
@@ -35,8 +36,14 @@ def test_flags_override_the_config_file_which_overrides_the_defaults(tmp_path):
     assert cfg.sort_window == RunConfig().sort_window and seen["extra"] == 3  # defaults, the command's own option
 
 
-def test_a_bad_setting_is_one_line(tmp_path):
+def test_a_bad_choice_is_refused_naming_the_choices(tmp_path):
+    """Choice settings are Literal-typed: the CLI refuses a bad flag value itself, and a bad value from a
+    config file is one line."""
     result = runner.invoke(probe_app({}), ["--truncation", "sometimes"])
+    assert result.exit_code == 2 and "'sometimes' is not one of 'truncate', 'skip'" in result.output
+    config = tmp_path / "c.yaml"
+    config.write_text("truncation: sometimes\n")
+    result = runner.invoke(probe_app({}), ["--config", str(config)])
     assert result.exit_code == 1
     assert result.output.strip() == "error: truncation must be one of truncate, skip; got 'sometimes'"
 
@@ -44,7 +51,7 @@ def test_a_bad_setting_is_one_line(tmp_path):
 def test_help_lists_every_setting_with_its_help_and_effective_default():
     text = runner.invoke(app, ["run", "--help"], terminal_width=200, max_content_width=200).output
     entries = {line.split()[0]: " ".join(line.split()) for line in text.split("\n  --")[1:]}  # one per option
-    defaults = load_config(None).to_dict()  # configs/default.yaml over the dataclass
+    defaults = RunConfig().to_dict()
     for f in fields(RunConfig):
         entry = entries[f.name.replace("_", "-")]
         assert " ".join(f.metadata["help"].split()) in entry
@@ -52,4 +59,5 @@ def test_help_lists_every_setting_with_its_help_and_effective_default():
         shown = "unset" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
         assert entry.endswith(f"[default: {shown}]"), entry
     assert "overwrite / --no-overwrite" in entries["overwrite"] and "<bool>" not in text
-    assert entries["max-length"].endswith("[default: 2048]")  # the yaml's value, not the dataclass's 4096
+    compressors = "|".join(get_args(Compressor))  # a Literal setting lists its choices, from the one declaration
+    assert entries["compressor"].startswith(f"compressor <{compressors}>") and compressors.count("|") == 5

@@ -1,8 +1,11 @@
 """Settings: layer-id presets and parsing, the one layer-id check, and config loading."""
 
-import pytest
+from pathlib import Path
 
-from streamx.config import check_layer_ids, load_config, resolve_layer_ids
+import pytest
+import yaml
+
+from streamx.config import RunConfig, check_layer_ids, load_config, resolve_layer_ids
 
 
 def test_presets_for_qwen3_8b():
@@ -44,3 +47,13 @@ def test_unknown_field_and_bad_values_are_one_line(tmp_path):
         load_config(None, token_budget=100, max_length=200)
     with pytest.raises(FileNotFoundError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_the_defaults_are_declared_once_and_the_yaml_spells_them_out():
+    """configs/default.yaml holds RunConfig's own defaults (a non-editable install, which has no configs/
+    folder, runs with the same settings as --config configs/default.yaml); a value that drifts fails here."""
+    path = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+    spelled = yaml.safe_load(path.read_text())
+    defaults = RunConfig().to_dict()
+    assert spelled and {k: defaults[k] for k in spelled} == spelled
+    assert load_config(path) == load_config(None) == RunConfig()

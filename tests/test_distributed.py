@@ -8,42 +8,21 @@ import time
 from dataclasses import replace
 
 import torch
-import zarr
+from helpers import assert_same_samples, committed_samples, run_args
 
 from streamx.config import load_config
 from streamx.models import load_model
 from streamx.pipeline import run
-from streamx.plan import make_plan
-from streamx.store import open_store
-
-ARGS = ["--layers", "0,2,4", "--token-budget", "512", "--max-length", "256", "--sort-window", "4",
-        "--chunk-tokens", "16", "--shard-tokens", "64", "--no-progress"]
+from streamx.runplan import make_plan
 
 
 def streamx_cmd(model_dir, data, out, nproc=None):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                  "-m", "streamx"] if nproc else [sys.executable, "-m", "streamx"])
-    return [*launcher, "run", "--model", model_dir, "--data", data, "--out", str(out), *ARGS]
+    return [*launcher, *run_args(model_dir, data, out, sort_window=4)]
 
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-
-
-def assert_same_samples(ref_path, got_path):
-    ref, got = open_store(str(ref_path)), open_store(str(got_path))
-    assert sorted(got.row_ids().tolist()) == sorted(ref.row_ids().tolist())
-    assert got.summary()["duplicate_rows"] == 0
-    for row in ref.row_ids().tolist():
-        a, b = ref.sample(row), got.sample(row)
-        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
-        assert torch.equal(a.hidden_states.view(torch.int16), b.hidden_states.view(torch.int16)), row
-
-
-def part_samples(out, part):
-    try:
-        return zarr.open_group(str(out), mode="r")[f"parts/{part}"].attrs["commit"]["samples"]
-    except Exception:  # not created yet
-        return 0
 
 
 def test_two_ranks_equal_one_process_and_resume_after_a_rank_dies(tiny_chat_model_dir, chat_jsonl, tmp_path):
@@ -57,7 +36,7 @@ def test_two_ranks_equal_one_process_and_resume_after_a_rank_dies(tiny_chat_mode
     result = subprocess.run(streamx_cmd(tiny_chat_model_dir, chat_jsonl, both, nproc=2), env=ENV,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert part_samples(both, "part-00000") > 0 and part_samples(both, "part-00001") > 0  # both ranks worked
+    assert committed_samples(both, "part-00000") > 0 and committed_samples(both, "part-00001") > 0  # both worked
     assert_same_samples(reference, both)
 
     # kill rank 1 mid-run: torchrun stops the whole job (no hang); one process then resumes it
@@ -65,14 +44,14 @@ def test_two_ranks_equal_one_process_and_resume_after_a_rank_dies(tiny_chat_mode
     job = subprocess.Popen(streamx_cmd(tiny_chat_model_dir, chat_jsonl, killed, nproc=2), env=ENV,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 120
-    while part_samples(killed, "part-00001") < 3 and job.poll() is None and time.time() < deadline:
+    while committed_samples(killed, "part-00001") < 3 and job.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     workers = subprocess.run(["pgrep", "-f", "-P", str(job.pid), "streamx"], capture_output=True, text=True)
     pids = [int(p) for p in workers.stdout.split()]
     assert job.poll() is None and len(pids) == 2, "the job ended before a rank could be killed"
     os.kill(max(pids), signal.SIGKILL)  # workers start in rank order: this is rank 1
     assert job.wait(timeout=120) != 0  # the job fails with the rank, it does not hang
-    assert 0 < part_samples(killed, "part-00001") < part_samples(both, "part-00001")
+    assert 0 < committed_samples(killed, "part-00001") < committed_samples(both, "part-00001")
     result = subprocess.run(streamx_cmd(tiny_chat_model_dir, chat_jsonl, killed), env=ENV, capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -5,21 +5,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import small_config
 from typer.testing import CliRunner
 
-import streamx.store as store_module
+import streamx.store.space as space
 from streamx.cli import app
-from streamx.config import load_config
 from streamx.estimate import estimate, sampled
 from streamx.pipeline import run
 from streamx.source import open_source
 from streamx.store import StoreError, open_store
-
-
-def config(model_dir, data, out, **kw):
-    base = dict(model=model_dir, data=data, out=str(out), layers="0,2,4", token_budget=512, max_length=256,
-                sort_window=16, chunk_tokens=16, shard_tokens=64)
-    return load_config(None, **{**base, **kw})
 
 
 def on_disk(path) -> tuple[int, int]:
@@ -29,7 +23,7 @@ def on_disk(path) -> tuple[int, int]:
 
 @pytest.mark.parametrize("storage", ["bf16", "fp8"])
 def test_estimate_is_the_store_a_run_writes(tiny_chat_model_dir, chat_jsonl, tmp_path, storage):
-    cfg = config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", storage=storage)
+    cfg = small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", storage=storage)
     est = estimate(cfg)
     summary = run(cfg, progress=False, log=lambda m: None)
     store = open_store(cfg.out)
@@ -48,7 +42,7 @@ def test_a_sample_of_rows_is_spread_and_scaled(tiny_chat_model_dir, chat_jsonl, 
     rows, total = sampled(open_source(chat_jsonl), n // 4)
     ids = [r.row_id for r in rows]
     assert total == n and len(ids) == n // 4 and ids == sorted(set(ids)) and ids[-1] >= n // 2  # spread, in order
-    cfg = config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr")
+    cfg = small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr")
     exact, part = estimate(cfg), estimate(cfg, sample_rows=n // 4)
     assert not part.exact and part.sampled_rows == n // 4 and part.rows == n and part.samples == n
     assert 0.7 < part.tokens / exact.tokens < 1.3 and part.tokens != exact.tokens  # scaled up from n/4 rows
@@ -56,14 +50,14 @@ def test_a_sample_of_rows_is_spread_and_scaled(tiny_chat_model_dir, chat_jsonl, 
 
 def test_run_refuses_to_start_without_room_and_no_weights_are_read(tiny_chat_model_dir, chat_jsonl, tmp_path,
                                                                    monkeypatch):
-    cfg = config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr")
+    cfg = small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr")
     needed = estimate(cfg).sizes["bf16"].bytes
-    monkeypatch.setattr(store_module.shutil, "disk_usage", lambda path: type("Usage", (), {"free": needed // 2}))
+    monkeypatch.setattr(space.shutil, "disk_usage", lambda path: type("Usage", (), {"free": needed // 2}))
 
     def no_weights(*args, **kwargs):
         raise AssertionError("the model was loaded before the space check")
 
-    monkeypatch.setattr("streamx.plan.load_model", no_weights)
+    monkeypatch.setattr("streamx.runplan.load_model", no_weights)
     with pytest.raises(StoreError, match=r"has .* MB free and the store needs about .* MB; .*--no-space-check"):
         run(cfg, progress=False, log=lambda m: None)
     with pytest.raises(AssertionError, match="the model was loaded"):  # --no-space-check: on to the weights
@@ -72,22 +66,22 @@ def test_run_refuses_to_start_without_room_and_no_weights_are_read(tiny_chat_mod
 
 def test_a_run_stops_cleanly_before_the_disk_fills_then_resumes(tiny_chat_model_dir, chat_jsonl, tmp_path,
                                                                 monkeypatch):
-    cfg = config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr")
-    real_free = store_module.free_bytes
+    cfg = small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr")
+    real_free = space.free_bytes
     checks = []
 
     def filling_up(path):  # the disk fills after the third shard's commit
         checks.append(path)
         return real_free(path) if len(checks) < 3 else 10 << 20
 
-    monkeypatch.setattr(store_module, "free_bytes", filling_up)
+    monkeypatch.setattr(space, "free_bytes", filling_up)
     with pytest.raises(StoreError, match=r"stopped: 10.5 MB left .* under the .* reserve; everything written so far "
                                          r"is committed: free space and re-run"):
         run(cfg, progress=False, log=lambda m: None)
     partial = open_store(cfg.out)
     assert partial.num_tokens >= 2 * 64 and len(partial) > 0  # the shards committed before the stop are kept
     kept = {r: partial.sample(r) for r in partial.row_ids().tolist()}
-    monkeypatch.setattr(store_module, "free_bytes", real_free)
+    monkeypatch.setattr(space, "free_bytes", real_free)
     run(cfg, progress=False, log=lambda m: None)
     final = open_store(cfg.out)
     assert len(final) == sum(1 for _ in open(chat_jsonl)) and final.summary()["duplicate_rows"] == 0
@@ -100,7 +94,7 @@ def test_plan_command(tiny_chat_model_dir, chat_jsonl, tmp_path):
             "--layers", "0,2,4", "--max-length", "256", "--token-budget", "512"]
     text = CliRunner().invoke(app, [*args, "--tokens-per-s", "100"])
     assert text.exit_code == 0, text.output
-    est = estimate(config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", chunk_tokens=0, shard_tokens=0))
+    est = estimate(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", chunk_tokens=0, shard_tokens=0))
     assert f"tokens       {est.tokens:,} ({est.trainable_tokens:,} trainable)" in text.stdout
     assert "<- --storage" in text.stdout.splitlines()[5] and "fits" in text.stdout
     seconds = round(est.tokens / 100)

@@ -8,12 +8,12 @@ which imports triton). The CUDA tests run the compiled kernel where a GPU is pre
 import pytest
 import torch
 
-import streamx.pack as streamx_pack
+import streamx.gather as streamx_gather
 from streamx.config import load_config
-from streamx.pack import select_pack_fn
+from streamx.gather import select_gather_fn
 from streamx.pipeline import run
 from streamx.store import open_store
-from streamx_kernels.pack import pack_into_triton
+from streamx_kernels.gather import gather_into_triton
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 LAYOUTS = ["contiguous", "slice", "seq_major"]
@@ -64,12 +64,12 @@ def token_index(pattern: str, B: int, S: int) -> torch.Tensor:
 def check_pack(hidden: torch.Tensor, index: torch.Tensor, K: int, slot: int, **blocks: int) -> None:
     """Pack into a NaN-poisoned buffer: slot `slot` equals the reference bit for bit, other slots untouched."""
     N, H = index.numel(), hidden.shape[-1]
-    packed = torch.full((N, K, H), float("nan"), dtype=torch.bfloat16, device=hidden.device)
-    pack_into_triton(packed, slot, hidden, index, **blocks)
+    states = torch.full((N, K, H), float("nan"), dtype=torch.bfloat16, device=hidden.device)
+    gather_into_triton(states, slot, hidden, index, **blocks)
     want = reference(hidden, index)
     assert not want.isnan().any()
-    assert torch.equal(bits(packed[:, slot]), bits(want))
-    assert packed[:, :slot].isnan().all() and packed[:, slot + 1 :].isnan().all()
+    assert torch.equal(bits(states[:, slot]), bits(want))
+    assert states[:, :slot].isnan().all() and states[:, slot + 1 :].isnan().all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -100,9 +100,9 @@ def test_rounding_is_nearest_even_like_torch():
     for values in (fp16, fp32):
         hidden = values.view(1, -1, 1).expand(2, -1, 1)  # stride 0 over batch: also a legal layout
         index = torch.arange(values.numel(), 2 * values.numel())  # the second batch row
-        packed = torch.zeros(values.numel(), 1, 1, dtype=torch.bfloat16)
-        pack_into_triton(packed, 0, hidden, index, block_n=4096, block_h=1)
-        got, want = packed.flatten(), values.to(torch.bfloat16)
+        states = torch.zeros(values.numel(), 1, 1, dtype=torch.bfloat16)
+        gather_into_triton(states, 0, hidden, index, block_n=4096, block_h=1)
+        got, want = states.flatten(), values.to(torch.bfloat16)
         nan = want.isnan()
         assert nan.any() and torch.equal(got.isnan(), nan)  # any NaN: its bits differ across torch builds
         assert torch.equal(bits(got[~nan]), bits(want[~nan]))
@@ -112,24 +112,24 @@ def test_rejects_what_it_cannot_write():
     hidden = activations("contiguous", 2, 3, 8, torch.float32)
     index = torch.arange(6)
     with pytest.raises(ValueError, match="bfloat16"):
-        pack_into_triton(torch.zeros(6, 1, 8), 0, hidden, index)
+        gather_into_triton(torch.zeros(6, 1, 8), 0, hidden, index)
     with pytest.raises(ValueError, match="contiguous"):
-        pack_into_triton(torch.zeros(6, 1, 8, dtype=torch.bfloat16), 0, hidden.transpose(1, 2).contiguous().mT, index)
+        gather_into_triton(torch.zeros(6, 1, 8, dtype=torch.bfloat16), 0, hidden.transpose(1, 2).contiguous().mT, index)
 
 
 @pytest.mark.parametrize("packing", ["off", "on"])
 def test_pipeline_store_is_identical_with_torch_and_triton(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch,
                                                            packing):
     """Same data, same model (fp32 on CPU): the triton path stores exactly the bytes of the torch path, gathering
-    from padded batches and from packed ones."""
-    assert select_pack_fn("triton", torch.device("cpu")) is pack_into_triton
+    from padded batches and from states ones."""
+    assert select_gather_fn("triton", torch.device("cpu")) is gather_into_triton
     calls = []
 
     def counted(*args, **kw):
         calls.append(args[1])
-        pack_into_triton(*args, **kw)
+        gather_into_triton(*args, **kw)
 
-    monkeypatch.setattr(streamx_pack, "pack_into_triton", counted)  # what select_pack_fn hands out
+    monkeypatch.setattr(streamx_gather, "gather_into_triton", counted)  # what select_gather_fn hands out
     stores = {}
     for kernel in ("torch", "triton"):
         cfg = load_config(None, model=tiny_chat_model_dir, data=chat_jsonl, out=str(tmp_path / f"{kernel}.zarr"),
@@ -138,7 +138,7 @@ def test_pipeline_store_is_identical_with_torch_and_triton(tiny_chat_model_dir, 
         summary = run(cfg, progress=False)
         assert summary.samples == 8 and (summary.padded_tokens > summary.real_tokens) == (packing == "off")
         stores[kernel] = open_store(cfg.out)
-    assert sorted(set(calls)) == [0, 1, 2]  # the triton run really packed through the kernel, every slot
+    assert sorted(set(calls)) == [0, 1, 2]  # the triton run really states through the kernel, every slot
     for row_id in stores["torch"].row_ids().tolist():
         a, b = stores["torch"].sample(row_id).hidden_states, stores["triton"].sample(row_id).hidden_states
         assert a.float().abs().max() > 0 and torch.equal(bits(a), bits(b)), row_id
@@ -158,7 +158,7 @@ def test_compiled_kernel_writes_pinned_host_memory():
     B, S, H = 3, 100, 4096
     hidden = activations("contiguous", B, S, H, torch.float32, "cuda")
     index = token_index("right_pad", B, S).cuda()
-    packed = torch.full((index.numel(), 2, H), float("nan"), dtype=torch.bfloat16).pin_memory()
-    pack_into_triton(packed, 1, hidden, index)
+    states = torch.full((index.numel(), 2, H), float("nan"), dtype=torch.bfloat16).pin_memory()
+    gather_into_triton(states, 1, hidden, index)
     torch.cuda.synchronize()
-    assert torch.equal(bits(packed[:, 1]), bits(reference(hidden, index).cpu())) and packed[:, 0].isnan().all()
+    assert torch.equal(bits(states[:, 1]), bits(reference(hidden, index).cpu())) and states[:, 0].isnan().all()

@@ -33,9 +33,32 @@ def test_progress_redraws_between_batches():
     from streamx.pipeline import Progress
 
     counts = Throughput()
-    with Progress(counts, total_rows=10, desc="test", disable=False, interval=0.02) as progress:
+    with Progress(counts, total_rows=10, desc="test", disable=False, interval=0.02, terminal=True) as progress:
         counts.rows, counts.real_tokens, counts.padded_tokens = 3, 300, 400  # no call into the bar
         deadline = time.time() + 5
         while "pad eff" not in str(progress.bar.postfix) and time.time() < deadline:
             time.sleep(0.01)
         assert progress.bar.n == 3 and "pad eff 75.0%" in progress.bar.postfix
+
+
+def test_progress_in_a_log_is_plain_status_lines(capsys):
+    """Where stderr is no terminal (Slurm, nohup, a CI log) the bar would be one ever-growing line of carriage
+    returns: instead, a newline-ended status line every interval (30 s by default) and one at the end."""
+    import time
+
+    from streamx.pipeline import Progress
+
+    counts = Throughput()
+    assert Progress(counts, total_rows=10, desc="test", disable=False, terminal=False).interval == 30.0
+    with Progress(counts, total_rows=10, desc="test", disable=False, interval=0.02, terminal=False):
+        counts.rows, counts.real_tokens = 3, 300
+        time.sleep(0.2)
+        counts.rows = 10
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert "\r" not in err and err.endswith("\n") and len(lines) >= 3
+    assert all(line.startswith("test: ") and " rows [" in line and "tok/s" in line for line in lines)
+    assert lines[0].startswith("test: 3/10 rows [") and lines[-1].startswith("test: 10/10 rows [")
+    with Progress(counts, total_rows=10, desc="test", disable=True, interval=0.02, terminal=False):
+        time.sleep(0.05)
+    assert capsys.readouterr().err == ""  # --no-progress

@@ -9,8 +9,7 @@ import sys
 import time
 
 import pytest
-import torch
-import zarr
+from helpers import assert_same_samples, committed_samples, run_args
 
 from streamx.convert import convert
 from streamx.store import open_store
@@ -51,16 +50,7 @@ def s3_env():
 
 
 def run_cmd(model_dir, data, out):
-    return [sys.executable, "-m", "streamx", "run", "--model", model_dir, "--data", data, "--out", out,
-            "--layers", "0,2,4", "--token-budget", "512", "--max-length", "256", "--sort-window", "4",
-            "--chunk-tokens", "16", "--shard-tokens", "64", "--no-progress"]
-
-
-def committed(out):
-    try:
-        return zarr.open_group(out, mode="r")["parts/part-00000"].attrs["commit"]["samples"]
-    except Exception:  # not created yet
-        return 0
+    return [sys.executable, "-m", "streamx", *run_args(model_dir, data, out, sort_window=4)]
 
 
 def test_s3_store_run_kill_resume_equals_local(tiny_chat_model_dir, chat_jsonl, tmp_path, s3_env):
@@ -73,21 +63,17 @@ def test_s3_store_run_kill_resume_equals_local(tiny_chat_model_dir, chat_jsonl, 
     job = subprocess.Popen(run_cmd(tiny_chat_model_dir, str(data), remote), env=s3_env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while committed(remote) < 5 and job.poll() is None and time.time() < deadline:
+    while committed_samples(remote) < 5 and job.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     assert job.poll() is None, "the run ended before it could be killed"
     os.kill(job.pid, signal.SIGKILL)
     job.wait()
-    assert 0 < committed(remote) < len(open_store(str(local)))
+    assert 0 < committed_samples(remote) < len(open_store(str(local)))
     result = subprocess.run(run_cmd(tiny_chat_model_dir, str(data), remote), env=s3_env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
 
-    ref, got = open_store(str(local)), open_store(remote)
-    assert sorted(got.row_ids().tolist()) == sorted(ref.row_ids().tolist())
-    for row in ref.row_ids().tolist():
-        a, b = ref.sample(row), got.sample(row)
-        assert torch.equal(a.input_ids, b.input_ids)
-        assert torch.equal(a.hidden_states.view(torch.int16), b.hidden_states.view(torch.int16)), row
+    assert_same_samples(local, remote)
+    ref = open_store(str(local))
 
     # converting the remote store gives the same training files as converting the local one
     convert(str(local), str(tmp_path / "spec-local"), progress=False, log=lambda m: None)

@@ -6,15 +6,15 @@ import json
 
 import pytest
 import torch
+from helpers import reference_states, small_config
 from tiny_models import tiny_model
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from streamx.batching import make_packed_batch, pack_window
 from streamx.capture import LayerCapture
-from streamx.config import load_config
-from streamx.pack import pack_into_torch
-from streamx.packing import PACKED_SDPA, configure, enable, probe, sample_wise_layers
+from streamx.gather import gather_into_torch
+from streamx.packing import PACKED_SDPA, Packing, configure, enable, probe, sample_wise_layers
 from streamx.pipeline import run
 from streamx.store import open_store
 from streamx.tokenize import Sample
@@ -30,21 +30,11 @@ def samples_after_a_long_one(vocab: int, seed: int = 0) -> list[Sample]:
     return [Sample(i, ids, torch.ones(len(ids), dtype=torch.long)) for i, ids in enumerate(rows)]
 
 
-@torch.inference_mode()
-def reference(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
-    """All L+1 ids of one sample alone, id L before the final norm (HF's hidden_states[L] is after it)."""
-    norm, model.model.norm = model.model.norm, torch.nn.Identity()
-    try:
-        return [h[0] for h in model(input_ids=input_ids[None], output_hidden_states=True).hidden_states]
-    finally:
-        model.model.norm = norm
-
-
 def packed_capture(model, samples, layer_ids) -> torch.Tensor:
     batch = make_packed_batch(samples)
     H = model.config.get_text_config().hidden_size
     packed = torch.full((batch.num_tokens, len(layer_ids), H), float("nan"), dtype=torch.bfloat16)  # poisoned
-    with LayerCapture(model, layer_ids, pack_into_torch) as cap:
+    with LayerCapture(model, layer_ids, gather_into_torch) as cap:
         cap.forward(batch, packed)
     return packed
 
@@ -65,7 +55,7 @@ def test_packed_states_equal_each_sample_alone(family):
     offset = 0
     for sample in samples:
         T = len(sample.input_ids)
-        want_all = reference(untouched, sample.input_ids)
+        want_all = reference_states(untouched, sample.input_ids)
         for slot, layer_id in enumerate(ids):
             got, want = packed[offset : offset + T, slot].float(), want_all[layer_id].to(torch.bfloat16).float()
             torch.testing.assert_close(got, want, rtol=BF16_ULP, atol=1e-5 * want.abs().max().item(),
@@ -83,18 +73,18 @@ def test_hybrid_linear_attention_mixes_packed_samples_unless_run_sample_wise():
         model.set_attn_implementation(PACKED_SDPA)
         assert "flash-linear-attention" in probe(model)
         model.set_attn_implementation("sdpa")
-    assert configure(model, "on") == "on" and sample_wise_layers(model) == 3
+    assert configure(model, "on") == Packing(on=True, sample_wise_layers=3) and sample_wise_layers(model) == 3
     untouched = tiny_model("qwen3_5")
     one = samples_after_a_long_one(model.config.vocab_size)[4:5]  # a packed batch of one sample (a long one alone)
     packed = packed_capture(model, one, [4])[:, 0].float()
-    torch.testing.assert_close(packed, reference(untouched, one[0].input_ids)[4].to(torch.bfloat16).float())
+    torch.testing.assert_close(packed, reference_states(untouched, one[0].input_ids)[4].to(torch.bfloat16).float())
     ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         model.set_attn_implementation("sdpa")  # padded batches: the same model, its attention as it was
         got = model.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
         want = untouched.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert configure(model, "off") == "off" and sample_wise_layers(model) == 0
+    assert configure(model, "off") == Packing(on=False) and sample_wise_layers(model) == 0
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -113,7 +103,7 @@ def test_a_leak_is_caught_by_the_probe_and_packing_stays_off():
     # and the reference comparison above would have failed too: the short sample after the long one differs
     samples = samples_after_a_long_one(model.config.vocab_size)
     packed = packed_capture(model, samples, [4])
-    alone = reference(tiny_model("llama"), samples[1].input_ids)[4]
+    alone = reference_states(tiny_model("llama"), samples[1].input_ids)[4]
     assert (packed[150:157, 0].float() - alone).abs().max() > 0.1 * alone.abs().max()
 
     model = tiny_model("llama", num_layers=2)
@@ -139,21 +129,15 @@ def test_pack_window_fills_batches_first_fit_within_budget():
     assert batch.sample_index.tolist() == [b for b, k in enumerate(n) for _ in range(k)]
 
 
-def config(model_dir, data, out, **kw):
-    base = dict(model=model_dir, data=data, out=str(out), layers="0,2,4", token_budget=512, max_length=256,
-                sort_window=16, chunk_tokens=16, shard_tokens=64)
-    return load_config(None, **{**base, **kw})
-
-
 def test_run_packs_by_default_and_records_it(tiny_chat_model_dir, chat_jsonl, tmp_path):
     lines = []
-    summary = run(config(tiny_chat_model_dir, chat_jsonl, tmp_path / "p.zarr"), progress=False, log=lines.append)
+    summary = run(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "p.zarr"), progress=False, log=lines.append)
     assert summary.padded_tokens == summary.real_tokens and summary.padding_efficiency == 1.0
     assert any(line.startswith("  packing on") for line in lines)
     meta = open_store(str(tmp_path / "p.zarr")).metadata
     assert meta.packing == "on" and meta.compat.packing == "on"
 
-    off = run(config(tiny_chat_model_dir, chat_jsonl, tmp_path / "o.zarr", packing="off"), progress=False,
+    off = run(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "o.zarr", packing="off"), progress=False,
               log=lines.append)
     assert off.padded_tokens > off.real_tokens and open_store(str(tmp_path / "o.zarr")).metadata.packing == "off"
 
@@ -162,7 +146,7 @@ def test_a_model_that_leaks_falls_back_to_padded_batches(tiny_chat_model_dir, ch
     # the packed path itself leaks, as gated delta-net layers do without kernels that reset at boundaries
     monkeypatch.setitem(AttentionInterface._global_mapping, PACKED_SDPA, leaky_attention)
     lines = []
-    summary = run(config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr"), progress=False, log=lines.append)
+    summary = run(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr"), progress=False, log=lines.append)
     note = next(line for line in lines if line.startswith("  packing off"))
     assert "depend on the sample packed before it" in note and "padded batches" in note
     assert summary.padded_tokens > summary.real_tokens  # it really ran padded

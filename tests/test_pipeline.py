@@ -10,21 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import zarr
-from torch import nn
+from helpers import assert_same_samples, cli, committed_samples, reference_states, run_args, small_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from streamx.config import load_config
 from streamx.pipeline import run
 from streamx.store import open_store
 
 BF16_ULP = 2.0**-7
-
-
-def config(model_dir, data, out, **kw):
-    base = dict(model=model_dir, data=data, out=str(out), layers="0,2,4", token_budget=512, max_length=256,
-                sort_window=16, chunk_tokens=16, shard_tokens=64)
-    return load_config(None, **{**base, **kw})
 
 
 def write_jsonl(path, rows):
@@ -36,7 +28,7 @@ def write_jsonl(path, rows):
 
 @pytest.mark.parametrize("packing", ["on", "off"])
 def test_store_matches_unbatched_reference(tiny_chat_model_dir, chat_jsonl, tmp_path, packing):
-    summary = run(config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", packing=packing), progress=False)
+    summary = run(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", packing=packing), progress=False)
     store = open_store(str(tmp_path / "s.zarr"))
     rows = [json.loads(line) for line in open(chat_jsonl)]
     assert summary.samples == len(store) == len(rows) and summary.rejects == 0
@@ -45,17 +37,15 @@ def test_store_matches_unbatched_reference(tiny_chat_model_dir, chat_jsonl, tmp_
     assert (summary.padded_tokens == summary.real_tokens) if packing == "on" else \
         (summary.padded_tokens > summary.real_tokens)
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir, dtype=torch.float32).eval()
-    model.model.norm = nn.Identity()  # id L is the pre-norm output of the last layer
     tok = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
     for row_id, row in enumerate(rows):
         got = store.sample(row_id)
         ids = tok.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"]
         assert got.input_ids.tolist() == ids[:256]
         assert 0 < got.loss_mask.sum() < len(ids)
-        with torch.inference_mode():
-            ref = model(input_ids=got.input_ids[None], output_hidden_states=True).hidden_states
+        ref = reference_states(model, got.input_ids)
         for slot, layer_id in enumerate([0, 2, 4]):
-            want = ref[layer_id][0].to(torch.bfloat16).float()
+            want = ref[layer_id].to(torch.bfloat16).float()
             torch.testing.assert_close(got.hidden_states[:, slot].float(), want, rtol=BF16_ULP,
                                        atol=1e-5 * want.abs().max().item())
     meta = store.metadata
@@ -69,7 +59,7 @@ def test_bad_rows_are_rejected_with_reasons_and_the_run_goes_on(tiny_chat_model_
             {"messages": [{"role": "user", "content": 3}]}, {"messages": [{"role": "user", "content": "only"}]},
             good, {"text": "plain text row"}, {"input_ids": [1, 2, 3, 4]}]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
-    summary = run(config(tiny_chat_model_dir, data, tmp_path / "s.zarr"), progress=False)
+    summary = run(small_config(tiny_chat_model_dir, data, tmp_path / "s.zarr"), progress=False)
     assert summary.reject_counts == {"malformed_json": 1, "empty_conversation": 1, "unknown_role": 1,
                                      "non_string_content": 1, "no_assistant_tokens": 1}
     store = open_store(str(tmp_path / "s.zarr"))
@@ -83,18 +73,25 @@ def test_non_finite_states_are_rejected(tiny_chat_model_dir, chat_jsonl, tmp_pat
     """A sample whose activations are NaN is rejected as non_finite; its batch neighbours are stored."""
     import streamx.capture as capture
 
-    real_pack = capture.LayerCapture._pack
+    real_gather, real_forward = capture.LayerCapture._gather, capture.LayerCapture.forward
+    poisoned_rows = []
+
+    def forward(self, batch, states):
+        poisoned_rows.append(batch.samples[0].row_id)  # its first token comes first in the batch
+        real_forward(self, batch, states)
 
     def poisoned(self, slot, hidden, stop):
         hidden = hidden.clone()
-        hidden[0, 0, 0] = float("nan")  # first sample of every batch
-        real_pack(self, slot, hidden, stop)
+        hidden[0, 0, 0] = float("nan")  # the first token of every batch, in every slot
+        real_gather(self, slot, hidden, stop)
 
-    monkeypatch.setattr(capture.LayerCapture, "_pack", poisoned)
-    summary = run(config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", max_samples=30), progress=False)
-    assert summary.reject_counts["non_finite"] >= 1 and summary.samples >= 1
-    assert summary.samples + summary.rejects == 30
+    monkeypatch.setattr(capture.LayerCapture, "forward", forward)
+    monkeypatch.setattr(capture.LayerCapture, "_gather", poisoned)
+    summary = run(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", max_samples=30), progress=False)
+    assert len(poisoned_rows) > 1 and summary.reject_counts == {"non_finite": len(poisoned_rows)}
     store = open_store(str(tmp_path / "s.zarr"))
+    assert sorted(store.rejected()) == sorted((row, "non_finite") for row in poisoned_rows)
+    assert sorted(store.row_ids().tolist()) == sorted(set(range(30)) - set(poisoned_rows))
     assert all(torch.isfinite(s.hidden_states.float()).all() for s in store.samples())
 
 
@@ -102,38 +99,20 @@ def test_abnormal_reject_rate_stops_the_run(tiny_chat_model_dir, tmp_path):
     rows = ["{broken"] * 150 + [{"text": "fine"}] * 10
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(RuntimeError, match="rejected.*top reason: malformed_json"):
-        run(config(tiny_chat_model_dir, data, tmp_path / "s.zarr"), progress=False)
+        run(small_config(tiny_chat_model_dir, data, tmp_path / "s.zarr"), progress=False)
 
 
 def test_rerun_resumes_and_incompatible_rerun_is_refused(tiny_chat_model_dir, chat_jsonl, tmp_path):
     out = tmp_path / "s.zarr"
-    first = run(config(tiny_chat_model_dir, chat_jsonl, out, max_samples=30), progress=False)
-    more = run(config(tiny_chat_model_dir, chat_jsonl, out), progress=False)  # extends to all rows
+    first = run(small_config(tiny_chat_model_dir, chat_jsonl, out, max_samples=30), progress=False)
+    more = run(small_config(tiny_chat_model_dir, chat_jsonl, out), progress=False)  # extends to all rows
     assert more.resumed_rows == 30 and first.samples + more.samples == len(open_store(str(out)))
-    again = run(config(tiny_chat_model_dir, chat_jsonl, out), progress=False)
+    again = run(small_config(tiny_chat_model_dir, chat_jsonl, out), progress=False)
     assert again.samples == 0 and open_store(str(out)).summary()["duplicate_rows"] == 0
     with pytest.raises(RuntimeError, match="incompatible run.*layer_ids"):
-        run(config(tiny_chat_model_dir, chat_jsonl, out, layers="1,4"), progress=False)
-    run(config(tiny_chat_model_dir, chat_jsonl, out, layers="1,4", max_samples=5, overwrite=True), progress=False)
+        run(small_config(tiny_chat_model_dir, chat_jsonl, out, layers="1,4"), progress=False)
+    run(small_config(tiny_chat_model_dir, chat_jsonl, out, layers="1,4", max_samples=5, overwrite=True), progress=False)
     assert len(open_store(str(out))) == 5
-
-
-def cli(*args, **kw):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "streamx", *args], env=env, capture_output=True, text=True, **kw)
-
-
-def run_args(model_dir, data, out):
-    return ["run", "--model", model_dir, "--data", data, "--out", str(out), "--layers", "0,2,4",
-            "--token-budget", "512", "--max-length", "256", "--sort-window", "16", "--chunk-tokens", "16",
-            "--shard-tokens", "64", "--no-progress"]
-
-
-def committed_samples(out) -> int:
-    try:
-        return zarr.open_group(str(out), mode="r")["parts/part-00000"].attrs["commit"]["samples"]
-    except Exception:  # not created yet
-        return 0
 
 
 def test_kill_9_then_rerun_equals_an_uninterrupted_run(tiny_chat_model_dir, chat_jsonl, tmp_path):
@@ -157,13 +136,8 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run(tiny_chat_model_dir, chat
     partial = committed_samples(out)
     result = cli(*run_args(tiny_chat_model_dir, chat_jsonl, out))
     assert result.returncode == 0, result.stderr
-    ref, got = open_store(str(reference)), open_store(str(out))
-    assert 0 < partial < len(ref)
-    assert sorted(got.row_ids().tolist()) == sorted(ref.row_ids().tolist())  # none lost, none duplicated
-    for row_id in ref.row_ids().tolist():
-        a, b = ref.sample(row_id), got.sample(row_id)
-        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
-        assert torch.equal(a.hidden_states.view(torch.int16), b.hidden_states.view(torch.int16)), row_id
+    assert 0 < partial < len(open_store(str(reference)))
+    assert_same_samples(reference, out)
 
 
 def error_line(result) -> str:
@@ -191,12 +165,22 @@ def test_cli_errors_are_one_line(tiny_chat_model_dir, chat_jsonl, tmp_path):
 
 def test_inspect(tiny_chat_model_dir, chat_jsonl, tmp_path):
     out = tmp_path / "s.zarr"
-    run(config(tiny_chat_model_dir, chat_jsonl, out, max_samples=10), progress=False)
+    run(small_config(tiny_chat_model_dir, chat_jsonl, out, max_samples=10), progress=False)
     text = cli("inspect", str(out))
     assert text.returncode == 0 and "[0, 2, 4]" in text.stdout and "10 committed" in text.stdout
     data = json.loads(cli("inspect", str(out), "--json").stdout)
     assert data["samples"] == 10 and data["metadata"]["layer_ids"] == [0, 2, 4]
     assert data["tokens"] == sum(len(s.input_ids) for s in open_store(str(out)).samples())
+
+
+def test_progress_in_a_log_file_is_plain_lines(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    """stderr piped, as under Slurm or nohup: status lines end with a newline, never a carriage return."""
+    args = [a for a in run_args(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr") if a != "--no-progress"]
+    result = cli(*args)
+    assert result.returncode == 0, result.stderr
+    rows = sum(1 for _ in open(chat_jsonl))
+    status = [line for line in result.stderr.splitlines() if line.startswith("streamx run: ")]
+    assert "\r" not in result.stderr and status and status[-1].startswith(f"streamx run: {rows}/{rows} rows [")
 
 
 def test_no_chat_template_is_fatal_with_one_line(tiny_chat_model_dir, chat_jsonl, tmp_path):
@@ -214,7 +198,7 @@ def test_no_chat_template_is_fatal_with_one_line(tiny_chat_model_dir, chat_jsonl
 
 
 def test_disk_full_keeps_committed_data_and_resumes(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
-    from streamx.writer import StreamedShards
+    from streamx.store.shards import StreamedShards
 
     out = tmp_path / "s.zarr"
     real_finish = StreamedShards.finish
@@ -229,12 +213,12 @@ def test_disk_full_keeps_committed_data_and_resumes(tiny_chat_model_dir, chat_js
 
     monkeypatch.setattr(StreamedShards, "finish", fail_on_sixth_shard)
     with pytest.raises(OSError, match="No space left"):
-        run(config(tiny_chat_model_dir, chat_jsonl, out), progress=False)
+        run(small_config(tiny_chat_model_dir, chat_jsonl, out), progress=False)
     partial = open_store(str(out))
     assert 0 < len(partial) and partial.num_tokens <= 5 * 64  # the five shards written before the failure
     kept = {r: partial.sample(r) for r in partial.row_ids().tolist()}
     monkeypatch.setattr(StreamedShards, "finish", real_finish)
-    run(config(tiny_chat_model_dir, chat_jsonl, out), progress=False)
+    run(small_config(tiny_chat_model_dir, chat_jsonl, out), progress=False)
     final = open_store(str(out))
     assert len(final) == sum(1 for _ in open(chat_jsonl)) and final.summary()["duplicate_rows"] == 0
     for r, s in kept.items():
@@ -244,7 +228,7 @@ def test_disk_full_keeps_committed_data_and_resumes(tiny_chat_model_dir, chat_js
 def test_producer_streams_with_bounded_read_ahead(tiny_chat_model_dir, tmp_path, monkeypatch):
     """Host memory must not grow with the dataset: the producer may only run a bounded way ahead
     of the forward pass (sort window + bounded queues), however long the source is."""
-    import streamx.plan as plan
+    import streamx.runplan as plan
     from streamx.capture import LayerCapture
 
     rows = [{"text": f"row {i} " + "word " * (i % 7)} for i in range(400)]
@@ -276,7 +260,7 @@ def test_producer_streams_with_bounded_read_ahead(tiny_chat_model_dir, tmp_path,
     monkeypatch.setattr(plan, "open_source", counting_source)
     monkeypatch.setattr(LayerCapture, "forward", slow_forward)
     # no space check: its size estimate reads the source once before the run, which is not the producer
-    cfg = config(tiny_chat_model_dir, data, tmp_path / "s.zarr", sort_window=8, max_batch_size=4, queue_batches=2,
+    cfg = small_config(tiny_chat_model_dir, data, tmp_path / "s.zarr", sort_window=8, max_batch_size=4, queue_batches=2,
                  space_check=False)
     run(cfg, progress=False)
     # at most: the window being tokenized + batches in the queue + the one being handed over
@@ -290,8 +274,8 @@ def test_random_weights_store_is_marked_and_convert_refuses_it(tiny_chat_model_d
     config_file = tmp_path / "config.json"  # the model's config alone: no weights next to it
     config_file.write_text((Path(tiny_chat_model_dir) / "config.json").read_text())
     out = tmp_path / "random.zarr"
-    run(config(str(config_file), chat_jsonl, out, random_weights=True, tokenizer=tiny_chat_model_dir, max_samples=6),
-        progress=False)
+    run(small_config(str(config_file), chat_jsonl, out, random_weights=True, tokenizer=tiny_chat_model_dir,
+                     max_samples=6), progress=False)
     store = open_store(str(out))
     assert len(store) == 6 and store.metadata.random_weights
     with pytest.raises(ConvertError, match="--random-weights"):

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig
 
-import streamx.plan as plan
+import streamx.runplan as plan
 from streamx.config import load_config
 from streamx.models import ModelNotFoundError
-from streamx.store import StoreError
+from streamx.store import Output, StoreError
 
 
 @pytest.fixture
@@ -83,7 +83,8 @@ def test_banner_comes_before_the_weights(tmp_path, config_only_model, monkeypatc
     assert any(line.startswith("  layers  [2, 3, 4, 6] of 6 (dflash): id 0 = embeddings") for line in banner)
     assert made.layer_ids == [2, 3, 4, 6] and made.info.random_weights
     # packing is decided once the model is in: the one line after the weights
-    assert made.packing == "on" and len(after) == 1 and after[0].startswith("  packing on: each forward's samples")
+    assert made.packing.on and str(made.packing) == "on"
+    assert len(after) == 1 and after[0].startswith("  packing on: each forward's samples")
 
 
 def test_hybrid_without_flash_linear_attention_is_named_on_cuda(tmp_path, monkeypatch):
@@ -96,8 +97,9 @@ def test_hybrid_without_flash_linear_attention_is_named_on_cuda(tmp_path, monkey
     monkeypatch.setattr(plan, "fla_installed", lambda: False)
     cfg = load_config(None, model=str(tmp_path / "hybrid"), out=str(tmp_path / "s.zarr"))
     lines: list[str] = []
-    plan.announce(cfg, plan.open_source(cfg.data, cfg.split, 4), "cuda", lines.append)  # reads no CUDA
+    source, output = plan.open_source(cfg.data, cfg.split, 4), Output.read(cfg.out)
+    plan.announce(cfg, source, output, "cuda", lines.append)  # reads no CUDA
     assert any("3 linear-attention layers will run transformers' slow reference path" in line for line in lines)
     lines.clear()
-    plan.announce(cfg, plan.open_source(cfg.data, cfg.split, 4), "cpu", lines.append)
+    plan.announce(cfg, source, output, "cpu", lines.append)
     assert not any("linear-attention" in line for line in lines)  # on CPU there is no fast path to miss

@@ -2,6 +2,7 @@
 template and under SmolLM2's ChatML template. Expected masks are written out by hand from
 the message list, never taken from the code under test."""
 import itertools
+import re
 from concurrent.futures import ThreadPoolExecutor
 from importlib.util import find_spec
 from pathlib import Path
@@ -281,14 +282,17 @@ def test_thread_safe(chatml, rows):
 
 def test_fingerprint(qwen, chatml):
     fp = SampleBuilder(qwen, 2048, "truncate").fingerprint
-    assert len(fp) == 64 and int(fp, 16) >= 0
+    assert re.fullmatch(r"[0-9a-f]{64}", fp)  # a sha256
     assert SampleBuilder(AutoTokenizer.from_pretrained(QWEN_DIR), 2048, "truncate").fingerprint == fp
     other = AutoTokenizer.from_pretrained(QWEN_DIR)
     other.add_tokens(["<streamx_new>"])
+    template = AutoTokenizer.from_pretrained(QWEN_DIR)
+    template.chat_template = template.chat_template.replace("<think>", "<thinking>")  # the template alone
     changed = [SampleBuilder(qwen, 1024, "truncate"), SampleBuilder(qwen, 2048, "skip"),
-               SampleBuilder(chatml, 2048, "truncate"), SampleBuilder(other, 2048, "truncate")]
+               SampleBuilder(chatml, 2048, "truncate"), SampleBuilder(other, 2048, "truncate"),
+               SampleBuilder(template, 2048, "truncate")]
     fps = {b.fingerprint for b in changed} | {fp}
-    assert len(fps) == 5
+    assert len(fps) == 6
 
 
 def test_bad_arguments(qwen):

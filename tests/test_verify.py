@@ -47,7 +47,7 @@ def write_store(full: str, out: Path, fill, slots=(1, 2, 4), parts=1) -> str:
                                compat=dataclasses.replace(source.metadata.compat, layer_ids=CLAIMED))
     prepare(str(out), meta)
     layout = make_layout(len(CLAIMED), meta.hidden_size, 16, 64)
-    samples = [source.read(i) for i in range(len(source))]
+    samples = [source.at(i) for i in range(len(source))]
     for k in range(parts):
         writer = PartWriter(open_for_run(str(out), meta).part(f"part-{k:05d}", layout))
         for s in samples if k == 0 else samples[:1]:
@@ -101,7 +101,7 @@ def test_states_swapped_between_samples_are_named(full_store, tmp_path):
     lengths = source.index.lengths
     a, b = (int(i) for i in np.argsort(lengths)[-2:])  # two long samples, cut to the same length
     T = int(lengths[a])
-    states = {i: source.read(i).hidden_states[:T, [1, 2, 4]].float() for i in (a, b)}
+    states = {i: source.at(i).hidden_states[:T, [1, 2, 4]].float() for i in (a, b)}
     rows = {int(source.index.rows[a]): b, int(source.index.rows[b]): a}
 
     def swap(sample, x):
@@ -111,12 +111,12 @@ def test_states_swapped_between_samples_are_named(full_store, tmp_path):
         return dataclasses.replace(sample, input_ids=sample.input_ids[:T], loss_mask=sample.loss_mask[:T],
                                    hidden_states=sample.hidden_states[:T]) if sample.row_id in rows else sample
 
-    real_read = type(source).read
+    real_at = type(source).at
     try:
-        type(source).read = lambda self, i, raw=False: cut(real_read(self, i, raw))
+        type(source).at = lambda self, i, raw=False: cut(real_at(self, i, raw))
         out = write_store(full_store, tmp_path / "s.zarr", swap)
     finally:
-        type(source).read = real_read
+        type(source).at = real_at
     report = verify(out, samples=len(source), log=lambda m: None)
     assert list(failures(report)) == ["model"]
     problems = failures(report)["model"]

@@ -7,8 +7,10 @@ import zarr
 
 from streamx.fp8 import quantize_fp8
 from streamx.store import (
+    FP8_STORAGE,
     Commit,
     Compat,
+    Output,
     Store,
     StoreError,
     StoreMetadata,
@@ -16,9 +18,7 @@ from streamx.store import (
     create_part,
     make_layout,
     open_for_run,
-    output_state,
     prepare,
-    stored_bits,
 )
 from streamx.tokenize import REJECT_REASONS, Reject
 from streamx.writer import PartWriter
@@ -42,7 +42,7 @@ def meta(storage="bf16", **compat) -> StoreMetadata:
 
 
 def open_writer(path, layout=LAYOUT, metadata=None, overwrite=False) -> PartWriter:
-    metadata = metadata or meta(layout.storage)
+    metadata = metadata or meta(layout.storage.name)
     prepare(str(path), metadata, overwrite)
     return PartWriter(open_for_run(str(path), metadata).part("part-00000", layout))
 
@@ -58,7 +58,7 @@ def append(writer, sample):
     row_id, ids, mask, hidden = sample
     if "hidden_states_scales" in writer.arrays:  # an fp8 part: what the GPU stage hands over for --storage fp8
         values, scales = quantize_fp8(hidden)
-        writer.append(row_id, ids, mask, stored_bits(values), scales.numpy())
+        writer.append(row_id, ids, mask, FP8_STORAGE.to_bits(values), scales.numpy())
     else:
         writer.append(row_id, ids, mask, bf16_to_bits(hidden))
 
@@ -135,9 +135,9 @@ def test_streamed_shards_are_the_bytes_zarr_writes(tmp_path, samples, layout):
     hidden = torch.cat([s[3] for s in samples])
     values = {"input_ids": np.concatenate([s[1] for s in samples]),
               "loss_mask": np.concatenate([s[2] for s in samples])}
-    if layout.storage == "fp8":
+    if layout.storage.scaled:
         fp8, scales = quantize_fp8(hidden)
-        values.update(hidden_states=stored_bits(fp8), hidden_states_scales=scales.numpy())
+        values.update(hidden_states=FP8_STORAGE.to_bits(fp8), hidden_states_scales=scales.numpy())
     else:
         values["hidden_states"] = bf16_to_bits(hidden)
     n = len(values["input_ids"])
@@ -234,27 +234,32 @@ def test_refuses_to_overwrite_a_non_store(tmp_path):
     assert (tmp_path / "precious.txt").exists()
 
 
-def test_rows_read_in_ascending_order_by_position(tmp_path, samples):
+def test_rows_by_source_row_and_by_position(tmp_path, samples):
     writer = open_writer(tmp_path / "s.zarr")
     for s in reversed(samples):  # committed in descending row order
         append(writer, s)
     writer.close()
     store = Store(str(tmp_path / "s.zarr"))
     assert store.row_ids().tolist() == sorted(s[0] for s in samples)
-    assert [store[i].row_id for i in range(len(store))] == store.row_ids().tolist() and store[-1].row_id == 109
+    assert [store.sample(row).row_id for row in store.row_ids().tolist()] == store.row_ids().tolist()
+    # positions are the index's (store order: as written, here descending rows)
+    assert [store.at(i).row_id for i in range(len(store))] == store.index.rows.tolist() == sorted(
+        store.row_ids().tolist(), reverse=True)
     with pytest.raises(IndexError, match="out of range"):
-        store[len(store)]
+        store.at(len(store))
+    with pytest.raises(KeyError, match="source row 99 is not in the store"):
+        store.sample(99)
 
 
 def test_output_state_says_what_a_run_will_do(tmp_path, samples):
     path = str(tmp_path / "s.zarr")
-    assert output_state(path) == "new store"
+    assert Output.read(path).state() == "new store"
     writer = open_writer(path)
     for s in samples[:3]:
         append(writer, s)
     writer.close()
-    assert output_state(path) == "resuming: 3 samples already committed in 1 part(s)"
-    assert output_state(path, overwrite=True) == "existing store, replaced (--overwrite)"
+    assert Output.read(path).state() == "resuming: 3 samples already committed in 1 part(s)"
+    assert Output.read(path).state(overwrite=True) == "existing store, replaced (--overwrite)"
 
 
 def test_metadata_round_trips_and_reads_records_with_unknown_fields():

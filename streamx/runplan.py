@@ -1,10 +1,13 @@
-"""What a run will do, decided once: the RunPlan that `streamx run` and `streamx bench` share.
+"""What a run will do, decided once: the RunPlan that `streamx run`, `streamx bench` and
+`streamx plan --calibrate` share.
 
     settings -> data source -> output check -> layer ids (from the model's config) -> model and
     tokenizer -> sample builder -> store layout and metadata
 
 The cheap checks come first, so that a wrong data path, an output folder that is not a store or
-a layer id out of range fails in a second, before any weights are loaded.
+a layer id out of range fails in a second, before any weights are loaded. `RunPlan.batch_stream`
+is the one way from the source to the model's batches: source -> windows this rank owns ->
+tokenize -> batches.
 """
 
 from __future__ import annotations
@@ -12,10 +15,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import transformers
@@ -23,11 +25,11 @@ import zarr
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from . import __version__
-from .batching import Batch, iter_batches
+from .batching import Batch, iter_batches, iter_windows
 from .config import RunConfig, resolve_layer_ids
 from .distributed import Rank, init_from_env
 from .estimate import estimate
-from .metrics import gb
+from .metrics import StageTimes, gb
 from .models import (
     ModelInfo,
     load_model,
@@ -36,20 +38,10 @@ from .models import (
     resolve_dtype,
     resolve_model_path,
 )
+from .packing import Packing
 from .packing import configure as configure_packing
-from .packing import sample_wise_layers
 from .source import Row, Source, open_source
-from .store import (
-    Compat,
-    Layout,
-    StoreError,
-    StoreMetadata,
-    check_output,
-    commits,
-    free_bytes,
-    make_layout,
-    output_state,
-)
+from .store import Compat, Layout, Output, StoreError, StoreMetadata, free_bytes, make_layout
 from .tokenize import REJECT_REASONS, Reject, Sample, SampleBuilder
 
 
@@ -59,7 +51,7 @@ class RunPlan:
     rank: Rank  # this process under torchrun (rank 0 of 1 otherwise)
     source: Source
     layer_ids: list[int]  # speculators convention, ascending (docs/layers.md)
-    packing: str  # "on" (packed batches), "off", or "off: why" (streamx.packing.configure)
+    packing: Packing  # packed or padded batches (streamx.packing.configure)
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     info: ModelInfo
@@ -78,11 +70,33 @@ class RunPlan:
         """A window's samples as the run batches them (packed when packing is on), or as asked."""
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         return iter_batches(samples, self.config.token_budget, self.config.max_batch_size, pad_id,
-                            packed=self.packing == "on" if packed is None else packed)
+                            packed=self.packing.on if packed is None else packed)
 
-    def replace(self, **changes: Any) -> RunPlan:
-        """The same loaded model with other settings (bench: a fresh output per round)."""
-        return make_plan(self.config.replace(**changes), loaded=(self.model, self.tokenizer, self.info))
+    def batch_stream(self, done: Collection[int] = frozenset(), packed: bool | None = None,
+                     times: StageTimes | None = None) -> Iterator[Batch | Reject]:
+        """This rank's batches and rejects, in run order: the sorting windows of source rows it owns,
+        tokenized and batched (packed as the run does, or as asked). Windows and batches whose rows are
+        all in `done` are left out; a batch with some done rows comes whole (the writer drops those)."""
+        times = times or StageTimes()
+        for window in iter_windows(self.source, self.config.sort_window):
+            if not self.rank.owns(window[0].row_id // self.config.sort_window):
+                continue
+            if all(row.row_id in done for row in window):
+                continue
+            with times.measure("source_tokenize"):
+                samples = self.tokenize(window)
+            with times.measure("batching"):
+                items = list(self.batches(samples, packed))
+            for item in items:
+                rows = [item.row_id] if isinstance(item, Reject) else [s.row_id for s in item.samples]
+                if not all(r in done for r in rows):
+                    yield item
+
+    def with_output(self, out: str, overwrite: bool = False) -> RunPlan:
+        """The same plan into another store (bench's rounds): nothing is loaded, probed or fingerprinted again."""
+        config = self.config.replace(out=out, overwrite=overwrite)
+        return dataclasses.replace(self, config=config,
+                                   metadata=dataclasses.replace(self.metadata, config=config.to_dict()))
 
 
 def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo] | None = None,
@@ -91,18 +105,19 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     rank = init_from_env()
     source = open_source(config.data, config.split, config.max_samples)
     if rank.is_main:  # the other ranks would race rank 0 creating the store
-        check_output(config.out, config.overwrite)
+        output = Output.read(config.out)
+        output.check(config.overwrite)
         if loaded is None:
-            announce(config, source, rank.device(config.device), log)
+            announce(config, source, output, rank.device(config.device), log)
             if config.space_check:
-                check_space(config, source, log)
+                check_space(config, source, output, log)
     model, tokenizer, info = loaded or load_model(config.model, config.dtype, rank.device(config.device),
                                                   config.attn_implementation, config.device_map,
                                                   config.random_weights, config.tokenizer)
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     packing = configure_packing(model, config.packing)
     if rank.is_main and loaded is None:
-        log(f"  packing {packing_note(packing, sample_wise_layers(model))}")
+        log(f"  packing {packing.note()}")
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
     layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor,
                          config.storage)
@@ -110,14 +125,14 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
                    store_metadata(config, info, builder, layer_ids, layout, packing))
 
 
-def announce(config: RunConfig, source: Source, device: str, log: Callable[[str], None]) -> None:
+def announce(config: RunConfig, source: Source, output: Output, device: str, log: Callable[[str], None]) -> None:
     """Say what the run will do before the slow part (converting or loading the model), and check the
     layer ids against the model's config alone."""
     dtype = str(resolve_dtype(config.dtype, device)).removeprefix("torch.")
     log(f"streamx: {config.model} on {resolve_device(device)} in {dtype}"
         + (", random weights (a dry run, not training data)" if config.random_weights else ""))
     log(f"  data    {source.name}: " + ("rows streamed" if source.num_rows is None else f"{source.num_rows:,} rows"))
-    log(f"  out     {config.out}: {output_state(config.out, config.overwrite)}")
+    log(f"  out     {config.out}: {output.state(config.overwrite)}")
     path = resolve_model_path(config.model, log)
     if path != config.model:
         log(f"  model   {path}")
@@ -131,7 +146,7 @@ def announce(config: RunConfig, source: Source, device: str, log: Callable[[str]
             "flash-linear-attention is not installed (pip install fla-core)")
 
 
-def check_space(config: RunConfig, source: Source, log: Callable[[str], None]) -> None:
+def check_space(config: RunConfig, source: Source, output: Output, log: Callable[[str], None]) -> None:
     """Size the store from the tokenized rows (streamx.estimate) and refuse to start when the output
     filesystem cannot hold what is left to write."""
     free = free_bytes(config.out)
@@ -140,7 +155,7 @@ def check_space(config: RunConfig, source: Source, log: Callable[[str], None]) -
         return
     plan = estimate(config, source)
     size = plan.sizes[config.storage]
-    done = 0 if config.overwrite else sum(c.samples + c.rejects for c in commits(config.out))
+    done = 0 if config.overwrite else output.committed_rows
     needed = round(size.bytes * max(0, source.num_rows - done) / max(1, source.num_rows))
     if config.overwrite and Path(config.out).is_dir():  # the old store's bytes are freed first
         free += sum(f.stat().st_size for f in Path(config.out).rglob("*") if f.is_file())
@@ -151,21 +166,13 @@ def check_space(config: RunConfig, source: Source, log: Callable[[str], None]) -
                          "free space, choose another --out, use --storage fp8, or pass --no-space-check")
 
 
-def packing_note(packing: str, sample_wise: int = 0) -> str:
-    if packing == "on":
-        layers = f"; its {sample_wise} linear-attention layers run once per sample" if sample_wise else ""
-        return ("on: each forward's samples side by side, no padding (checked on this model: a sample packed after "
-                f"another has the states it has alone){layers}")
-    return f"{packing}; padded batches" if packing != "off" else "off: padded batches"
-
-
 def fla_installed() -> bool:
     """flash-linear-attention (fla-core): the Triton kernels transformers uses for gated delta-net layers."""
     return importlib.util.find_spec("fla") is not None
 
 
 def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, layer_ids: list[int],
-                   layout: Layout, packing: str) -> StoreMetadata:
+                   layout: Layout, packing: Packing) -> StoreMetadata:
     template = builder.tokenizer.chat_template or ""
     return StoreMetadata(
         layer_ids=layer_ids,
@@ -174,18 +181,18 @@ def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, l
         chunk_tokens=layout.chunk_tokens,
         shard_tokens=layout.shard_tokens,
         compressor=layout.compressor,
-        storage=layout.storage,
-        packing=packing,
+        storage=layout.storage.name,
+        packing=str(packing),
         model=asdict(info),
         tokenizer={"name_or_path": builder.tokenizer.name_or_path, "fingerprint": builder.fingerprint,
                    "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()},
         max_length=config.max_length,
         truncation=config.truncation,
-        config=dataclasses.asdict(config),
+        config=config.to_dict(),
         versions={"streamx": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
                   "zarr": zarr.__version__},
         reject_reasons=list(REJECT_REASONS),
         compat=Compat(model=info.weights_fingerprint, compute_dtype=info.dtype, layer_ids=layer_ids,
-                      tokenization=builder.fingerprint, data=config.data, split=config.split, storage=layout.storage,
-                      packing=packing.split(":")[0]),
+                      tokenization=builder.fingerprint, data=config.data, split=config.split,
+                      storage=layout.storage.name, packing=packing.setting),
     )

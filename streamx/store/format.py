@@ -1,0 +1,305 @@
+"""What a streamx store is: one Zarr v3 group, token-major ragged arrays, real tokens only.
+
+    OUT.zarr/                      attrs["streamx"]: StoreMetadata (docs/store.md)
+      parts/part-00000/            one append-only part per writer; attrs["commit"]: a Commit, what is valid
+        hidden_states  uint16 [T, K, H]   bf16 bit patterns (uint8: fp8 e4m3fn, --storage fp8); sharded along tokens
+        hidden_states_scales float32 [T]  fp8 storage only: dequantised = fp8 * scale (streamx.fp8)
+        input_ids      int64  [T]
+        loss_mask      uint8  [T]
+        sample_row_id  int64  [N]         source row of each sample
+        sample_offset  int64  [N]         first token of each sample in this part
+        sample_length  int64  [N]
+        reject_row_id  int64  [R]
+        reject_reason  uint8  [R]         index into metadata["reject_reasons"]
+
+Only the prefixes named by a part's commit record are valid: anything beyond was written by
+a run that stopped before committing it and is overwritten on resume. Readers use the read API
+(streamx.store.reader), never the arrays' shapes.
+
+Format streamx-store/2 added fp8 storage; /1 stores (bf16 only) are read and resumed as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from ..fp8 import FP8, dequantize_fp8, quantize_fp8
+
+STORE_FORMAT = "streamx-store/2"
+READABLE_FORMATS = ("streamx-store/1", STORE_FORMAT)
+PARTS = "parts"
+GROUP_DOCUMENTS = 3  # zarr.json of the store, of parts/ and of the part
+INDEX_CHUNK = 65536  # entries per chunk of the per-sample / per-reject index arrays
+SAMPLE_ARRAYS = {"sample_row_id": "int64", "sample_offset": "int64", "sample_length": "int64"}
+REJECT_ARRAYS = {"reject_row_id": "int64", "reject_reason": "uint8"}
+TOKEN_ID_ARRAYS = {"input_ids": "int64", "loss_mask": "uint8"}
+SCALE_DTYPE = "float32"  # hidden_states_scales, one per token (fp8 storage)
+
+CONVENTION_TEXT = (
+    "speculators: id 0 = embeddings output (input of layer 0); id k = output of decoder layer k-1 "
+    "(input of layer k); id L = output of the last decoder layer, before the final norm"
+)
+
+
+def entry_bytes(arrays: dict[str, str]) -> int:
+    """Bytes one entry (a token, a sample, a reject) takes across `arrays`, uncompressed."""
+    return sum(np.dtype(dtype).itemsize for dtype in arrays.values())
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+# -- how the hidden states are stored
+
+
+_BITS = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16)}  # same-width integers: bit patterns move as is
+
+
+@dataclass(frozen=True)
+class Storage:
+    """One --storage choice: the states' dtype as stored, the arrays it adds, and the way to and from it."""
+
+    name: str  # the --storage value
+    dtype: torch.dtype  # the states as stored
+    zarr_dtype: str  # the hidden_states array's (zarr 3.1 has neither bfloat16 nor float8: their bit patterns)
+    scaled: bool  # one float32 scale per token in hidden_states_scales
+    lossless: bool  # bit-exact with the bf16 states the capture packs
+    encoding: str  # recorded in the metadata for readers without streamx
+
+    @property
+    def token_arrays(self) -> tuple[str, ...]:
+        return ("hidden_states", *(("hidden_states_scales",) if self.scaled else ()), *TOKEN_ID_ARRAYS)
+
+    def bytes_per_token(self, num_slots: int, hidden_size: int) -> int:
+        """Hidden-state bytes one token takes: K x H values, and its scale."""
+        scale = np.dtype(SCALE_DTYPE).itemsize if self.scaled else 0
+        return num_slots * hidden_size * self.dtype.itemsize + scale
+
+    def encode(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """bf16 states [N, K, H] -> (values as stored, float32 scales [N] or None), on the states' device."""
+        return quantize_fp8(states) if self.scaled else (states, None)
+
+    def to_bits(self, values: torch.Tensor) -> np.ndarray:
+        """Host values as stored (encode's) -> the array's bit patterns, without a copy."""
+        signed, _ = _BITS[self.dtype.itemsize]
+        return values.contiguous().view(signed).numpy().view(self.zarr_dtype)
+
+    def from_bits(self, bits: np.ndarray) -> torch.Tensor:
+        _, signed = _BITS[self.dtype.itemsize]
+        return torch.from_numpy(np.ascontiguousarray(bits).view(signed)).view(self.dtype)
+
+    def decode(self, bits: np.ndarray, scales: np.ndarray | None) -> torch.Tensor:
+        """Stored bits (and scales) -> bf16 states, as speculators' loaders read them."""
+        values = self.from_bits(bits)
+        return dequantize_fp8(values, torch.from_numpy(scales)) if self.scaled else values
+
+    def decode_float32(self, bits: np.ndarray, scales: np.ndarray | None) -> torch.Tensor:
+        """Stored bits (and scales) -> float32 states, exactly decode's values."""
+        if self.scaled:
+            return self.decode(bits, scales).float()
+        return torch.from_numpy(bits.astype(np.int32) << 16).view(torch.float32)  # bf16 bits are float32's top half
+
+
+BF16 = Storage("bf16", torch.bfloat16, "uint16", scaled=False, lossless=True,
+               encoding="uint16 bit pattern of bfloat16 (zarr 3.1 has no bfloat16); bit-exact")
+FP8_STORAGE = Storage("fp8", FP8, "uint8", scaled=True, lossless=False,
+                      encoding="uint8 bit pattern of float8_e4m3fn; hidden_states_scales float32 [T], one per token; "
+                               "dequantised = bfloat16(fp8) * bfloat16(scale), as speculators' fp8 backend")
+STORAGES = {s.name: s for s in (BF16, FP8_STORAGE)}
+
+
+def storage_named(name: str) -> Storage:
+    if name not in STORAGES:
+        raise StoreError(f"storage must be one of {', '.join(STORAGES)}; got {name!r}")
+    return STORAGES[name]
+
+
+def part_storage(part: zarr.Group) -> Storage:
+    """The storage a part was created with, from its hidden_states array."""
+    dtype = str(part["hidden_states"].dtype)
+    return next(s for s in STORAGES.values() if s.zarr_dtype == dtype)
+
+
+def bf16_to_bits(t: torch.Tensor) -> np.ndarray:
+    return BF16.to_bits(t)
+
+
+# -- the records
+
+
+@dataclass(frozen=True)
+class Compat:
+    """What a re-run must match to resume a store; any difference is refused, naming the field."""
+
+    model: str  # the weights fingerprint (models.fingerprint_weights)
+    compute_dtype: str
+    layer_ids: list[int]
+    tokenization: str  # the tokenizer fingerprint (tokenize.tokenizer_fingerprint)
+    data: str
+    split: str
+    storage: str = "bf16"
+    packing: str = "off"  # on or off: packed and padded forwards round differently, so a resume must not mix them
+
+    def differences(self, theirs: dict[str, Any]) -> list[str]:
+        ours = asdict(self)
+        theirs = {"storage": BF16.name, "packing": "off", **theirs}  # records from before fp8 storage and packing
+        return [f"{k}: store has {theirs.get(k)!r}, this run {ours.get(k)!r}"
+                for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+
+
+@dataclass(frozen=True)
+class Layout:
+    num_slots: int  # K, one per layer id
+    hidden_size: int  # H
+    chunk_tokens: int
+    shard_tokens: int
+    compressor: str = "none"
+    storage: Storage = BF16
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.storage.bytes_per_token(self.num_slots, self.hidden_size)
+
+
+def make_layout(num_slots: int, hidden_size: int, chunk_tokens: int = 0, shard_tokens: int = 0,
+                compressor: str = "none", storage: str = "bf16") -> Layout:
+    """Defaults: ~4 MiB chunks (what a reader fetches at once) in ~256 MiB shard files (what
+    the filesystem sees), so 50 TiB is ~200k files whatever the number of samples."""
+    kind = storage_named(storage)
+    per_token = kind.bytes_per_token(num_slots, hidden_size)
+    chunk = chunk_tokens or max(1, (4 << 20) // per_token)
+    shard = shard_tokens or max(1, (256 << 20) // per_token // chunk) * chunk
+    if shard % chunk:
+        raise ValueError(f"shard_tokens ({shard}) must be a multiple of chunk_tokens ({chunk})")
+    return Layout(num_slots, hidden_size, chunk, shard, compressor, kind)
+
+
+@dataclass
+class StoreMetadata:
+    """The store's attrs["streamx"] (docs/store.md, "Metadata")."""
+
+    layer_ids: list[int]  # ascending; slot j of hidden_states holds layer_ids[j]
+    num_layers: int  # L
+    hidden_size: int  # H
+    chunk_tokens: int
+    shard_tokens: int
+    compressor: str
+    model: dict[str, Any]  # models.ModelInfo: name, resolved path, revision, weights fingerprint, ...
+    tokenizer: dict[str, Any]  # name_or_path, fingerprint, chat_template_sha256
+    max_length: int
+    truncation: str
+    config: dict[str, Any]  # the resolved RunConfig
+    versions: dict[str, str]
+    reject_reasons: list[str]  # reject_reason codes index this list
+    compat: Compat
+    created: str = field(default_factory=_now)
+    format: str = STORE_FORMAT
+    layer_convention: str = "speculators"
+    layer_convention_text: str = CONVENTION_TEXT
+    last_id_is_pre_norm: bool = True
+    storage: str = "bf16"  # a STORAGES name
+    packing: str = "off"  # "on": packed forwards; "off"; "off: why" when the model cannot keep packed samples apart
+
+    @property
+    def num_slots(self) -> int:  # K
+        return len(self.layer_ids)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.num_slots, self.hidden_size, self.chunk_tokens, self.shard_tokens, self.compressor,
+                      storage_named(self.storage))
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layout.bytes_per_token
+
+    @property
+    def hidden_states_dtype(self) -> str:  # as stored: bfloat16 or float8_e4m3fn
+        return str(self.layout.storage.dtype).removeprefix("torch.")
+
+    @property
+    def random_weights(self) -> bool:
+        return bool(self.model.get("random_weights"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "num_slots": self.num_slots, "bytes_per_token": self.bytes_per_token,
+                "hidden_states_dtype": self.hidden_states_dtype,
+                "hidden_states_encoding": self.layout.storage.encoding}
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> StoreMetadata:
+        known = {f.name for f in fields(cls)}
+        values = {k: copy.deepcopy(v) for k, v in record.items() if k in known}
+        return cls(**{**values, "compat": Compat(**values["compat"])})
+
+
+@dataclass
+class Commit:
+    """A part's attrs["commit"]: how much of its arrays is valid. Replaced atomically, as one document."""
+
+    samples: int = 0
+    tokens: int = 0
+    trainable_tokens: int = 0
+    rejects: int = 0
+    reject_counts: dict[str, int] = field(default_factory=dict)
+    reject_examples: dict[str, str] = field(default_factory=dict)  # one example per reason
+    closed: bool = False  # set by a clean close(); False: the part was interrupted
+    updated: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> Commit:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: copy.deepcopy(v) for k, v in record.items() if k in known})  # never alias zarr's attrs
+
+    def since(self, earlier: Commit) -> Commit:
+        """What was committed after `earlier` (this part's record when a run opened it)."""
+        return Commit(samples=self.samples - earlier.samples, tokens=self.tokens - earlier.tokens,
+                      trainable_tokens=self.trainable_tokens - earlier.trainable_tokens,
+                      rejects=self.rejects - earlier.rejects,
+                      reject_counts={k: n - earlier.reject_counts.get(k, 0) for k, n in self.reject_counts.items()
+                                     if n > earlier.reject_counts.get(k, 0)}, closed=self.closed,
+                      updated=self.updated)
+
+
+# -- a part's arrays
+
+
+def codecs(compressor: str) -> Any:
+    """The zarr codecs of a --compressor choice (bench/RESULTS.md, "Lossless codecs", measures each)."""
+    if compressor == "none":
+        return None
+    if compressor == "zstd":
+        return [zarr.codecs.ZstdCodec(level=1)]
+    shuffle, cname = compressor.split("-")  # blosc: byte or bit shuffle (typesize from the dtype), then lz4 or zstd
+    return [zarr.codecs.BloscCodec(cname=cname, clevel=1 if cname == "zstd" else 5, shuffle=shuffle)]
+
+
+def create_part(root: zarr.Group, name: str, layout: Layout) -> zarr.Group:
+    part = root.require_group(PARTS).create_group(name, attributes={"commit": Commit().to_json()})
+    K, H, c, s = layout.num_slots, layout.hidden_size, layout.chunk_tokens, layout.shard_tokens
+    part.create_array("hidden_states", shape=(0, K, H), dtype=layout.storage.zarr_dtype, chunks=(c, K, H),
+                      shards=(s, K, H), compressors=codecs(layout.compressor), fill_value=0)
+    # the scales, token ids and masks share the states' token grid and stay uncompressed, so the writer streams
+    # them too (store.shards); compressing them would save ~0.1% of the store for a zarr encode per shard
+    token_arrays = {**({"hidden_states_scales": SCALE_DTYPE} if layout.storage.scaled else {}), **TOKEN_ID_ARRAYS}
+    for array, dtype in token_arrays.items():
+        part.create_array(array, shape=(0,), dtype=dtype, chunks=(c,), shards=(s,), compressors=None, fill_value=0)
+    for array, dtype in {**SAMPLE_ARRAYS, **REJECT_ARRAYS}.items():
+        part.create_array(array, shape=(0,), dtype=dtype, chunks=(INDEX_CHUNK,), compressors=codecs("zstd"),
+                          fill_value=0)
+    return part

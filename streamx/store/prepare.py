@@ -1,0 +1,139 @@
+"""A store as a run finds and opens it: what is at --out, creating or reopening the store (refusing an
+incompatible one), and the part each process writes.
+
+A run reads its output twice: once while it plans (`Output.read`: the commit records alone, for the
+banner, the output check and the free-space check), and once when it opens the store for writing
+(`prepare` on rank 0, then `open_for_run` on every rank: the sample index, for the rows to skip).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import zarr
+
+from .format import PARTS, Commit, Layout, StoreError, StoreMetadata, create_part
+from .reader import Store
+
+
+def _open_group(path: str, mode: str) -> zarr.Group | None:
+    """The streamx store's root group at `path`, or None when there is none."""
+    try:
+        root = zarr.open_group(path, mode=mode)
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError, ValueError, KeyError):
+        return None
+    return root if "streamx" in root.attrs else None
+
+
+def part_commits(root: zarr.Group) -> dict[str, Commit]:
+    """Each part's commit record, read afresh."""
+    return {name: Commit.from_json(part.attrs["commit"]) for name, part in sorted(root[PARTS].groups())}
+
+
+@dataclass(frozen=True)
+class Output:
+    """What is at a run's --out before it starts: nothing, a store (its parts' commit records), or other files."""
+
+    path: str
+    is_store: bool
+    commits: tuple[Commit, ...] = ()
+
+    @classmethod
+    def read(cls, path: str) -> Output:
+        root = _open_group(path, "r")
+        return cls(path, False) if root is None else cls(path, True, tuple(part_commits(root).values()))
+
+    @property
+    def committed_rows(self) -> int:
+        """Rows some part has committed, as a sample or a reject."""
+        return sum(c.samples + c.rejects for c in self.commits)
+
+    def state(self, overwrite: bool = False) -> str:
+        """What a run will do with it, in words: a new store, a replaced one, or a resumed one."""
+        if not self.is_store:
+            return "new store"
+        if overwrite:
+            return "existing store, replaced (--overwrite)"
+        samples = sum(c.samples for c in self.commits)
+        return f"resuming: {samples:,} samples already committed in {len(self.commits)} part(s)"
+
+    def check(self, overwrite: bool = False) -> None:
+        """Fail early (before a model is loaded) when the path cannot become or continue a store: a local
+        folder holding other files, or a place this process may not write."""
+        if "://" in self.path:
+            return  # object stores: credentials and buckets are checked when the store is created
+        target = Path(self.path)
+        if target.exists() and not overwrite and not self.is_store and any(target.iterdir()):
+            raise StoreError(f"{self.path} exists and is not a streamx store; choose another --out or pass --overwrite")
+        existing = next(p for p in (target, *target.parents) if p.exists())
+        if not existing.is_dir():
+            raise StoreError(f"cannot write the store at {self.path}: {existing} is not a folder")
+        if not os.access(existing, os.W_OK):
+            raise StoreError(f"cannot write the store at {self.path}: {existing} is not writable")
+
+
+def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> zarr.Group:
+    """Create the store, or check that an existing one may be resumed by this run (its compat record
+    matches) and refresh its metadata; returns its root group. One process (rank 0) calls this before
+    any opens a part."""
+    root = None if overwrite else _open_group(path, "r+")
+    if root is None:
+        Output.read(path).check(overwrite)
+        try:
+            if "://" not in path:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            root = zarr.open_group(path, mode="w")
+            root.attrs["streamx"] = metadata.to_json()
+            root.create_group(PARTS)
+        except OSError as err:
+            raise StoreError(f"cannot write the store at {path}: {err.strerror or err}") from None
+        return root
+    _check_compatible(root, path, metadata)
+    root.attrs["streamx"] = {**metadata.to_json(), "created": root.attrs["streamx"].get("created", metadata.created)}
+    return root
+
+
+def _check_compatible(root: zarr.Group, path: str, metadata: StoreMetadata) -> None:
+    theirs = root.attrs["streamx"].get("compat", {})
+    differences = metadata.compat.differences(theirs)
+    if differences:
+        # e.g. a hybrid model's store from before its linear-attention layers could pack
+        resume = f", --packing {theirs.get('packing', 'off')} to resume it" if differences[0].startswith("packing:") \
+            and len(differences) == 1 else ""
+        raise StoreError(f"{path} was written by an incompatible run ({'; '.join(differences)}); pass --overwrite "
+                         f"to start over{resume}, or choose another --out")
+
+
+@dataclass
+class RunStore:
+    """A prepared store opened by one writer process (a torchrun rank): the source rows some part has
+    already committed, as a sample or a reject, which the run must skip; the commit records it opened
+    with; and the way to its own part."""
+
+    root: zarr.Group
+    done_rows: set[int]
+    commits: dict[str, Commit]  # each part's record when opened
+
+    def part(self, name: str, layout: Layout) -> zarr.Group:
+        """This process's part, created when new. Under torchrun, call it only once every rank has read
+        `done_rows`: a part being created is not yet readable."""
+        parts = self.root.require_group(PARTS)
+        return parts[name] if name in parts else create_part(self.root, name, layout)
+
+    def totals(self, part: str, commit: Commit, others_wrote: bool) -> tuple[int, int]:
+        """(samples, tokens) of the whole store once `part` has committed `commit`: from the records held,
+        or read afresh when other processes wrote their own parts meanwhile."""
+        commits = part_commits(self.root) if others_wrote else {**self.commits, part: commit}
+        return sum(c.samples for c in commits.values()), sum(c.tokens for c in commits.values())
+
+
+def open_for_run(path: str, metadata: StoreMetadata, root: zarr.Group | None = None) -> RunStore:
+    """Open a prepared store for writing (`root`: the group `prepare` returned, in the process that called
+    it), after checking that this run may resume it."""
+    if root is None:
+        root = zarr.open_group(path, mode="r+")
+        _check_compatible(root, path, metadata)
+    store = Store(path, root)
+    return RunStore(root, store.done_row_ids(), dict(store.commits))

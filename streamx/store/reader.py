@@ -1,0 +1,192 @@
+"""How to read a store: `open_store(path)`, then samples by source row id, counts, rejects, metadata.
+
+    store = open_store("out.zarr")
+    store.sample(row_id)          the sample of one source row
+    store.row_ids()               the committed source rows, ascending
+    store.at(i), store.index      position i of the sample index (store order: part by part, as written)
+
+Only what the commit records name is read; the arrays' shapes mean nothing to a reader.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from .. import __version__
+from ..metrics import gb
+from .format import PARTS, READABLE_FORMATS, Commit, StoreError, StoreMetadata
+
+
+@dataclass
+class StoredSample:
+    row_id: int
+    input_ids: torch.Tensor  # int64 [T]
+    loss_mask: torch.Tensor  # int64 [T]
+    hidden_states: torch.Tensor  # bfloat16 [T, K, H], slots in ascending layer id (raw fp8: float8_e4m3fn)
+    hidden_states_scales: torch.Tensor | None = None  # raw fp8 reads only: float32 [T]
+
+
+@dataclass(frozen=True)
+class SampleIndex:
+    """Where every committed sample lies, in store order."""
+
+    rows: np.ndarray  # source row id of each sample
+    parts: np.ndarray  # its part's number (in Store.parts order)
+    offsets: np.ndarray  # its first token in that part
+    lengths: np.ndarray
+
+
+class Store:
+    """Read API over a store: samples by source row, counts, rejects, metadata."""
+
+    def __init__(self, path: str, root: zarr.Group | None = None):
+        if root is None:
+            try:
+                root = zarr.open_group(path, mode="r")
+            except (FileNotFoundError, zarr.errors.GroupNotFoundError):
+                raise StoreError(f"{path} is not a streamx store") from None
+        if "streamx" not in root.attrs:
+            raise StoreError(f"{path} is not a streamx store")
+        self.root, self.path = root, path
+        record = dict(root.attrs["streamx"])
+        if record.get("format") not in READABLE_FORMATS:
+            raise StoreError(f"{path} has store format {record.get('format')!r}, which this streamx {__version__} "
+                             f"cannot read ({', '.join(READABLE_FORMATS)}); upgrade streamx")
+        self.metadata = StoreMetadata.from_json(record)
+        self.storage = self.metadata.layout.storage
+        self.parts: dict[str, zarr.Group] = dict(sorted(root[PARTS].groups()))
+        self.commits = {name: Commit.from_json(part.attrs["commit"]) for name, part in self.parts.items()}
+        rows, offsets, lengths, part_ids = [], [], [], []
+        for i, (name, part) in enumerate(self.parts.items()):
+            n = self.commits[name].samples
+            rows.append(part["sample_row_id"][:n])
+            offsets.append(part["sample_offset"][:n])
+            lengths.append(part["sample_length"][:n])
+            part_ids.append(np.full(n, i))
+        self.index = SampleIndex(*(np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)
+                                   for xs in (rows, part_ids, offsets, lengths)))
+        self._by_row = np.argsort(self.index.rows, kind="stable")
+        self._part_list = list(self.parts.values())
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.metadata.layer_ids)
+
+    def __len__(self) -> int:
+        return int(self.index.rows.size)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.tokens for c in self.commits.values())
+
+    def row_ids(self) -> np.ndarray:
+        """Committed source rows, ascending."""
+        return self.index.rows[self._by_row]
+
+    def sample(self, row_id: int, raw: bool = False) -> StoredSample:
+        """The sample of source row `row_id`. Its states are bf16; with `raw`, an fp8 store's are the stored
+        float8_e4m3fn values with their float32 scales in `hidden_states_scales`."""
+        pos = np.searchsorted(self.index.rows, row_id, sorter=self._by_row)
+        if pos >= len(self) or self.index.rows[self._by_row[pos]] != row_id:
+            raise KeyError(f"source row {row_id} is not in the store")
+        return self.at(int(self._by_row[pos]), raw)
+
+    def at(self, position: int, raw: bool = False) -> StoredSample:
+        """The sample at `position` of `index` (store order); `raw` as for `sample`."""
+        if not 0 <= position < len(self):
+            raise IndexError(f"position {position} out of range for a store of {len(self)} samples")
+        part = self._part_list[int(self.index.parts[position])]
+        a = int(self.index.offsets[position])
+        b = a + int(self.index.lengths[position])
+        bits = part["hidden_states"][a:b]
+        scales = part["hidden_states_scales"][a:b] if self.storage.scaled else None
+        if raw:
+            hidden, scales = self.storage.from_bits(bits), None if scales is None else torch.from_numpy(scales)
+        else:
+            hidden, scales = self.storage.decode(bits, scales), None
+        return StoredSample(row_id=int(self.index.rows[position]), input_ids=torch.from_numpy(part["input_ids"][a:b]),
+                            loss_mask=torch.from_numpy(part["loss_mask"][a:b].astype(np.int64)),
+                            hidden_states=hidden, hidden_states_scales=scales)
+
+    def samples(self, raw: bool = False) -> Iterator[StoredSample]:
+        """Every committed sample, in store order."""
+        for position in range(len(self)):
+            yield self.at(position, raw)
+
+    def rejected(self) -> list[tuple[int, str]]:
+        reasons = self.metadata.reject_reasons
+        out = []
+        for name, part in self.parts.items():
+            n = self.commits[name].rejects
+            out += [(int(r), reasons[int(c)]) for r, c in zip(part["reject_row_id"][:n], part["reject_reason"][:n],
+                                                                           strict=True)]
+        return out
+
+    def done_row_ids(self) -> set[int]:
+        """Rows a resumed run must not process again: committed samples and committed rejects."""
+        return set(self.index.rows.tolist()) | {row for row, _ in self.rejected()}
+
+    def summary(self) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        examples: dict[str, str] = {}
+        for c in self.commits.values():
+            for reason, n in c.reject_counts.items():
+                counts[reason] = counts.get(reason, 0) + n
+            examples.update({k: v for k, v in c.reject_examples.items() if k not in examples})
+        return {
+            "path": self.path,
+            "samples": len(self),
+            "tokens": self.num_tokens,
+            "trainable_tokens": sum(c.trainable_tokens for c in self.commits.values()),
+            "rejected": sum(counts.values()),
+            "reject_counts": counts,
+            "reject_examples": examples,
+            "duplicate_rows": int(self.index.rows.size - np.unique(self.index.rows).size),
+            "hidden_state_bytes": self.num_tokens * self.metadata.bytes_per_token,
+            "parts": {name: {"samples": c.samples, "tokens": c.tokens, "rejects": c.rejects, "closed": c.closed}
+                      for name, c in self.commits.items()},
+            "metadata": self.metadata.to_json(),
+        }
+
+    def describe(self) -> list[str]:
+        """What `streamx inspect` prints: model, layers, counts, sizes, reject reasons, parts."""
+        summary, meta = self.summary(), self.metadata
+        model = meta.model
+        random = "; RANDOM WEIGHTS (--random-weights)" if meta.random_weights else ""
+        scales = " (+ a float32 scale per token)" if self.storage.scaled else ""
+        lines = [
+            f"store        {summary['path']} ({meta.format})",
+            f"model        {model['model']} ({model['architecture']}, {meta.num_layers} layers, hidden "
+            f"{meta.hidden_size}, computed in {model['dtype']}; weights {model['weights_fingerprint'][:12]}{random})",
+            f"layer ids    {meta.layer_ids} ({meta.layer_convention}: id {meta.num_layers} = last layer before the "
+            "final norm)",
+            f"data         {meta.config['data']} (split {meta.config['split']}), max_length {meta.max_length} "
+            f"({meta.truncation})",
+            f"samples      {summary['samples']:,} committed, {summary['rejected']:,} rejected"
+            + (f", {summary['duplicate_rows']} DUPLICATE rows" if summary["duplicate_rows"] else ""),
+            f"tokens       {summary['tokens']:,} ({summary['trainable_tokens']:,} trainable)",
+            f"size         {gb(summary['hidden_state_bytes'])} of {meta.storage} hidden states{scales}, "
+            f"{meta.bytes_per_token:,} bytes/token, chunks {meta.chunk_tokens} tokens, shards {meta.shard_tokens} "
+            f"tokens, compressor {meta.compressor}",
+        ]
+        for reason, n in sorted(summary["reject_counts"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"  rejected {n:>6,} {reason}  (e.g. {summary['reject_examples'].get(reason, '')})")
+        for name, part in summary["parts"].items():
+            state = "complete" if part["closed"] else "interrupted (re-run the same command to resume)"
+            lines.append(f"part         {name}: {part['samples']:,} samples, {part['tokens']:,} tokens, {state}")
+        return lines
+
+
+def open_store(path: str) -> Store:
+    return Store(path)
+
+
+def to_json(summary: dict[str, Any]) -> str:
+    return json.dumps(summary, indent=2, default=str)

@@ -1,0 +1,142 @@
+"""How a shard file is laid out, and the two ways the writer fills one.
+
+With no compressor, the Zarr v3 sharding codec lays a shard of a token-major array out as its
+chunks' raw bytes in token order (chunk i = tokens [i*c, (i+1)*c) verbatim), then an index of one
+(offset, nbytes) little-endian uint64 pair per chunk, then the index's crc32c. So the writer can
+stream a shard's bytes from the host batch straight into the file (`StreamedShards`), without
+zarr's per-chunk encode, fill-value scan and concatenation, and zarr reads the file as if it had
+written it (tests/test_writer.py compares the bytes). Anything else (compressed arrays, object
+stores) is collected in host memory and written through zarr (`BufferedShards`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import google_crc32c
+import numpy as np
+import zarr
+from zarr.storage import LocalStore
+
+_UNUSED_CHUNK = np.iinfo(np.uint64).max  # index entry of a chunk that holds nothing (reads as fill value)
+_INDEX_ENTRY_BYTES = 2 * 8  # (offset, nbytes) as little-endian uint64
+_CHECKSUM_BYTES = 4  # the index's crc32c
+
+
+def _streamable_codecs(arr: zarr.Array) -> list[dict[str, Any]]:
+    little = {"name": "bytes", "configuration": {"endian": "little"}}
+    inner = {"name": "bytes"} if arr.dtype.itemsize == 1 else little  # one-byte values have no byte order
+    return [{"name": "sharding_indexed", "configuration": {
+        "chunk_shape": list(arr.chunks), "codecs": [inner], "index_codecs": [little, {"name": "crc32c"}],
+        "index_location": "end"}}]
+
+
+def streamable_dir(arr: zarr.Array) -> Path | None:
+    """The array's local directory when its shard files may be written directly: a local store and
+    exactly the uncompressed layout above. None otherwise (zarr writes its shards)."""
+    store = arr.store_path.store
+    codecs = json.loads(json.dumps(arr.metadata.to_dict()["codecs"]))
+    if not isinstance(store, LocalStore) or sys.byteorder != "little" or codecs != _streamable_codecs(arr):
+        return None
+    return Path(store.root) / arr.path
+
+
+def shard_key(arr: zarr.Array, shard: int) -> str:
+    """The key of shard number `shard` (along tokens), relative to the array's directory."""
+    return arr.metadata.encode_chunk_key((shard,) + (0,) * (arr.ndim - 1))
+
+
+def shard_index_bytes(chunks_per_shard: int) -> int:
+    """The size of the index a shard file ends with."""
+    return chunks_per_shard * _INDEX_ENTRY_BYTES + _CHECKSUM_BYTES
+
+
+def shard_index(filled_chunks: int, chunks_per_shard: int, chunk_nbytes: int) -> bytes:
+    """The index a shard file ends with when its first `filled_chunks` chunks hold data, in order."""
+    index = np.full((chunks_per_shard, 2), _UNUSED_CHUNK, dtype="<u8")
+    index[:filled_chunks, 0] = np.arange(filled_chunks, dtype="<u8") * chunk_nbytes
+    index[:filled_chunks, 1] = chunk_nbytes
+    return index.tobytes() + np.uint32(google_crc32c.value(index.tobytes())).astype("<u4").tobytes()
+
+
+class ShardSink(Protocol):
+    """Receives one token array's values shard by shard, in order."""
+
+    def write(self, values: np.ndarray) -> None: ...  # the next tokens of the current shard
+
+    def seal(self, start: int, tokens: int) -> Callable[[], None]:
+        """End the current shard (at token `start`, holding `tokens`); return the work that puts it
+        in place, which the committer runs while the next shard is being written."""
+        ...
+
+
+def shard_sink(arr: zarr.Array, start: int) -> ShardSink:
+    """Streamed shard files where the layout allows, else shards through zarr; `start` is the first token
+    of the shard to be written next."""
+    return StreamedShards(arr, start) if streamable_dir(arr) else BufferedShards(arr)
+
+
+class StreamedShards:
+    """Shard files written as their bytes arrive, then renamed into place whole."""
+
+    def __init__(self, arr: zarr.Array, start: int):
+        self.arr, self.chunk_tokens, self.shard_tokens = arr, arr.chunks[0], arr.shards[0]
+        self.start = start  # first token of the shard being written
+        self.dir = streamable_dir(arr)
+        self.token_nbytes = int(np.prod(arr.shape[1:], dtype=np.int64)) * arr.dtype.itemsize
+        self.fd: int | None = None
+        self.tmp: Path | None = None
+        for stale in self.dir.glob("streamx-shard-*.partial"):  # a killed writer's; one writer per part
+            stale.unlink()
+
+    def write(self, values: np.ndarray) -> None:
+        if self.fd is None:
+            self.tmp = self.dir / f"streamx-shard-{self.start // self.shard_tokens:06d}.partial"
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        _write_all(self.fd, memoryview(np.ascontiguousarray(values)).cast("B"))
+
+    def seal(self, start: int, tokens: int) -> Callable[[], None]:
+        fd, tmp, self.fd, self.start = self.fd, self.tmp, None, start + tokens
+        return lambda: self.finish(fd, tmp, start, tokens)
+
+    def finish(self, fd: int, tmp: Path, start: int, tokens: int) -> None:
+        """Pad the last chunk, append the shard index, and rename the file into place."""
+        chunks = -(-tokens // self.chunk_tokens)
+        padding = (chunks * self.chunk_tokens - tokens) * self.token_nbytes  # a partial last chunk is stored whole
+        _write_all(fd, memoryview(bytes(padding)))
+        _write_all(fd, memoryview(shard_index(chunks, self.shard_tokens // self.chunk_tokens,
+                                              self.chunk_tokens * self.token_nbytes)))
+        os.close(fd)
+        target = self.dir / shard_key(self.arr, start // self.shard_tokens)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, target)  # readers see the old file or the whole new one, never a torn one
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class BufferedShards:
+    """Shards collected in host memory, then written through zarr (which encodes and compresses);
+    two buffers, so that the next shard fills while the committer writes the last one."""
+
+    def __init__(self, arr: zarr.Array):
+        self.arr = arr
+        self.buffers = [np.empty((arr.shards[0], *arr.shape[1:]), dtype=arr.dtype) for _ in range(2)]
+        self.tokens = 0
+
+    def write(self, values: np.ndarray) -> None:
+        self.buffers[0][self.tokens : self.tokens + len(values)] = values
+        self.tokens += len(values)
+
+    def seal(self, start: int, tokens: int) -> Callable[[], None]:
+        sealed = self.buffers[0]
+        self.buffers.reverse()  # the committer is done with the other one: one shard in flight at most
+        self.tokens = 0
+        return lambda: self.arr.__setitem__(slice(start, start + tokens), sealed[:tokens])

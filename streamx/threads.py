@@ -1,0 +1,66 @@
+"""Threads that stop together: a worker whose error reaches the main thread, and queue hand-offs
+that give up when the run stops.
+
+Every stage waits on a bounded queue (or the pinned-buffer ring) with a short timeout and looks at
+the run's `stop` event in between, so that no thread blocks forever once another has failed. A
+thread that finds the run stopped raises `Stopped`: it did nothing wrong, and the error to report
+is the one that set `stop`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+POLL_SECONDS = 0.1  # how often a waiting thread looks at the stop event
+
+
+class Stopped(Exception):
+    """Raised in a thread that was waiting when the run stopped."""
+
+
+class Worker(threading.Thread):
+    """A daemon thread that keeps its exception for the main thread and then sets `stop`; a thread
+    that ends with `Stopped` ends cleanly."""
+
+    def __init__(self, name: str, target: Callable[[], None], stop: threading.Event):
+        super().__init__(name=name, daemon=True)
+        self._target_fn, self.stop, self.error = target, stop, None
+
+    def run(self) -> None:
+        try:
+            self._target_fn()
+        except Stopped:
+            pass
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread
+            self.error = err
+            self.stop.set()
+
+
+def put(q: queue.Queue, item: Any, stop: threading.Event) -> None:
+    """Put, waiting for room; raises Stopped if the run stops first."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=POLL_SECONDS)
+            return
+        except queue.Full:
+            continue
+    raise Stopped
+
+
+def get(q: queue.Queue, stop: threading.Event) -> Any:
+    """Get, waiting for an item; raises Stopped if the run stops while the queue is empty."""
+    while True:
+        try:
+            return q.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            if stop.is_set():
+                raise Stopped from None
+
+
+def first_error(workers: list[Worker]) -> BaseException:
+    """The error that stopped a run, for the main thread to raise once every worker has ended."""
+    errors = [w.error for w in workers if w.error is not None]
+    return errors[0] if errors else RuntimeError("a pipeline thread stopped without an error")

@@ -1,0 +1,65 @@
+"""What several test modules share: small run settings (as a RunConfig and as `streamx run` flags), the
+CLI in a subprocess, a part's commit record, the bit-for-bit store comparison, and the independent
+reference (an unbatched HF forward)."""
+
+import os
+import subprocess
+import sys
+
+import torch
+import zarr
+from torch import nn
+
+from streamx.config import RunConfig, load_config
+from streamx.store import open_store
+
+# small shards and chunks, so that a few dozen chat rows span many shards and commits
+SMALL_RUN = dict(layers="0,2,4", token_budget=512, max_length=256, sort_window=16, chunk_tokens=16, shard_tokens=64)
+
+
+def small_config(model_dir, data, out, **settings) -> RunConfig:
+    return load_config(None, **{**SMALL_RUN, "model": model_dir, "data": data, "out": str(out), **settings})
+
+
+def run_args(model_dir, data, out, **settings) -> list[str]:
+    """`streamx run` and its flags for the same settings as small_config."""
+    values = {**SMALL_RUN, "model": model_dir, "data": data, "out": str(out), **settings}
+    flags = [part for name, value in values.items() for part in ("--" + name.replace("_", "-"), str(value))]
+    return ["run", *flags, "--no-progress"]
+
+
+def cli(*args, env=None, **kw) -> subprocess.CompletedProcess:
+    """`python -m streamx ARGS` offline, its output captured as text."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "streamx", *args], env=env, capture_output=True, text=True, **kw)
+
+
+def committed_samples(out, part: str = "part-00000") -> int:
+    """The samples a part's commit record names (0 before the part exists)."""
+    try:
+        return zarr.open_group(str(out), mode="r")[f"parts/{part}"].attrs["commit"]["samples"]
+    except Exception:  # not created yet
+        return 0
+
+
+def assert_same_samples(reference, got) -> None:
+    """Every row of the reference store once in `got`, with the same ids, mask and states bit for bit."""
+    ref, out = open_store(str(reference)), open_store(str(got))
+    assert sorted(out.row_ids().tolist()) == sorted(ref.row_ids().tolist())  # none lost, none duplicated
+    assert out.summary()["duplicate_rows"] == 0
+    for row in ref.row_ids().tolist():
+        a, b = ref.sample(row), out.sample(row)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        assert torch.equal(a.hidden_states.view(torch.int16), b.hidden_states.view(torch.int16)), row
+
+
+@torch.inference_mode()
+def reference_states(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """All L+1 ids of one sample alone: HF output_hidden_states of an unbatched forward, with the final norm
+    replaced by identity, so that id L is the last layer's output before the norm (HF's own is after it)."""
+    base = model.model
+    norm, base.norm = base.norm, nn.Identity()
+    try:
+        return [h[0] for h in model(input_ids=input_ids[None], output_hidden_states=True).hidden_states]
+    finally:
+        base.norm = norm

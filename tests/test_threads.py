@@ -1,0 +1,44 @@
+"""Threads that stop together: the first real error is the one the main thread raises."""
+
+import queue
+import threading
+import time
+
+import pytest
+
+from streamx.threads import Stopped, Worker, first_error, get, put
+
+
+def test_a_failed_worker_stops_the_waiting_ones_and_its_error_is_raised():
+    stop = threading.Event()
+    empty, full = queue.Queue(maxsize=1), queue.Queue(maxsize=1)
+    full.put("taken")
+
+    def fail():
+        time.sleep(0.05)
+        raise OSError(28, "No space left on device")
+
+    waiting = [Worker("getter", lambda: get(empty, stop), stop), Worker("putter", lambda: put(full, 1, stop), stop)]
+    failing = Worker("writer", fail, stop)
+    for w in (*waiting, failing):
+        w.start()
+    for w in (*waiting, failing):
+        w.join(timeout=5)
+        assert not w.is_alive()
+    assert all(w.error is None for w in waiting)  # they stopped (Stopped): not errors of their own
+    assert isinstance(failing.error, OSError) and stop.is_set()
+    assert first_error([*waiting, failing]) is failing.error
+    with pytest.raises(Stopped):
+        get(empty, stop)
+    with pytest.raises(Stopped):
+        put(full, 2, stop)
+
+
+def test_items_come_through_until_the_run_stops():
+    stop, q = threading.Event(), queue.Queue(maxsize=2)
+    put(q, "a", stop)
+    assert get(q, stop) == "a"
+    put(q, "b", stop)
+    stop.set()
+    assert get(q, stop) == "b"  # what is queued is still handed over; only an empty queue stops a getter
+    assert "without an error" in str(first_error([]))
