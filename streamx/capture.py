@@ -1,4 +1,4 @@
-"""Forward hooks on exactly the selected layers, packing their real tokens at hook time.
+"""Forward hooks on exactly the selected layers, gathering their real tokens at hook time.
 
 Layer ids follow the speculators convention (docs/layers.md), for a decoder of L layers:
   id 0        the embeddings output = input of layers[0]         (forward pre-hook on layers[0])

@@ -176,10 +176,11 @@ def convert(
     fmt: Literal["speculators"] = typer.Option("speculators", "--format", help="Output format: speculators (Arrow "
                                                "rows + hs_{i}.safetensors)."),
     seed: int = typer.Option(0, help="Row shuffle seed (speculators validates on the last rows)."),
-    hidden_states: Optional[StorageName] = typer.Option(None, "--hidden-states", help="The files' states: bf16, "
-                                                        "or fp8 (speculators' fp8 backend: half the bytes; an fp8 "
-                                                        "store's own bytes, a bf16 store's quantised). Default: the "
-                                                        "store's storage."),
+    hidden_states: Optional[Literal[StorageName, "store"]] = typer.Option(
+        None, "--hidden-states", help="store: no hs files, speculators reads the store itself through the streamx "
+        "backend (python -m streamx.speculators_backend; docs/speculators.md), no second copy of the states. Or the "
+        "hs files' states: bf16, or fp8 (speculators' fp8 backend: half the bytes; an fp8 store's own bytes, a bf16 "
+        "store's quantised). Default: files in the store's storage."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an --out that holds another conversion."),
     workers: int = typer.Option(4, help="Threads reading the store and writing files."),
     allow_random_weights: bool = typer.Option(False, "--allow-random-weights", help="Convert a store made with "

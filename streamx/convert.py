@@ -1,7 +1,10 @@
 """`streamx convert`: a store -> the folder `speculators train --data-path DIR` reads (docs/speculators.md).
 
 The store's committed samples are read in training order (a seeded shuffle), validated, and
-written as one hs file each (streamx.speculators lays out the folder). Rows go in blocks; a
+written as one hs file each (streamx.speculators lays out the folder); with `--hidden-states store`
+no hs file is written: the folder holds the token columns and which store sample each training row
+is (store_rows.npy), and speculators reads the states from the store through
+streamx.speculators_backend. Rows go in blocks; a
 finished block leaves its token columns in a work file (DIR/.streamx-convert/), so an
 interrupted convert re-reads at most one block and keeps the hs files already there (atomic, so
 present means complete). The dataset, token_freq.pt and the meta are written last, from the
@@ -30,7 +33,7 @@ from tqdm import tqdm
 
 from . import speculators
 from .config import check_layer_ids, resolve_layer_ids
-from .speculators import HS_DIR, META, WORK, atomic_write
+from .speculators import FROM_STORE, HS_DIR, META, STORE_ROWS, WORK, atomic_write
 from .store import STORAGES, Storage, Store, StoredSample, open_store
 
 FORMATS = ("speculators",)
@@ -79,6 +82,7 @@ class _Block:
     input_ids: np.ndarray  # int64, the block's rows concatenated
     loss_mask: np.ndarray  # uint8
     seq_len: np.ndarray  # int64 per written row
+    rows: np.ndarray  # int64: the source row of each written row (its store sample)
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (row id, reason)
 
 
@@ -118,14 +122,15 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
             block_rows: int = BLOCK_ROWS, progress: bool = True, log: Callable[[str], None] = print,
             allow_random_weights: bool = False, hidden_states: str | None = None) -> ConvertSummary:
     """Write the speculators training data for `store_path` into `out`; re-running resumes an interrupted convert.
-    `hidden_states` is the files' dtype, bf16 or fp8 (speculators' fp8 backend); by default the store's storage."""
+    `hidden_states` is the files' dtype, bf16 or fp8 (speculators' fp8 backend), by default the store's storage;
+    or `store`: no hs files, speculators reads the store itself (streamx.speculators_backend)."""
     started = time.perf_counter()
     store = open_store(store_path)
     aux = check_store(store)
     name = hidden_states or store.metadata.storage
-    if name not in STORAGES:
-        raise ConvertError(f"--hidden-states must be one of {', '.join(STORAGES)}; got {name!r}")
-    files = STORAGES[name]  # the hs files' states
+    if name not in (*STORAGES, FROM_STORE):
+        raise ConvertError(f"--hidden-states must be one of {', '.join((*STORAGES, FROM_STORE))}; got {name!r}")
+    files = None if name == FROM_STORE else STORAGES[name]  # the hs files' states, or no files
     if store.metadata.random_weights and not allow_random_weights:
         raise ConvertError(f"{store_path} was made with --random-weights: its states train nothing; "
                            "pass --allow-random-weights to convert it anyway")
@@ -136,7 +141,7 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     identity = _identity(store, order, seed, block_rows, files)
     out_dir = Path(out)
     try:
-        complete = speculators.prepare(out_dir, identity, order.size, overwrite)
+        complete = speculators.prepare(out_dir, identity, order.size, overwrite, hs_files=files is not None)
     except FileExistsError as err:
         raise ConvertError(str(err)) from None
     if complete is not None:
@@ -153,11 +158,13 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
             rows = order[first : first + block_rows]
             path = work / f"block-{b:06d}.safetensors"
             block = _read_block(path) if path.exists() else None
-            if block is not None and _all_written(hs_dir, block):
+            if block is not None and (files is None or _all_written(hs_dir, block)):
                 bar.update(rows.size)
             else:  # not done, or hs files were deleted since
-                block, n_kept = _convert_block(store, rows, start, K, H, files, hs_dir, pool, depth,
-                                               bar.update)
+                if files is None:
+                    block, n_kept = _token_block(store, rows, start, bar.update), 0
+                else:
+                    block, n_kept = _convert_block(store, rows, start, K, H, files, hs_dir, pool, depth, bar.update)
                 atomic_write(path, lambda tmp, blk=block: _write_block(tmp, blk))
                 kept += n_kept
             blocks.append(path)
@@ -171,6 +178,9 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     read_blocks = lambda: (_read_block(path) for path in blocks)  # noqa: E731 - read twice, one block at a time
     totals = speculators.write_dataset(out_dir, read_blocks(), identity["order_sha256"], progress)
     atomic_write(out_dir / "token_freq.pt", lambda tmp: tmp.write_bytes(speculators.token_freq(read_blocks())))
+    if files is None:  # which store sample each training row is
+        rows = np.concatenate([b.rows for b in read_blocks()])
+        atomic_write(out_dir / STORE_ROWS, lambda tmp: np.save(tmp.open("wb"), rows.astype("<i8")))
     commands = speculators.train_commands(str(out_dir.resolve()), store.metadata.model["path"], aux, files)
     meta = speculators.meta(store, identity, aux, totals, skipped, commands)
     atomic_write(out_dir / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
@@ -180,12 +190,17 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     return _summary(meta, out, kept, time.perf_counter() - started)
 
 
-def _identity(store: Store, order: np.ndarray, seed: int, block_rows: int, files: Storage) -> dict[str, Any]:
-    """What a resumed convert must match: the store (its creation and compat record), the training order,
-    the block size (block files cover fixed ranges of it) and the files' dtype."""
+def _identity(store: Store, order: np.ndarray, seed: int, block_rows: int, files: Storage | None) -> dict[str, Any]:
+    """What a resumed convert must match (and the streamx backend checks the store against): the store (its
+    creation and compat record), the training order, the block size (block files cover fixed ranges of it)
+    and the files' dtype (or `store`: no files)."""
     return {"store_created": store.metadata.created, "store_compat": asdict(store.metadata.compat),
             "layer_ids": store.layer_ids, "seed": seed, "rows": int(order.size), "block_rows": block_rows,
-            "order_sha256": hashlib.sha256(order.astype("<i8").tobytes()).hexdigest(), "hidden_states": files.name}
+            "order_sha256": order_sha256(order), "hidden_states": FROM_STORE if files is None else files.name}
+
+
+def order_sha256(order: np.ndarray) -> str:
+    return hashlib.sha256(order.astype("<i8").tobytes()).hexdigest()
 
 
 # -- one block: read and validate in order, write hs files in parallel
@@ -202,34 +217,64 @@ def _prefetch(pool: ThreadPoolExecutor, fn: Callable[[Any], Any], items: Iterabl
         yield pending.popleft().result()
 
 
+def token_problem(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> str | None:
+    """What, if anything, makes a sample's tokens unusable for training."""
+    T = input_ids.numel()
+    if T == 0:
+        return "empty"
+    if loss_mask.shape != (T,):
+        return "length_mismatch"
+    if int(input_ids.min()) < 0:
+        return "bad_token_id"
+    if not bool(((loss_mask == 0) | (loss_mask == 1)).all()):
+        return "bad_loss_mask"
+    return None
+
+
 def training_sample(store: Store, K: int, H: int, files: Storage, row: int) -> tuple[int, StoredSample, str | None]:
     """Read one sample with its states as the files hold them (bf16, or fp8 values and scales), and say what,
     if anything, makes it unusable for training."""
     s = store.sample(row, raw=files.scaled)  # an fp8 store's own bytes, never quantised twice
     if files.scaled and s.hidden_states_scales is None:  # from a bf16 store
         s.hidden_states, s.hidden_states_scales = files.encode(s.hidden_states)
-    T = s.input_ids.numel()
-    if T == 0:
-        problem = "empty"
-    elif s.loss_mask.shape != (T,) or s.hidden_states.shape[0] != T:
+    problem = token_problem(s.input_ids, s.loss_mask)
+    if problem is None and s.hidden_states.shape[0] != s.input_ids.numel():
         problem = "length_mismatch"
-    elif s.hidden_states.shape[1:] != (K, H):
+    elif problem is None and s.hidden_states.shape[1:] != (K, H):
         problem = "slot_mismatch"
-    elif int(s.input_ids.min()) < 0:
-        problem = "bad_token_id"
-    elif not bool(((s.loss_mask == 0) | (s.loss_mask == 1)).all()):
-        problem = "bad_loss_mask"
-    elif not bool(torch.isfinite(s.hidden_states.float()).all()):  # fp8 has NaN, no Inf
+    elif problem is None and not bool(torch.isfinite(s.hidden_states.float()).all()):  # fp8 has NaN, no Inf
         problem = "non_finite"
-    else:
-        problem = None
     return row, s, problem
+
+
+def _token_block(store: Store, rows: np.ndarray, start: int, tick: Callable[[int], Any]) -> _Block:
+    """A block's token columns alone (--hidden-states store): the ids and masks are read, the states are not
+    (streamx verify checks those)."""
+    ids, masks, kept, skipped = [], [], [], []
+    for row in rows.tolist():
+        tick(1)
+        input_ids, loss_mask = store.tokens_at(store.position(row))
+        problem = token_problem(input_ids, loss_mask)
+        if problem:
+            skipped.append((row, problem))
+            continue
+        ids.append(input_ids.numpy())
+        masks.append(loss_mask.numpy().astype(np.uint8))
+        kept.append(row)
+    return _block(start, ids, masks, kept, skipped)
+
+
+def _block(start: int, ids: list[np.ndarray], masks: list[np.ndarray], rows: list[int],
+           skipped: list[tuple[int, str]]) -> _Block:
+    cat = lambda xs, dtype: np.concatenate(xs).astype(dtype) if xs else np.zeros(0, dtype)  # noqa: E731
+    return _Block(start, cat(ids, np.int64), cat(masks, np.uint8), np.array([len(x) for x in ids], dtype=np.int64),
+                  np.array(rows, dtype=np.int64), skipped)
 
 
 def _convert_block(store: Store, rows: np.ndarray, start: int, K: int, H: int, files: Storage, hs_dir: Path,
                    pool: ThreadPoolExecutor, depth: int, tick: Callable[[int], Any]) -> tuple[_Block, int]:
     """Training indices are given in order to the rows that pass validation, so they are the same on every run."""
-    ids, masks, lengths, skipped = [], [], [], []
+    ids, masks, kept_rows, skipped = [], [], [], []
     writes: deque[Future] = deque()
     index, kept = start, 0
     read = lambda r: training_sample(store, K, H, files, int(r))  # noqa: E731 - one line, used once
@@ -245,14 +290,13 @@ def _convert_block(store: Store, rows: np.ndarray, start: int, K: int, H: int, f
             writes.append(pool.submit(speculators.write_hs, path, s))
         ids.append(s.input_ids.numpy())
         masks.append(s.loss_mask.numpy().astype(np.uint8))
-        lengths.append(len(s.input_ids))
+        kept_rows.append(row)
         index += 1
         while len(writes) > depth or (writes and writes[0].done()):
             writes.popleft().result()
     for w in writes:
         w.result()
-    cat = lambda xs, dtype: np.concatenate(xs).astype(dtype) if xs else np.zeros(0, dtype)  # noqa: E731
-    return _Block(start, cat(ids, np.int64), cat(masks, np.uint8), np.array(lengths, dtype=np.int64), skipped), kept
+    return _block(start, ids, masks, kept_rows, skipped), kept
 
 
 def _all_written(hs_dir: Path, block: _Block) -> bool:
@@ -261,7 +305,7 @@ def _all_written(hs_dir: Path, block: _Block) -> bool:
 
 def _write_block(path: Path, block: _Block) -> None:
     tensors = {"input_ids": torch.from_numpy(block.input_ids), "loss_mask": torch.from_numpy(block.loss_mask),
-               "seq_len": torch.from_numpy(block.seq_len)}
+               "seq_len": torch.from_numpy(block.seq_len), "rows": torch.from_numpy(block.rows)}
     path.write_bytes(save(tensors, metadata={"start": str(block.start), "skipped": json.dumps(block.skipped)}))
 
 
@@ -270,7 +314,7 @@ def _read_block(path: Path) -> _Block:
         meta = f.metadata()
         t = {k: f.get_tensor(k) for k in f.keys()}
     skipped = [(int(r), str(why)) for r, why in json.loads(meta["skipped"])]
-    return _Block(int(meta["start"]), t["input_ids"], t["loss_mask"], t["seq_len"], skipped)
+    return _Block(int(meta["start"]), t["input_ids"], t["loss_mask"], t["seq_len"], t["rows"], skipped)
 
 
 def _reasons(skipped: list[tuple[int, str]]) -> str:

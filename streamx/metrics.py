@@ -12,14 +12,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-from .tokenize import Reject
-
-if TYPE_CHECKING:
-    from .batching import Batch
 
 
 class StageTimes:
@@ -74,13 +68,10 @@ class Throughput:
     real_tokens: int = 0
     padded_tokens: int = 0
 
-    def tokenized(self, item: Batch | Reject) -> None:
-        """Count a batch (or reject) the producer hands over."""
-        if isinstance(item, Reject):
-            self.tokenized_rows += 1
-        else:
-            self.tokenized_rows += len(item.samples)
-            self.tokenized_tokens += item.num_tokens
+    def tokenized(self, rows: int, tokens: int) -> None:
+        """Count what the producer hands over: a batch's samples and tokens, or a reject (one row, no tokens)."""
+        self.tokenized_rows += rows
+        self.tokenized_tokens += tokens
 
     def eta_seconds(self, total_rows: int | None, elapsed: float) -> float | None:
         """Seconds left, from tokens rather than rows (a row costs its length, and length-sorted windows

@@ -22,7 +22,6 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from .batching import Batch
 from .capture import LayerCapture, sample_is_finite
 from .config import RunConfig
 from .gather import select_gather_fn
@@ -152,9 +151,12 @@ class Pipeline:
         """Producer thread: this rank's batches (RunPlan.batch_stream), pinned on CUDA."""
         pin = self.plan.device.type == "cuda"  # pinned batches: host-to-device copies run async
         for item in self.plan.batch_stream(self.done, times=self.times):
-            self.counts.tokenized(item)
-            if isinstance(item, Batch) and pin:
-                item.pin_memory()
+            if isinstance(item, Reject):
+                self.counts.tokenized(rows=1, tokens=0)
+            else:
+                self.counts.tokenized(rows=len(item.samples), tokens=item.num_tokens)
+                if pin:
+                    item.pin_memory()
             put(self.batches, item, self.stop)
         put(self.batches, None, self.stop)
 

@@ -4,6 +4,8 @@
     DIR/hidden_states/hs_{i}.safetensors            hidden_states bf16 [T, K, H] (ascending ids, last = id L
                                                     pre-norm) and token_ids int64 [T] == input_ids of row i;
                                                     fp8: float8_e4m3fn states + hidden_states_scales f32 [T, 1, 1]
+    DIR/store_rows.npy                               --hidden-states store: no hs files; row i's states are the store
+                                                    sample of source row store_rows[i] (streamx.speculators_backend)
     DIR/token_freq.pt                                {token id: count} over loss-mask-1 tokens (--draft-vocab-size)
     DIR/streamx_meta.json                            source store, layer ids, counts, the `speculators train` flags
     DIR/.streamx-convert/                            a convert's partial state (removed when complete)
@@ -35,6 +37,9 @@ from .store import BF16, Storage, Store, StoredSample
 META = "streamx_meta.json"
 WORK = ".streamx-convert"  # a convert's block files and plan; removed when the conversion completes
 HS_DIR = "hidden_states"
+STORE_ROWS = "store_rows.npy"  # --hidden-states store: the store sample (source row id) of each training row
+FROM_STORE = "store"  # convert's --hidden-states value for "no hs files, read the store"
+BACKEND = "streamx"  # the hidden-states backend streamx.speculators_backend registers
 FP8_SCALES = "hidden_states_scales"  # the key speculators' fp8 backend dequantises hidden_states with
 HS_FILES = {  # what the meta says an hs file holds
     "bf16": "hs_{i}.safetensors: hidden_states bfloat16 [T, K, H], slot j = layer_ids[j], the last slot is id L "
@@ -42,6 +47,9 @@ HS_FILES = {  # what the meta says an hs file holds
     "fp8": "hs_{i}.safetensors: hidden_states float8_e4m3fn [T, K, H] and hidden_states_scales float32 [T, 1, 1] "
            "(value = bf16(fp8) * bf16(scale), speculators' fp8 backend), slot j = layer_ids[j], the last slot is id L "
            "before the final norm; token_ids int64 [T] == input_ids of dataset row i",
+    FROM_STORE: "no hs files: speculators' `streamx` backend (python -m streamx.speculators_backend) reads dataset "
+                "row i's states from the store sample of source row store_rows.npy[i]: hidden_states bf16 [T, K'+1, "
+                "H], the slots of --target-layer-ids then id L before the final norm; token_ids int64 [T]",
 }
 ALGORITHMS = ("eagle3", "dflash")  # both read this data as is (EAGLE-3 shifts at load time, DFlash does not)
 SKIP_EXAMPLES = 20  # skipped rows listed by id in the meta (all are counted)
@@ -58,9 +66,11 @@ class TokenColumns(Protocol):
 # -- the folder: fresh, resumed, complete, or someone else's
 
 
-def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool) -> dict[str, Any] | None:
+def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool, hs_files: bool = True
+            ) -> dict[str, Any] | None:
     """Make `out` ready for the conversion `identity` names: returns its meta when `out` already holds
-    it complete; raises FileExistsError when `out` holds anything else (unless `overwrite`)."""
+    it complete; raises FileExistsError when `out` holds anything else (unless `overwrite`). `hs_files`:
+    the conversion writes one per row (else store_rows.npy)."""
     meta_path, plan = out / META, out / WORK / "plan.json"
     found = None
     if out.exists() and any(out.iterdir()):
@@ -73,11 +83,13 @@ def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool) -> 
             what = "files that are not a streamx conversion" if found is None else \
                 "a conversion of another store, seed, row set or hidden-state dtype"
             raise FileExistsError(f"{out} holds {what}; pass --overwrite to replace it or choose another --out")
-    (out / HS_DIR).mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    if hs_files:
+        (out / HS_DIR).mkdir(exist_ok=True)
     for stale in [*(out / HS_DIR).glob(".*.tmp-*"), *out.glob(".*.tmp-*")]:
         stale.unlink()  # left by a killed convert
     if found is not None and meta_path.exists():
-        if _complete(out, rows):
+        if _complete(out, rows, hs_files):
             shutil.rmtree(out / WORK, ignore_errors=True)  # a run killed just before its last step
             return found
         meta_path.unlink()  # files were deleted since: convert again (re-reading the store), keeping what is there
@@ -89,17 +101,18 @@ def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool) -> 
     return None
 
 
-def _complete(out: Path, rows: int) -> bool:
+def _complete(out: Path, rows: int, hs_files: bool) -> bool:
     state = out / "state.json"
     data = [out / f["filename"] for f in json.loads(state.read_text())["_data_files"]] if state.exists() else []
+    states = (out / HS_DIR / f"hs_{i}.safetensors" for i in range(rows)) if hs_files else [out / STORE_ROWS]
     return bool(data) and all(p.exists() for p in [*data, out / "dataset_info.json", out / "token_freq.pt"]) \
-        and all((out / HS_DIR / f"hs_{i}.safetensors").exists() for i in range(rows))
+        and all(p.exists() for p in states)
 
 
 def _clear(out: Path) -> None:
     """--overwrite: remove what a conversion writes (and nothing else)."""
     for path in [out / HS_DIR, out / WORK, out / META, out / "token_freq.pt", out / "dataset_info.json",
-                 out / "state.json", *out.glob("data-*.arrow")]:
+                 out / "state.json", out / STORE_ROWS, *out.glob("data-*.arrow")]:
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
@@ -128,13 +141,17 @@ def write_hs(path: Path, s: StoredSample) -> None:
     atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
-def train_commands(out: str, verifier: str, target_layer_ids: list[int], files: Storage = BF16
+def train_commands(out: str, verifier: str, target_layer_ids: list[int], files: Storage | None = BF16
                    ) -> dict[str, list[str]]:
     """`speculators train` argv per algorithm: --on-missing raise (the default, generate, calls a vLLM server);
-    fp8 files need the fp8 hidden-states backend, which dequantises them to bf16 as it loads."""
-    base = ["speculators", "train", "--data-path", out, "--verifier-name-or-path", verifier, "--on-missing", "raise",
+    fp8 files need the fp8 hidden-states backend, which dequantises them to bf16 as it loads; with no files
+    (`files` None), speculators' own train CLI with the streamx backend registered reads the store."""
+    launcher = ["speculators", "train"] if files is not None else ["python", "-m", "streamx.speculators_backend"]
+    base = [*launcher, "--data-path", out, "--verifier-name-or-path", verifier, "--on-missing", "raise",
             "--target-layer-ids", *map(str, target_layer_ids)]
-    if files.scaled:
+    if files is None:
+        base += ["--hidden-states-backend", BACKEND]
+    elif files.scaled:
         base += ["--hidden-states-backend", files.name]  # speculators' backend is named after the storage: fp8
     return {algo: [*base, "--speculator-type", algo] for algo in ALGORITHMS}
 
@@ -214,7 +231,7 @@ def meta(store: Store, identity: dict[str, Any], aux: list[int], totals: dict[st
         "last_id_is_pre_norm": m.last_id_is_pre_norm,
         "hidden_states": HS_FILES[identity["hidden_states"]],
         "hidden_states_dtype": identity["hidden_states"],
-        "source": {"store": str(Path(store.path).resolve()), "created": m.created, "samples": summary["samples"],
+        "source": {"store": store_location(store.path), "created": m.created, "samples": summary["samples"],
                    "tokens": summary["tokens"], "rejected_by_run": summary["rejected"], "parts": summary["parts"]},
         "shuffle": {"seed": identity["seed"], "method": "numpy.random.default_rng(seed).permutation of the sorted "
                     "unique row ids", "order_sha256": identity["order_sha256"]},
@@ -225,3 +242,8 @@ def meta(store: Store, identity: dict[str, Any], aux: list[int], totals: dict[st
         "speculators_train_argv": commands,
         "identity": identity,
     }
+
+
+def store_location(path: str) -> str:
+    """Where a converted folder's store is: an absolute local path, or the object store URL as given."""
+    return path if "://" in path else str(Path(path).resolve())

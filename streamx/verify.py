@@ -25,7 +25,7 @@ from torch import nn
 
 from .capture import find_decoder
 from .models import load_model, read_text_config
-from .speculators import HS_DIR, META
+from .speculators import FROM_STORE, HS_DIR, META, STORE_ROWS
 from .store import BF16, STORAGES, Store, StoreError, open_store
 
 READ_BYTES = 256 << 20  # float32 states per read in the structural pass (its temporaries take ~3x this)
@@ -279,8 +279,10 @@ def check_files(spec: Path, store: Store) -> Check:
     from .convert import training_sample
 
     meta = json.loads((spec / META).read_text())
-    files = STORAGES[meta.get("hidden_states_dtype", BF16.name)]
     rows = load_from_disk(str(spec))
+    if meta["identity"]["hidden_states"] == FROM_STORE:
+        return check_store_rows(spec, store, rows)
+    files = STORAGES[meta.get("hidden_states_dtype", BF16.name)]
     by_ids: dict[bytes, list[int]] = {}  # token ids -> store positions: ids only, one read per part
     index = store.index
     for k, (name, part) in enumerate(store.parts.items()):
@@ -309,6 +311,23 @@ def check_files(spec: Path, store: Store) -> Check:
                   f"{meta['source']['store']} does, bit for bit", len(rows), "files differ")
 
 
+def check_store_rows(spec: Path, store: Store, rows: Any) -> Check:
+    """A --hidden-states store folder: each dataset row names a store sample (store_rows.npy) with its token ids."""
+    store_rows = np.load(spec / STORE_ROWS)
+    problems = [] if store_rows.size == len(rows) else [f"{STORE_ROWS} has {store_rows.size:,} rows, the dataset "
+                                                         f"{len(rows):,}"]
+    for i, row in enumerate(store_rows.tolist()[: len(rows)]):
+        try:
+            ids, _ = store.tokens_at(store.position(row))
+        except KeyError:
+            problems.append(f"dataset row {i}: source row {row} is not in the store")
+            continue
+        if not torch.equal(ids, rows[i]["input_ids"]):
+            problems.append(f"dataset row {i}: its input_ids are not source row {row}'s")
+    return _check("rows", problems, f"{len(rows):,} dataset rows name store samples with their token ids (no hs "
+                  "files: the streamx backend reads the store)", len(rows), "rows differ")
+
+
 def _same_states(f: dict[str, torch.Tensor], s: Any) -> bool:
     same = f["hidden_states"].shape == s.hidden_states.shape and torch.equal(
         f["hidden_states"].view(torch.uint8), s.hidden_states.contiguous().view(torch.uint8))
@@ -323,7 +342,7 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
     from, then that store (docs/verify.md says what each failure means)."""
     if (Path(path) / META).exists():
         source = json.loads((Path(path) / META).read_text())["source"]["store"]
-        if not Path(source).exists():
+        if "://" not in source and not Path(source).exists():
             raise StoreError(f"{path} was converted from {source}, which is not there: verify needs that store")
         store_report = verify(source, samples, seed, device, use_model, log)
         return Report(path, [check_files(Path(path), open_store(source)), *store_report.checks])

@@ -83,15 +83,22 @@ def chat_jsonl(tmp_path_factory) -> str:
 # is pinned first (the CPU build here, ~1.5 GB venv instead of ~6 GB with 2.14.1's CUDA build); torchvision 0.28
 # is the one matching it (pip would otherwise upgrade torch for 0.29).
 SPECULATORS_PINS = ("torch==2.13.0", "torchvision==0.28.*", "speculators==0.9.0")
+# what docs/speculators.md installs beside speculators for its `streamx` backend: streamx without its own
+# dependencies, the store reader's two (neither touches torch, transformers or datasets), and s3fs at the
+# version of the fsspec that datasets brought (for s3:// stores)
+STREAMX_IN_SPECULATORS = ("zarr>=3.1", "google-crc32c>=1.5")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="session")
 def speculators_python(pytestconfig) -> str:
-    """A venv with speculators==0.9.0 (cached per machine; a half-built one is rebuilt), its python."""
+    """A venv with speculators==0.9.0 (cached per machine; a half-built one is rebuilt) and this checkout's
+    streamx installed into it as docs/speculators.md says (every session: the checkout changes), its python."""
     root = cache_dir() / "venvs" / "speculators-0.9.0"
     python, ready = root / "bin" / "python", root / ".streamx-ready"
     key = f"{sys.version} {' '.join(SPECULATORS_PINS)}"
     root.parent.mkdir(parents=True, exist_ok=True)
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check", "--quiet"]
     with open(root.parent / "speculators-0.9.0.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per machine
         if not (ready.exists() and ready.read_text() == key and python.exists()):
@@ -99,12 +106,17 @@ def speculators_python(pytestconfig) -> str:
                 print(f"\nbuilding the speculators venv once into {root} (~1.5 GB, a minute or two) ...", flush=True)
             shutil.rmtree(root, ignore_errors=True)
             subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
-            pip = [str(python), "-m", "pip", "--disable-pip-version-check", "--quiet"]
             subprocess.run([*pip, "install", *SPECULATORS_PINS], check=True, timeout=3600)
             # speculators declares torchvision and torchaudio but never imports them; PyPI's torchvision is built
             # for CUDA torch and fails to load next to a CPU torch, which breaks transformers' imports
             subprocess.run([*pip, "uninstall", "--yes", "torchvision", "torchaudio"], check=True)
             ready.write_text(key)
+        # as docs/speculators.md installs streamx there (a no-op once done, but the checkout itself changes)
+        fsspec = subprocess.run([str(python), "-c", "import fsspec; print(fsspec.__version__)"], check=True,
+                                capture_output=True, text=True).stdout.strip()
+        subprocess.run([*pip, "install", *STREAMX_IN_SPECULATORS, f"s3fs=={fsspec}"], check=True, timeout=600)
+        subprocess.run([*pip, "install", "--no-deps", "--force-reinstall", REPO], check=True, timeout=600,
+                       capture_output=True)
     return str(python)
 
 

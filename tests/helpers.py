@@ -6,12 +6,14 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import torch
 import zarr
 from torch import nn
 
 from streamx.config import RunConfig, load_config
-from streamx.store import open_store
+from streamx.store import bf16_to_bits, make_layout, open_for_run, open_store, prepare
+from streamx.writer import PartWriter
 
 # small shards and chunks, so that a few dozen chat rows span many shards and commits
 SMALL_RUN = dict(layers="0,2,4", token_budget=512, max_length=256, sort_window=16, chunk_tokens=16, shard_tokens=64)
@@ -26,6 +28,19 @@ def run_args(model_dir, data, out, **settings) -> list[str]:
     values = {**SMALL_RUN, "model": model_dir, "data": data, "out": str(out), **settings}
     flags = [part for name, value in values.items() for part in ("--" + name.replace("_", "-"), str(value))]
     return ["run", *flags, "--no-progress"]
+
+
+def copy_store(src, dst, parts):
+    """A store with src's metadata whose samples are `parts`: lists of (row_id, input_ids, loss_mask, hidden)."""
+    meta = open_store(src).metadata
+    prepare(str(dst), meta)
+    layout = make_layout(meta.num_slots, meta.hidden_size, 16, 64)
+    for k, samples in enumerate(parts):
+        writer = PartWriter(open_for_run(str(dst), meta).part(f"part-{k:05d}", layout))
+        for row, ids, mask, hidden in samples:
+            writer.append(row, ids.numpy(), mask.numpy().astype(np.uint8), bf16_to_bits(hidden))
+        writer.close()
+    return str(dst)
 
 
 def cli(*args, env=None, **kw) -> subprocess.CompletedProcess:

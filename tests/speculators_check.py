@@ -1,4 +1,5 @@
-"""Runs inside the isolated speculators==0.9.0 venv (see tests/test_convert.py); never imports streamx.
+"""Runs inside the isolated speculators==0.9.0 venv (see tests/test_convert.py); imports streamx only where a
+folder trains through its backend, as `python -m streamx.speculators_backend` does.
 
 For each `ALGO[:TAG]=DIR` argument, DIR being a `streamx convert` output: resolve the exact `speculators train`
 argv that convert saved in DIR/streamx_meta.json with speculators' own config resolver (plus CPU-only
@@ -133,7 +134,10 @@ def main() -> None:
         name, data = run.split("=", 1)
         algo = name.split(":")[0]
         meta = json.loads((Path(data) / "streamx_meta.json").read_text())
-        argv = meta["speculators_train_argv"][algo][2:]  # drop "speculators train"
+        argv = meta["speculators_train_argv"][algo]
+        if argv[:3] == ["python", "-m", "streamx.speculators_backend"]:
+            import streamx.speculators_backend  # noqa: F401 - what that wrapper does before speculators resolves
+        argv = argv[argv.index("--data-path"):]  # drop the launcher: `speculators train` or the wrapper
         result, draft, datasets = train_step([*argv, *extra.get(algo, [])], Path(opts.scratch) / name.replace(":", "-"))
         verifier = argv[argv.index("--verifier-name-or-path") + 1]
         result["targets"] = target_check(draft, datasets, verifier)

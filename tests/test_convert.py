@@ -10,11 +10,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from datasets import load_from_disk
-from helpers import small_config
+from helpers import copy_store, small_config
 from safetensors import safe_open
 from typer.testing import CliRunner
 
@@ -26,8 +25,7 @@ from streamx.fp8 import quantize_fp8
 from streamx.models import load_model
 from streamx.pipeline import run
 from streamx.runplan import make_plan
-from streamx.store import bf16_to_bits, make_layout, open_for_run, open_store, prepare
-from streamx.writer import PartWriter
+from streamx.store import open_store
 
 LAYERS = [1, 2, 4]  # the tiny model has L = 4
 
@@ -41,19 +39,6 @@ def make_store(model_dir, data, out, layers=",".join(map(str, LAYERS)), loaded=N
 @pytest.fixture(scope="module")
 def tiny_store(tiny_chat_model_dir, chat_jsonl, tmp_path_factory):
     return make_store(tiny_chat_model_dir, chat_jsonl, tmp_path_factory.mktemp("store") / "s.zarr")
-
-
-def copy_store(src, dst, parts):
-    """A store with src's metadata whose samples are `parts`: lists of (row_id, input_ids, loss_mask, hidden)."""
-    meta = open_store(src).metadata
-    prepare(str(dst), meta)
-    layout = make_layout(meta.num_slots, meta.hidden_size, 16, 64)
-    for k, samples in enumerate(parts):
-        writer = PartWriter(open_for_run(str(dst), meta).part(f"part-{k:05d}", layout))
-        for row, ids, mask, hidden in samples:
-            writer.append(row, ids.numpy(), mask.numpy().astype(np.uint8), bf16_to_bits(hidden))
-        writer.close()
-    return str(dst)
 
 
 def tree(path):
@@ -278,7 +263,8 @@ def test_cli_convert_prints_the_train_commands(tiny_store, tmp_path):
 
 def test_speculators_trains_eagle3_and_dflash_on_converted_data(smollm2_dir, speculators_venv, tmp_path):
     """bf16 files, and fp8 files through speculators' fp8 backend: from an fp8 store (quantised by the run) for
-    EAGLE-3 and from a bf16 store quantised by convert for DFlash."""
+    EAGLE-3 and from a bf16 store quantised by convert for DFlash; and, with no files (--hidden-states store),
+    both drafts reading the stores through the streamx backend (issue 21)."""
     loaded = load_model(smollm2_dir, dtype="float32", device="cpu")
     stores = {name: make_store(smollm2_dir, "chatterbot:english", tmp_path / f"{name}.zarr", layers=layers,
                                max_samples=12, token_budget=2048, max_length=512, dtype="float32", loaded=loaded,
@@ -288,7 +274,8 @@ def test_speculators_trains_eagle3_and_dflash_on_converted_data(smollm2_dir, spe
     del loaded
     specs = {}
     for name, store, hidden_states in (("eagle3", "eagle3", None), ("eagle3:fp8", "eagle3-fp8", None),
-                                       ("dflash", "dflash", None), ("dflash:fp8", "dflash", "fp8")):
+                                       ("dflash", "dflash", None), ("dflash:fp8", "dflash", "fp8"),
+                                       ("eagle3:store", "eagle3-fp8", "store"), ("dflash:store", "dflash", "store")):
         out = tmp_path / name.replace(":", "-")
         convert(stores[store], str(out), seed=0, progress=False, hidden_states=hidden_states)
         specs[name] = (open_store(stores[store]), json.loads((out / "streamx_meta.json").read_text()))
@@ -302,10 +289,11 @@ def test_speculators_trains_eagle3_and_dflash_on_converted_data(smollm2_dir, spe
     assert result["versions"]["speculators"] == "0.9.0"
     print(json.dumps({name: r["targets"] for name, r in result.items() if name != "versions"}))  # shown with -s
 
-    for name, (store, meta) in specs.items():
-        algo, fp8 = name.split(":")[0], name.endswith(":fp8")
+    for name, (store, meta) in specs.items():  # the no-copy runs read the store through the streamx backend
+        algo, tag = (*name.split(":"), "")[:2]
+        fp8 = tag == "fp8" or store.metadata.storage == "fp8"
         r = result[name]
-        assert r["hidden_states_backend"] == ("fp8" if fp8 else "file")
+        assert r["hidden_states_backend"] == {"fp8": "fp8", "store": "streamx"}.get(tag, "file")
         n, aux = len(store), meta["target_layer_ids"]
         assert aux == [i for i in store.layer_ids if i != 30] and r["target_layer_ids"] == aux
         assert r["aux_features"] == len(aux) * 576
@@ -357,7 +345,7 @@ def test_fp8_files_hold_the_stores_fp8_bytes(tiny_chat_model_dir, chat_jsonl, ti
             else:
                 assert set(f) == {"hidden_states", "token_ids"} and f["hidden_states"].dtype == torch.bfloat16
                 assert torch.equal(f["hidden_states"], source.sample(row).hidden_states)
-    with pytest.raises(ConvertError, match="--hidden-states must be one of bf16, fp8; got 'fp16'"):
+    with pytest.raises(ConvertError, match="--hidden-states must be one of bf16, fp8, store; got 'fp16'"):
         convert(tiny_store, str(tmp_path / "x"), progress=False, hidden_states="fp16")
     with pytest.raises(ConvertError, match="another store, seed, row set or hidden-state dtype"):
         convert(tiny_store, str(tmp_path / "bf16-to-fp8"), progress=False)  # there: the fp8 files of this store

@@ -1,12 +1,14 @@
 """A store on S3-compatible object storage (a moto server on 127.0.0.1, through s3fs and zarr's
 fsspec store) keeps the commit and resume guarantees of a local store."""
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import assert_same_samples, committed_samples, run_args
@@ -82,3 +84,23 @@ def test_s3_store_run_kill_resume_equals_local(tiny_chat_model_dir, chat_jsonl, 
     assert len(local_files) == len(ref)
     for f in local_files:
         assert f.read_bytes() == (tmp_path / "spec-remote" / "hidden_states" / f.name).read_bytes(), f.name
+
+
+def test_speculators_reads_an_s3_store_through_the_streamx_backend(tiny_chat_model_dir, chat_jsonl, tmp_path, s3_env,
+                                                                   speculators_venv):
+    """Train from an object store, no copy: the backend in speculators' environment (s3fs beside it, credentials
+    from the environment) returns every row as the hs files of a convert of the same store hold it."""
+    remote = "s3://streamx-test/backend.zarr"
+    result = subprocess.run(run_cmd(tiny_chat_model_dir, chat_jsonl, remote), env=s3_env, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    files, nocopy = tmp_path / "files", tmp_path / "nocopy"
+    convert(remote, str(files), seed=3, progress=False, log=lambda m: None)
+    convert(remote, str(nocopy), seed=3, progress=False, log=lambda m: None, hidden_states="store")
+    meta = json.loads((nocopy / "streamx_meta.json").read_text())
+    assert meta["source"]["store"] == remote and not (nocopy / "hidden_states").exists()
+    check = str(Path(__file__).with_name("speculators_backend_check.py"))
+    proc = speculators_venv(check, f"{files}={nocopy}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout)["pairs"][f"{files}={nocopy}"]
+    assert r["rows"] == len(open_store(remote)) and r["equal"] == r["rows"] == r["in_workers_equal"]

@@ -11,8 +11,9 @@ Only what the commit records name is read; the arrays' shapes mean nothing to a 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ import zarr
 from .. import __version__
 from ..metrics import gb
 from .format import PARTS, READABLE_FORMATS, Commit, StoreError, StoreMetadata
+from .shards import ShardFiles, streamable_dir
 
 
 @dataclass
@@ -48,6 +50,8 @@ class Store:
 
     def __init__(self, path: str, root: zarr.Group | None = None):
         if root is None:
+            if "://" not in path and not Path(path).exists():
+                raise StoreError(f"{path} does not exist")
             try:
                 root = zarr.open_group(path, mode="r")
             except (FileNotFoundError, zarr.errors.GroupNotFoundError):
@@ -74,6 +78,7 @@ class Store:
                                    for xs in (rows, part_ids, offsets, lengths)))
         self._by_row = np.argsort(self.index.rows, kind="stable")
         self._part_list = list(self.parts.values())
+        self._ranges: dict[tuple[int, str], Callable[[int, int], np.ndarray]] = {}
 
     @property
     def layer_ids(self) -> list[int]:
@@ -90,30 +95,54 @@ class Store:
         """Committed source rows, ascending."""
         return self.index.rows[self._by_row]
 
-    def sample(self, row_id: int, raw: bool = False) -> StoredSample:
+    def sample(self, row_id: int, raw: bool = False, slots: Sequence[int] | None = None) -> StoredSample:
         """The sample of source row `row_id`. Its states are bf16; with `raw`, an fp8 store's are the stored
-        float8_e4m3fn values with their float32 scales in `hidden_states_scales`."""
+        float8_e4m3fn values with their float32 scales in `hidden_states_scales`; `slots` picks the slots
+        returned (positions in layer_ids), all by default."""
+        return self.at(self.position(row_id), raw, slots)
+
+    def position(self, row_id: int) -> int:
+        """Where the sample of source row `row_id` is in `index`."""
         pos = np.searchsorted(self.index.rows, row_id, sorter=self._by_row)
         if pos >= len(self) or self.index.rows[self._by_row[pos]] != row_id:
             raise KeyError(f"source row {row_id} is not in the store")
-        return self.at(int(self._by_row[pos]), raw)
+        return int(self._by_row[pos])
 
-    def at(self, position: int, raw: bool = False) -> StoredSample:
-        """The sample at `position` of `index` (store order); `raw` as for `sample`."""
-        if not 0 <= position < len(self):
-            raise IndexError(f"position {position} out of range for a store of {len(self)} samples")
-        part = self._part_list[int(self.index.parts[position])]
-        a = int(self.index.offsets[position])
-        b = a + int(self.index.lengths[position])
-        bits = part["hidden_states"][a:b]
-        scales = part["hidden_states_scales"][a:b] if self.storage.scaled else None
+    def at(self, position: int, raw: bool = False, slots: Sequence[int] | None = None) -> StoredSample:
+        """The sample at `position` of `index` (store order); `raw` and `slots` as for `sample`."""
+        input_ids, loss_mask = self.tokens_at(position)
+        part, a, b = self._span(position)
+        bits = self._read(part, "hidden_states", a, b)
+        if slots is not None:
+            bits = bits[:, list(slots)]
+        scales = self._read(part, "hidden_states_scales", a, b) if self.storage.scaled else None
         if raw:
             hidden, scales = self.storage.from_bits(bits), None if scales is None else torch.from_numpy(scales)
         else:
             hidden, scales = self.storage.decode(bits, scales), None
-        return StoredSample(row_id=int(self.index.rows[position]), input_ids=torch.from_numpy(part["input_ids"][a:b]),
-                            loss_mask=torch.from_numpy(part["loss_mask"][a:b].astype(np.int64)),
+        return StoredSample(row_id=int(self.index.rows[position]), input_ids=input_ids, loss_mask=loss_mask,
                             hidden_states=hidden, hidden_states_scales=scales)
+
+    def tokens_at(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token ids and loss mask (int64) of the sample at `position`, without its states."""
+        part, a, b = self._span(position)
+        return (torch.from_numpy(self._read(part, "input_ids", a, b)),
+                torch.from_numpy(self._read(part, "loss_mask", a, b).astype(np.int64)))
+
+    def _span(self, position: int) -> tuple[int, int, int]:
+        if not 0 <= position < len(self):
+            raise IndexError(f"position {position} out of range for a store of {len(self)} samples")
+        a = int(self.index.offsets[position])
+        return int(self.index.parts[position]), a, a + int(self.index.lengths[position])
+
+    def _read(self, part: int, name: str, a: int, b: int) -> np.ndarray:
+        """Tokens a..b of one of a part's token arrays: straight from the shard files where the layout allows
+        (store.shards.ShardFiles), else through zarr."""
+        key = (part, name)
+        if key not in self._ranges:
+            arr = self._part_list[part][name]
+            self._ranges[key] = ShardFiles(arr).read if streamable_dir(arr) else lambda a, b, arr=arr: arr[a:b]
+        return self._ranges[key](a, b)
 
     def samples(self, raw: bool = False) -> Iterator[StoredSample]:
         """Every committed sample, in store order."""

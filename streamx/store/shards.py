@@ -64,6 +64,80 @@ def shard_index(filled_chunks: int, chunks_per_shard: int, chunk_nbytes: int) ->
     return index.tobytes() + np.uint32(google_crc32c.value(index.tobytes())).astype("<u4").tobytes()
 
 
+class ShardFiles:
+    """Token ranges of an uncompressed local array read straight from its shard files, at the offsets each
+    shard's index gives: one read call per run of adjacent chunks, into the output array, with no decode or
+    copy (what zarr's read path costs per chunk). The index of a shard is read once and its checksum
+    checked. For arrays `streamable_dir` accepts only."""
+
+    def __init__(self, arr: zarr.Array):
+        directory = streamable_dir(arr)
+        if directory is None:
+            raise ValueError(f"{arr.path}: not an uncompressed local array")
+        self.arr, self.dir = arr, directory
+        self.chunk_tokens, self.shard_tokens = arr.chunks[0], arr.shards[0]
+        self.token_shape, self.dtype = tuple(arr.shape[1:]), arr.dtype
+        self.token_nbytes = int(np.prod(self.token_shape, dtype=np.int64)) * arr.dtype.itemsize
+        self._indexes: dict[int, np.ndarray] = {}  # shard number -> [chunks, 2] (offset, nbytes)
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """Tokens a..b (within what the commit covers)."""
+        out = np.empty((b - a, *self.token_shape), dtype=self.dtype)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        token = a
+        while token < b:
+            shard = token // self.shard_tokens
+            stop = min(b, (shard + 1) * self.shard_tokens)
+            path = self.dir / shard_key(self.arr, shard)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                index = self._index(shard, fd, path)
+                for offset, start, end in self._runs(index, token - shard * self.shard_tokens,
+                                                     stop - shard * self.shard_tokens):
+                    first = (token - a + start) * self.token_nbytes
+                    _read_all(fd, view[first : first + (end - start) * self.token_nbytes], offset)
+            finally:
+                os.close(fd)
+            token = stop
+        return out
+
+    def _index(self, shard: int, fd: int, path: Path) -> np.ndarray:
+        if shard not in self._indexes:
+            chunks = self.shard_tokens // self.chunk_tokens
+            size = shard_index_bytes(chunks)
+            raw = os.pread(fd, size, os.fstat(fd).st_size - size)
+            table, checksum = raw[:-_CHECKSUM_BYTES], raw[-_CHECKSUM_BYTES:]
+            if len(raw) != size or np.frombuffer(checksum, "<u4")[0] != google_crc32c.value(table):
+                raise OSError(f"{path}: the shard index does not match its checksum")
+            self._indexes[shard] = np.frombuffer(table, "<u8").reshape(chunks, 2)
+        return self._indexes[shard]
+
+    def _runs(self, index: np.ndarray, a: int, b: int) -> list[tuple[int, int, int]]:
+        """(file offset, first token, end token) of the reads covering tokens a..b of a shard (tokens relative
+        to the shard's first, the first token relative to a), adjacent chunks merged into one read."""
+        runs: list[tuple[int, int, int]] = []
+        c = self.chunk_tokens
+        for chunk in range(a // c, -(-b // c)):
+            offset, nbytes = (int(v) for v in index[chunk])
+            if offset == _UNUSED_CHUNK:
+                raise OSError(f"{self.arr.path}: chunk {chunk} of a shard holds no data inside the committed tokens")
+            lo, hi = max(a, chunk * c), min(b, (chunk + 1) * c)
+            start = offset + (lo - chunk * c) * self.token_nbytes
+            if runs and runs[-1][0] + (runs[-1][2] - runs[-1][1]) * self.token_nbytes == start:
+                runs[-1] = (runs[-1][0], runs[-1][1], hi - a)
+            else:
+                runs.append((start, lo - a, hi - a))
+        return runs
+
+
+def _read_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise OSError("a shard file ended before its index says")
+        view, offset = view[n:], offset + n
+
+
 class ShardSink(Protocol):
     """Receives one token array's values shard by shard, in order."""
 
