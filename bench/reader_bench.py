@@ -5,13 +5,16 @@ over the copied hs files of the same store, in one process, same rows, same orde
     python bench/reader_bench.py --scratch /ext4/folder --workers 1,4 --rounds 3 --json bench/results/reader.json
     python bench/reader_bench.py --store STORE --scratch /ext4/folder       # an existing store instead
 
+Each row's tensors go from the worker to the main process, as in speculators' loaders (the file
+backend's safetensors tensors are memory-mapped: that hand-over is where their bytes are read).
 Without --store, a synthetic store is written first through the real writer (non-zero bf16 states, K=6,
 H=4096 as Qwen3-8B with DFlash ids, ~`--sample-tokens` tokens a sample), then converted twice with one
 seed: with hs files, and with `--hidden-states store`. Each pass reads every training row once, in a
 shuffled order, through a torch DataLoader with N spawned workers (the transfer pickled into them, as
-speculators' loaders do), and reports samples/s and GB/s of hidden states returned. Passes alternate
-between the two backends; `cold` passes first drop the page cache of every file either backend reads
-(posix_fadvise DONTNEED, after a sync), `warm` passes read what the previous pass left cached.
+speculators' loaders do), and reports samples/s and GB/s of hidden states returned, the median over the
+rounds. Passes alternate between the two backends; `cold` passes first drop the page cache of every file
+either backend reads (posix_fadvise DONTNEED, after a sync); `warm` passes come after one untimed pass
+of each backend.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -68,9 +72,8 @@ class Rows(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return int(self.order.size)
 
-    def __getitem__(self, i: int) -> int:
-        item = self.transfer.get_cached(int(self.order[i]))
-        return item["hidden_states"].numel() * item["hidden_states"].element_size()
+    def __getitem__(self, i: int) -> dict:
+        return self.transfer.get_cached(int(self.order[i]))  # to the main process, as speculators' workers hand it
 
 
 def drop_cache(folders: list[Path]) -> None:
@@ -86,14 +89,23 @@ def drop_cache(folders: list[Path]) -> None:
 
 
 def one_pass(transfer, order: np.ndarray, workers: int) -> tuple[float, int]:
+    """Seconds for the rows after each worker's first, and their state bytes."""
     loader = torch.utils.data.DataLoader(Rows(transfer, order), batch_size=None, num_workers=workers,
                                          multiprocessing_context="spawn" if workers else None,
                                          persistent_workers=False)
-    iterator = iter(loader)  # workers start here: not timed
-    first = next(iterator)
-    started = time.perf_counter()
-    nbytes = first + sum(iterator)
+    iterator = iter(loader)
+    # untimed: each worker's first row (rows go round the workers), so that starting a worker (a fresh
+    # interpreter importing its backend and opening the data) is not counted; an epoch keeps its workers
+    for _ in range(max(1, workers)):
+        next(iterator)
+    nbytes, started = 0, time.perf_counter()
+    for item in iterator:
+        nbytes += state_bytes(item)
     return time.perf_counter() - started, nbytes
+
+
+def state_bytes(item: dict) -> int:
+    return item["hidden_states"].numel() * item["hidden_states"].element_size()
 
 
 def main() -> None:
@@ -125,24 +137,28 @@ def main() -> None:
         "passes": []}
     for workers in (int(w) for w in opts.workers.split(",")):
         for cache in ("cold", "warm"):
+            if cache == "warm":  # one untimed pass of each first: what a cold pass dropped is cached again
+                for transfer in transfers.values():
+                    one_pass(transfer, order, workers)
             for r in range(opts.rounds):
                 for name in (("file", "streamx") if r % 2 == 0 else ("streamx", "file")):
                     if cache == "cold":
                         drop_cache([Path(store), files])
                     seconds, nbytes = one_pass(transfers[name], order, workers)
+                    timed = rows - max(1, workers)
                     report["passes"].append({"backend": name, "workers": workers, "cache": cache, "round": r,
                                              "seconds": seconds, "bytes": nbytes})
-                    print(f"{workers} workers {cache} round {r + 1}/{opts.rounds} {name:<8} {rows / seconds:8.1f} "
+                    print(f"{workers} workers {cache} round {r + 1}/{opts.rounds} {name:<8} {timed / seconds:8.1f} "
                           f"samples/s {nbytes / seconds / 1e9:6.2f} GB/s", flush=True)
-    summary = {}
+    summary = {}  # medians over the rounds (noise only slows a pass), and their ratio
     for workers in sorted({p["workers"] for p in report["passes"]}):
         for cache in ("cold", "warm"):
             rates = {}
             for name in ("file", "streamx"):
                 ps = [p for p in report["passes"] if (p["backend"], p["workers"], p["cache"]) == (name, workers, cache)]
-                seconds = sum(p["seconds"] for p in ps)
-                rates[name] = {"samples_per_s": len(ps) * rows / seconds, "gb_per_s": sum(p["bytes"] for p in ps)
-                               / seconds / 1e9}
+                timed = rows - max(1, workers)
+                rates[name] = {"samples_per_s": statistics.median(timed / p["seconds"] for p in ps),
+                               "gb_per_s": statistics.median(p["bytes"] / p["seconds"] / 1e9 for p in ps)}
             rates["streamx_vs_file"] = rates["streamx"]["samples_per_s"] / rates["file"]["samples_per_s"]
             summary[f"{workers} workers, {cache}"] = rates
     report["summary"] = summary

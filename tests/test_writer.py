@@ -306,3 +306,34 @@ def test_a_newer_store_format_is_refused_in_one_line(tmp_path):
     root.attrs["streamx"] = {**root.attrs["streamx"], "format": "streamx-store/9"}
     with pytest.raises(StoreError, match=r"format 'streamx-store/9', which this streamx .* cannot read.*upgrade"):
         Store(path)
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, FP8_LAYOUT], ids=["bf16", "fp8"])
+def test_shard_files_read_what_zarr_reads(tmp_path, samples, layout):
+    """The reader's direct path (a view of the mapped shard files at the offsets the shard index gives) returns
+    what zarr-python's own read returns, for every sample, ranges across shards, and the partial last shard;
+    a shard whose index does not match its checksum is refused."""
+    from streamx.store.shards import ShardFiles, shard_key
+
+    path = tmp_path / "s.zarr"
+    writer = open_writer(path, layout)
+    for s in samples:
+        append(writer, s)
+    writer.close()
+    store = Store(str(path))
+    part = store.parts["part-00000"]
+    n = store.num_tokens
+    for name in layout.storage.token_arrays:
+        arr, files = part[name], ShardFiles(part[name])
+        for a, b in [(0, n), (7, 9), (5, 21), (n - 3, n), *((int(o), int(o + k)) for o, k in
+                                                               zip(store.index.offsets, store.index.lengths,
+                                                                   strict=True))]:
+            assert np.array_equal(files.read(a, b), arr[a:b]), (name, a, b)
+    got = store.sample(samples[3][0])  # the read API goes the direct way on this local, uncompressed store
+    assert torch.equal(got.input_ids, torch.from_numpy(samples[3][1]))
+    shard = path / "parts/part-00000/hidden_states" / shard_key(part["hidden_states"], 0)
+    data = bytearray(shard.read_bytes())
+    data[-6] ^= 0xFF  # inside the index
+    shard.write_bytes(bytes(data))
+    with pytest.raises(OSError, match="the shard index does not match its checksum"):
+        ShardFiles(part["hidden_states"]).read(0, 4)

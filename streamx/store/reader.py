@@ -113,7 +113,7 @@ class Store:
         input_ids, loss_mask = self.tokens_at(position)
         part, a, b = self._span(position)
         bits = self._read(part, "hidden_states", a, b)
-        if slots is not None:
+        if slots is not None and list(slots) != list(range(bits.shape[1])):  # a subset or another order: a copy
             bits = bits[:, list(slots)]
         scales = self._read(part, "hidden_states_scales", a, b) if self.storage.scaled else None
         if raw:

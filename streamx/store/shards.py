@@ -12,8 +12,10 @@ stores) is collected in host memory and written through zarr (`BufferedShards`).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -65,10 +67,13 @@ def shard_index(filled_chunks: int, chunks_per_shard: int, chunk_nbytes: int) ->
 
 
 class ShardFiles:
-    """Token ranges of an uncompressed local array read straight from its shard files, at the offsets each
-    shard's index gives: one read call per run of adjacent chunks, into the output array, with no decode or
-    copy (what zarr's read path costs per chunk). The index of a shard is read once and its checksum
-    checked. For arrays `streamable_dir` accepts only."""
+    """Token ranges of an uncompressed local array read straight from its shard files: each file is mapped
+    into memory once (mmap) and a range comes back as a view of it at the offsets the shard's index gives,
+    so no byte is copied or even read until it is used, as with safetensors' own files (zarr's read path
+    copies and decodes every chunk). A range across two shards is joined (a copy). The index of a shard is
+    read once and its checksum checked. For arrays `streamable_dir` accepts only."""
+
+    MAPS = 64  # shard files kept mapped (virtual memory only); a returned view keeps its own map alive
 
     def __init__(self, arr: zarr.Array):
         directory = streamable_dir(arr)
@@ -76,41 +81,43 @@ class ShardFiles:
             raise ValueError(f"{arr.path}: not an uncompressed local array")
         self.arr, self.dir = arr, directory
         self.chunk_tokens, self.shard_tokens = arr.chunks[0], arr.shards[0]
-        self.token_shape, self.dtype = tuple(arr.shape[1:]), arr.dtype
-        self.token_nbytes = int(np.prod(self.token_shape, dtype=np.int64)) * arr.dtype.itemsize
-        self._indexes: dict[int, np.ndarray] = {}  # shard number -> [chunks, 2] (offset, nbytes)
+        self.token_shape, self.dtype = tuple(arr.shape[1:]), np.dtype(arr.dtype)
+        self.token_nbytes = int(np.prod(self.token_shape, dtype=np.int64)) * self.dtype.itemsize
+        self._maps: OrderedDict[int, tuple[mmap.mmap, np.ndarray]] = OrderedDict()  # shard -> (map, index)
 
     def read(self, a: int, b: int) -> np.ndarray:
-        """Tokens a..b (within what the commit covers)."""
-        out = np.empty((b - a, *self.token_shape), dtype=self.dtype)
-        view = memoryview(out.reshape(-1).view(np.uint8))
-        token = a
+        """Tokens a..b (within what the commit covers), as a view of the shard files where they lie in one."""
+        pieces, token = [], a
         while token < b:
             shard = token // self.shard_tokens
             stop = min(b, (shard + 1) * self.shard_tokens)
-            path = self.dir / shard_key(self.arr, shard)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                index = self._index(shard, fd, path)
-                for offset, start, end in self._runs(index, token - shard * self.shard_tokens,
-                                                     stop - shard * self.shard_tokens):
-                    first = (token - a + start) * self.token_nbytes
-                    _read_all(fd, view[first : first + (end - start) * self.token_nbytes], offset)
-            finally:
-                os.close(fd)
+            mapped, index = self._map(shard)
+            for offset, start, end in self._runs(index, token - shard * self.shard_tokens,
+                                                 stop - shard * self.shard_tokens):
+                count = (end - start) * self.token_nbytes // self.dtype.itemsize
+                pieces.append(np.frombuffer(mapped, self.dtype, count, offset).reshape(end - start, *self.token_shape))
             token = stop
-        return out
+        if not pieces:
+            return np.empty((0, *self.token_shape), dtype=self.dtype)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
-    def _index(self, shard: int, fd: int, path: Path) -> np.ndarray:
-        if shard not in self._indexes:
-            chunks = self.shard_tokens // self.chunk_tokens
-            size = shard_index_bytes(chunks)
-            raw = os.pread(fd, size, os.fstat(fd).st_size - size)
-            table, checksum = raw[:-_CHECKSUM_BYTES], raw[-_CHECKSUM_BYTES:]
-            if len(raw) != size or np.frombuffer(checksum, "<u4")[0] != google_crc32c.value(table):
-                raise OSError(f"{path}: the shard index does not match its checksum")
-            self._indexes[shard] = np.frombuffer(table, "<u8").reshape(chunks, 2)
-        return self._indexes[shard]
+    def _map(self, shard: int) -> tuple[mmap.mmap, np.ndarray]:
+        if shard in self._maps:
+            self._maps.move_to_end(shard)
+            return self._maps[shard]
+        path = self.dir / shard_key(self.arr, shard)
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable views, never written
+        chunks = self.shard_tokens // self.chunk_tokens
+        size = shard_index_bytes(chunks)
+        raw = mapped[len(mapped) - size :] if len(mapped) >= size else b""
+        table, checksum = raw[:-_CHECKSUM_BYTES], raw[-_CHECKSUM_BYTES:]
+        if len(raw) != size or np.frombuffer(checksum, "<u4")[0] != google_crc32c.value(table):
+            raise OSError(f"{path}: the shard index does not match its checksum")
+        self._maps[shard] = (mapped, np.frombuffer(table, "<u8").reshape(chunks, 2))
+        if len(self._maps) > self.MAPS:
+            self._maps.popitem(last=False)
+        return self._maps[shard]
 
     def _runs(self, index: np.ndarray, a: int, b: int) -> list[tuple[int, int, int]]:
         """(file offset, first token, end token) of the reads covering tokens a..b of a shard (tokens relative
@@ -128,14 +135,6 @@ class ShardFiles:
             else:
                 runs.append((start, lo - a, hi - a))
         return runs
-
-
-def _read_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        n = os.preadv(fd, [view], offset)
-        if n == 0:
-            raise OSError("a shard file ended before its index says")
-        view, offset = view[n:], offset + n
 
 
 class ShardSink(Protocol):
