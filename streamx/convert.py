@@ -178,9 +178,8 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     read_blocks = lambda: (_read_block(path) for path in blocks)  # noqa: E731 - read twice, one block at a time
     totals = speculators.write_dataset(out_dir, read_blocks(), identity["order_sha256"], progress)
     atomic_write(out_dir / "token_freq.pt", lambda tmp: tmp.write_bytes(speculators.token_freq(read_blocks())))
-    if files is None:  # which store sample each training row is
-        rows = np.concatenate([b.rows for b in read_blocks()])
-        atomic_write(out_dir / STORE_ROWS, lambda tmp: np.save(tmp.open("wb"), rows.astype("<i8")))
+    rows = np.concatenate([b.rows for b in read_blocks()])  # which store sample each training row is
+    atomic_write(out_dir / STORE_ROWS, lambda tmp: np.save(tmp.open("wb"), rows.astype("<i8")))
     commands = speculators.train_commands(str(out_dir.resolve()), store.metadata.model["path"], aux, files)
     meta = speculators.meta(store, identity, aux, totals, skipped, commands)
     atomic_write(out_dir / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))

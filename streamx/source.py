@@ -114,7 +114,7 @@ def _chatterbot(language: str) -> tuple[str, Callable[[], Iterator[Row]], Callab
 def _file_source(path: Path, max_samples: int | None) -> Source:
     suffix = path.suffix.lower()
     if suffix == ".jsonl" or (suffix == ".json" and _first_byte(path) != b"["):
-        return Source(str(path), lambda: _jsonl_rows(path), lambda: _count_lines(path), max_samples,
+        return Source(str(path), lambda: _jsonl_rows(path), lambda: _count_lines(path, max_samples), max_samples,
                       lambda row_ids: _jsonl_rows(path, set(row_ids)))
     if suffix == ".json":  # a JSON array has to be parsed whole: use jsonl for large data
         with open(path, "rb") as fh:
@@ -162,9 +162,10 @@ def _jsonl_rows(path: Path, only: set[int] | None = None) -> Iterator[Row]:
             row_id += 1
 
 
-def _count_lines(path: Path) -> int:
+def _count_lines(path: Path, limit: int | None = None) -> int:
+    """Rows of a jsonl file (blank lines are not rows), reading no further than the `limit`-th."""
     with open(path, "rb") as fh:
-        return sum(1 for line in fh if line.strip())
+        return sum(1 for _ in itertools.islice((line for line in fh if line.strip()), limit))
 
 
 def _parquet_rows(path: Path) -> Iterator[Row]:

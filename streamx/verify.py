@@ -283,14 +283,18 @@ def check_files(spec: Path, store: Store) -> Check:
     if meta["identity"]["hidden_states"] == FROM_STORE:
         return check_store_rows(spec, store, rows)
     files = STORAGES[meta.get("hidden_states_dtype", BF16.name)]
+    # which store sample each file is: store_rows.npy (one read a file), or, in folders from before it, every
+    # sample with the file's token ids
+    named = np.load(spec / STORE_ROWS) if (spec / STORE_ROWS).exists() else None
     by_ids: dict[bytes, list[int]] = {}  # token ids -> store positions: ids only, one read per part
     index = store.index
-    for k, (name, part) in enumerate(store.parts.items()):
+    for k, (name, part) in enumerate(store.parts.items() if named is None else ()):
         ids = part["input_ids"][: store.commits[name].tokens]
         for i in np.flatnonzero(index.parts == k).tolist():
             a = int(index.offsets[i])
             by_ids.setdefault(hashlib.sha1(ids[a : a + int(index.lengths[i])].tobytes()).digest(), []).append(i)
     K, H = store.metadata.num_slots, store.metadata.hidden_size
+    store_rows = set(store.index.rows.tolist())
     problems = []
     for i in range(len(rows)):
         name = f"{HS_DIR}/hs_{i}.safetensors"
@@ -302,7 +306,12 @@ def check_files(spec: Path, store: Store) -> Check:
         ids = f["token_ids"]
         if not torch.equal(ids, rows[i]["input_ids"]):
             problems.append(f"{name}: token ids differ from dataset row {i}'s input_ids")
-        candidates = [int(store.index.rows[p]) for p in by_ids.get(hashlib.sha1(ids.numpy().tobytes()).digest(), [])]
+            continue  # one problem a file
+        if named is not None:
+            candidates = [int(named[i])] if i < named.size and int(named[i]) in store_rows else []
+        else:
+            candidates = [int(store.index.rows[p])
+                          for p in by_ids.get(hashlib.sha1(ids.numpy().tobytes()).digest(), [])]
         expected = [training_sample(store, K, H, files, row)[1] for row in candidates]
         if not any(_same_states(f, e) for e in expected):
             problems.append(f"{name}: " + ("its token ids match no sample of the store" if not candidates else

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from datasets import load_from_disk
@@ -106,7 +107,8 @@ def test_output_is_the_store_in_speculators_format(tiny_store, tmp_path):
         assert f"--data-path {out.resolve()}" in flags and "--on-missing raise" in flags
         assert "--target-layer-ids 1 2 " in flags and f"--speculator-type {algo}" in flags
     assert sorted(os.listdir(out)) == ["data-00000-of-00001.arrow", "dataset_info.json", "hidden_states",
-                                       "state.json", "streamx_meta.json", "token_freq.pt"]
+                                       "state.json", "store_rows.npy", "streamx_meta.json", "token_freq.pt"]
+    assert np.load(out / "store_rows.npy").tolist() == order  # file i is the store sample of source row rows[i]
 
 
 def test_token_freq_counts_loss_mask_tokens(tiny_store, tmp_path):

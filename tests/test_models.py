@@ -263,7 +263,9 @@ activation = torch.ones(31 << 18)  # 31 MiB of float32, touched
 during = libc.mallinfo2()
 del activation
 after = libc.mallinfo2()
-print(json.dumps({"mmapped": during.hblkhd - before.hblkhd, "heap_kept": after.arena - before.arena}))
+# kept: what the heap holds free after the tensor is gone (the heap may have had free room before: the arena
+# then grows by less than the tensor, which is why its growth is not the measure)
+print(json.dumps({"mmapped": during.hblkhd - before.hblkhd, "heap_kept": after.fordblks - before.fordblks}))
 """
 
 
@@ -280,4 +282,5 @@ def test_cpu_tensors_come_from_a_heap_that_keeps_freed_memory():
 
     default, kept = heap("default"), heap("keep")
     assert default["mmapped"] >= 31 << 20 and default["heap_kept"] < 1 << 20, default
-    assert kept["mmapped"] == 0 and kept["heap_kept"] >= 31 << 20, kept
+    # the 31 MiB stay in the heap (a few KiB of it may meanwhile serve the interpreter's own small allocations)
+    assert kept["mmapped"] == 0 and kept["heap_kept"] >= 30 << 20, kept

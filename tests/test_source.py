@@ -88,6 +88,42 @@ def test_jsonl_malformed_line_keeps_ids(tmp_path):
     assert src.num_rows == 2 and [r.row_id for r in src] == [0, 1]
 
 
+def test_max_samples_stops_counting_a_jsonl_there(tmp_path, monkeypatch):
+    """--max-samples N: the row count reads N rows of a jsonl, not the whole file (a run's banner and bench's
+    rounds ask for it)."""
+    import streamx.source as source
+
+    path = tmp_path / "many.jsonl"
+    path.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(5000)))
+    read = []
+    real_open = open
+
+    def counting_open(file, mode="r", *args, **kw):
+        handle = real_open(file, mode, *args, **kw)
+        if str(file) == str(path):
+            lines = iter(handle)
+
+            class Counted:
+                def __enter__(self):
+                    return self
+
+                def __exit__(self, *exc):
+                    handle.close()
+
+                def __iter__(self):
+                    for line in lines:
+                        read.append(1)
+                        yield line
+            return Counted()
+        return handle
+
+    monkeypatch.setattr(source, "open", counting_open, raising=False)
+    assert source.open_source(str(path), max_samples=10).num_rows == 10 and len(read) == 10
+    read.clear()
+    assert source.open_source(str(path)).num_rows == 5000 and len(read) == 5000
+    assert source.open_source(str(path), max_samples=10**6).num_rows == 5000
+
+
 def test_jsonl_streams_in_constant_memory(tmp_path):
     path = tmp_path / "big.jsonl"
     rec = {"messages": [{"role": "user", "content": "q" * 100}, {"role": "assistant", "content": "a" * 100}]}

@@ -175,6 +175,27 @@ def test_a_converted_folder_is_checked_against_its_store(full_store, tmp_path):
     assert "hidden_states/hs_0.safetensors: token ids differ from dataset row 0's input_ids" in result.stdout
 
 
+def test_a_folder_of_repeated_samples_is_checked_with_one_read_a_file(full_store, tmp_path, monkeypatch):
+    """Rows whose token ids repeat (55% of the embedded corpus's samples repeat another) cost one store read per
+    hs file, through store_rows.npy, not one per file and per repeat (the embedded default's convert read 106 GB
+    for a 0.5 GB folder that way)."""
+    from helpers import copy_store
+
+    import streamx.convert as convert_module
+
+    first = open_store(full_store).at(0)
+    repeated = [(100 + k, first.input_ids, first.loss_mask, first.hidden_states) for k in range(12)]
+    store = copy_store(full_store, tmp_path / "repeated.zarr", [repeated])
+    spec = tmp_path / "spec"
+    convert_module.convert(store, str(spec), progress=False, log=lambda m: None)
+    reads = []
+    real = convert_module.training_sample
+    monkeypatch.setattr(convert_module, "training_sample", lambda *args: reads.append(args[-1]) or real(*args))
+    report = verify(str(spec), use_model=False, log=lambda m: None)
+    assert report.passed, report.lines()
+    assert sorted(reads) == list(range(100, 112))  # each row once
+
+
 def test_the_structural_pass_reads_in_bounded_slices(full_store, tmp_path, monkeypatch):
     """A 50 TB store is read a slice at a time: a NaN in a later slice is still found."""
     out = write_store(full_store, tmp_path / "s.zarr", lambda s, x: x)
