@@ -4,8 +4,9 @@
     DIR/hidden_states/hs_{i}.safetensors            hidden_states bf16 [T, K, H] (ascending ids, last = id L
                                                     pre-norm) and token_ids int64 [T] == input_ids of row i;
                                                     fp8: float8_e4m3fn states + hidden_states_scales f32 [T, 1, 1]
-    DIR/store_rows.npy                               --hidden-states store: no hs files; row i's states are the store
-                                                    sample of source row store_rows[i] (streamx.speculators_backend)
+    DIR/store_rows.npy                               the store sample (source row id) of each training row; with
+                                                    --hidden-states store there are no hs files and row i's states
+                                                    are read from that sample (streamx.speculators_backend)
     DIR/token_freq.pt                                {token id: count} over loss-mask-1 tokens (--draft-vocab-size)
     DIR/streamx_meta.json                            source store, layer ids, counts, the `speculators train` flags
     DIR/.streamx-convert/                            a convert's partial state (removed when complete)
@@ -37,7 +38,7 @@ from .store import BF16, Storage, Store, StoredSample
 META = "streamx_meta.json"
 WORK = ".streamx-convert"  # a convert's block files and plan; removed when the conversion completes
 HS_DIR = "hidden_states"
-STORE_ROWS = "store_rows.npy"  # --hidden-states store: the store sample (source row id) of each training row
+STORE_ROWS = "store_rows.npy"  # the store sample (source row id) of each training row
 FROM_STORE = "store"  # convert's --hidden-states value for "no hs files, read the store"
 BACKEND = "streamx"  # the hidden-states backend streamx.speculators_backend registers
 FP8_SCALES = "hidden_states_scales"  # the key speculators' fp8 backend dequantises hidden_states with
