@@ -30,9 +30,10 @@ class StoreDataset(Dataset):
     """Item i: the sample of source row `rows[i]` (default: every committed row, ascending), with the
     states of `layer_ids` (default: all the store holds) in that order."""
 
-    def __init__(self, path: str, layer_ids: Sequence[int] | None = None, rows: Sequence[int] | None = None):
+    def __init__(self, path: str, layer_ids: Sequence[int] | None = None, rows: Sequence[int] | None = None,
+                 store: Store | None = None):
         self.path = path
-        store = open_store(path)
+        store = store or open_store(path)  # `store`: the one at `path`, already open
         stored = store.layer_ids
         self.layer_ids = list(stored if layer_ids is None else layer_ids)
         missing = [i for i in self.layer_ids if i not in stored]

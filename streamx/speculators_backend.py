@@ -53,7 +53,7 @@ class StoreTransfer(HiddenStatesTransfer):
         L = store.metadata.num_layers
         aux = list(target_layer_ids) if target_layer_ids else [2, L // 2, L - 3]  # speculators' own default
         rows = np.load(Path(data_path) / STORE_ROWS)
-        self.dataset = StoreDataset(self.store_path, layer_ids=[*aux, L], rows=rows)
+        self.dataset = StoreDataset(self.store_path, layer_ids=[*aux, L], rows=rows, store=store)  # opened once
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
         if not 0 <= file_idx < len(self.dataset):
