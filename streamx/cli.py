@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 from collections.abc import Callable
 from dataclasses import fields
 from inspect import Parameter, Signature, signature
@@ -88,7 +89,8 @@ def run(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress: a live bar on a terminal, "
                                   "a status line every 30 s in a log."),
 ) -> None:
-    """Run the model over the data and write the selected layers' hidden states to a store."""
+    """Run the model over the data and write the selected layers' hidden states to a store. Ctrl-C or SIGTERM
+    commits what is written and exits 130 / 143; the same command resumes."""
     from .pipeline import run as run_pipeline
 
     try:
@@ -96,6 +98,8 @@ def run(
     except Exception as err:  # noqa: BLE001 - every failure is one line for the user
         _fail(err)
     typer.echo("\n".join(summary.lines()))
+    if summary.stopped_by:  # the shell's convention for a process ended by a signal: 128 + its number
+        raise typer.Exit(128 + signal.Signals[summary.stopped_by].value)
 
 
 @app.command()
@@ -181,7 +185,8 @@ def convert(
         "backend (python -m streamx.speculators_backend; docs/speculators.md), no second copy of the states. Or the "
         "hs files' states: bf16, or fp8 (speculators' fp8 backend: half the bytes; an fp8 store's own bytes, a bf16 "
         "store's quantised). Default: files in the store's storage."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an --out that holds another conversion."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Empty --out first, whatever it holds (another "
+                                   "conversion, other files)."),
     workers: int = typer.Option(4, help="Threads reading the store and writing files."),
     allow_random_weights: bool = typer.Option(False, "--allow-random-weights", help="Convert a store made with "
                                               "--random-weights anyway (for testing the output, not for training)."),

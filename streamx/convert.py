@@ -33,7 +33,9 @@ from tqdm import tqdm
 
 from . import speculators
 from .config import check_layer_ids, resolve_layer_ids
-from .speculators import FROM_STORE, HS_DIR, META, STORE_ROWS, WORK, atomic_write
+from .durable import write_file
+from .locks import Lock, lock_file
+from .speculators import FROM_STORE, HS_DIR, META, STORE_ROWS, WORK
 from .store import STORAGES, Storage, Store, StoredSample, open_store
 
 FORMATS = ("speculators",)
@@ -123,7 +125,15 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
             allow_random_weights: bool = False, hidden_states: str | None = None) -> ConvertSummary:
     """Write the speculators training data for `store_path` into `out`; re-running resumes an interrupted convert.
     `hidden_states` is the files' dtype, bf16 or fp8 (speculators' fp8 backend), by default the store's storage;
-    or `store`: no hs files, speculators reads the store itself (streamx.speculators_backend)."""
+    or `store`: no hs files, speculators reads the store itself (streamx.speculators_backend). One convert at a
+    time writes `out`: a second one is refused at once (streamx.locks)."""
+    with Lock(lock_file(out), f"the convert folder {out}"):
+        return _convert(store_path, out, seed, overwrite, workers, block_rows, progress, log, allow_random_weights,
+                        hidden_states)
+
+
+def _convert(store_path: str, out: str, seed: int, overwrite: bool, workers: int, block_rows: int, progress: bool,
+             log: Callable[[str], None], allow_random_weights: bool, hidden_states: str | None) -> ConvertSummary:
     started = time.perf_counter()
     store = open_store(store_path)
     aux = check_store(store)
@@ -165,7 +175,7 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
                     block, n_kept = _token_block(store, rows, start, bar.update), 0
                 else:
                     block, n_kept = _convert_block(store, rows, start, K, H, files, hs_dir, pool, depth, bar.update)
-                atomic_write(path, lambda tmp, blk=block: _write_block(tmp, blk))
+                write_file(path, lambda tmp, blk=block: _write_block(tmp, blk))
                 kept += n_kept
             blocks.append(path)
             start += block.seq_len.size
@@ -177,12 +187,12 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
         raise ConvertError(f"every sample of {store_path} failed validation ({_reasons(skipped)}); nothing to train on")
     read_blocks = lambda: (_read_block(path) for path in blocks)  # noqa: E731 - read twice, one block at a time
     totals = speculators.write_dataset(out_dir, read_blocks(), identity["order_sha256"], progress)
-    atomic_write(out_dir / "token_freq.pt", lambda tmp: tmp.write_bytes(speculators.token_freq(read_blocks())))
+    write_file(out_dir / "token_freq.pt", lambda tmp: tmp.write_bytes(speculators.token_freq(read_blocks())))
     rows = np.concatenate([b.rows for b in read_blocks()])  # which store sample each training row is
-    atomic_write(out_dir / STORE_ROWS, lambda tmp: np.save(tmp.open("wb"), rows.astype("<i8")))
+    write_file(out_dir / STORE_ROWS, lambda tmp: _save_npy(tmp, rows.astype("<i8")))
     commands = speculators.train_commands(str(out_dir.resolve()), store.metadata.model["path"], aux, files)
     meta = speculators.meta(store, identity, aux, totals, skipped, commands)
-    atomic_write(out_dir / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
+    write_file(out_dir / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
     shutil.rmtree(work)
     if skipped:
         log(f"skipped {len(skipped)} rows: {_reasons(skipped)} (listed in {META})")
@@ -306,6 +316,11 @@ def _write_block(path: Path, block: _Block) -> None:
     tensors = {"input_ids": torch.from_numpy(block.input_ids), "loss_mask": torch.from_numpy(block.loss_mask),
                "seq_len": torch.from_numpy(block.seq_len), "rows": torch.from_numpy(block.rows)}
     path.write_bytes(save(tensors, metadata={"start": str(block.start), "skipped": json.dumps(block.skipped)}))
+
+
+def _save_npy(path: Path, values: np.ndarray) -> None:
+    with path.open("wb") as f:  # np.save(path) would add .npy to a temporary name
+        np.save(f, values)
 
 
 def _read_block(path: Path) -> _Block:

@@ -24,11 +24,12 @@ from tqdm import tqdm
 
 from .capture import LayerCapture, sample_is_finite
 from .config import RunConfig
+from .distributed import init_from_env
 from .gather import select_gather_fn
 from .metrics import QueueFill, StageTimes, Throughput, gb
 from .runplan import RunPlan, make_plan
-from .store import SpaceGuard, open_for_run, prepare
-from .threads import Stopped, Worker, first_error, get, put
+from .store import SpaceGuard, lock_part, open_for_run, prepare
+from .threads import SignalStop, Stopped, Worker, first_error, get, put
 from .tokenize import Reject
 from .transfer import HostTransfer
 from .writer import CapturedBatch, PartWriter, RejectRate, WriterStage
@@ -55,6 +56,7 @@ class RunSummary:
     store_samples: int = 0  # the whole store after this run
     store_tokens: int = 0
     rank: int = 0  # this process's rank under torchrun
+    stopped_by: str | None = None  # the signal that ended the run early (SIGINT, SIGTERM), None when it ran to the end
 
     @property
     def padding_efficiency(self) -> float:
@@ -63,8 +65,11 @@ class RunSummary:
     def lines(self) -> list[str]:
         """What `streamx run` prints when it ends (under torchrun, rank 0 the whole summary, the others one line)."""
         rejects = ", ".join(f"{k}: {v}" for k, v in sorted(self.reject_counts.items())) or "none"
+        stopped = [f"stopped by {self.stopped_by}: what was written is committed, the rest is not; run the same "
+                   "command again to resume"] if self.stopped_by else []
         if self.rank:
-            return [f"[rank {self.rank}] committed {self.samples:,} samples, rejected {self.rejects:,} ({rejects})"]
+            return [f"[rank {self.rank}] committed {self.samples:,} samples, rejected {self.rejects:,} ({rejects})",
+                    *stopped]
         resumed = f"; {self.resumed_rows:,} rows were already committed" if self.resumed_rows else ""
         return [
             f"committed {self.samples:,} samples ({self.tokens:,} tokens, {self.trainable_tokens:,} trainable) in "
@@ -74,6 +79,7 @@ class RunSummary:
             f"hidden states written: {gb(self.hidden_bytes)}; padding efficiency {self.padding_efficiency:.1%}"
             + resumed,
             f"store: {self.out} ({self.store_samples:,} samples, {self.store_tokens:,} tokens in total)",
+            *stopped,
             f"next: streamx inspect {self.out}   |   streamx convert {self.out} --out SPEC_DIR (speculators training "
             f"data)   |   python: streamx.open_store({self.out!r}).sample(row_id)",
         ]
@@ -140,7 +146,8 @@ class Pipeline:
     def __init__(self, plan: RunPlan, writer: PartWriter, done: set[int]):
         self.plan, self.writer, self.done = plan, writer, done
         cfg = plan.config
-        self.stop = threading.Event()
+        self.stop = threading.Event()  # a stage failed: every stage gives up
+        self.wind_up = threading.Event()  # asked to end early (SIGINT/SIGTERM): no new batches, commit the rest
         self.batches: queue.Queue = queue.Queue(maxsize=cfg.queue_batches)
         self.to_write: queue.Queue = queue.Queue(maxsize=cfg.queue_batches)
         self.times = StageTimes()
@@ -151,6 +158,8 @@ class Pipeline:
         """Producer thread: this rank's batches (RunPlan.batch_stream), pinned on CUDA."""
         pin = self.plan.device.type == "cuda"  # pinned batches: host-to-device copies run async
         for item in self.plan.batch_stream(self.done, times=self.times):
+            if self.wind_up.is_set():
+                break
             if isinstance(item, Reject):
                 self.counts.tokenized(rows=1, tokens=0)
             else:
@@ -173,7 +182,7 @@ class Pipeline:
                 gather(states, slot, hidden, token_index)
 
         with LayerCapture(plan.model, plan.layer_ids, timed_gather) as capture:
-            while (item := get(self.batches, self.stop)) is not None:
+            while (item := get(self.batches, self.stop)) is not None and not self.wind_up.is_set():
                 self.fill["batches"].record()
                 if isinstance(item, Reject):
                     put(self.to_write, item, self.stop)
@@ -223,11 +232,19 @@ class Pipeline:
 
 
 def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str], None] = print) -> RunSummary:
-    """Run the pipeline into config.out: a RunConfig is planned first (model loaded); a RunPlan is used as is."""
+    """Run the pipeline into config.out: a RunConfig is planned first (model loaded); a RunPlan is used as is.
+    The process holds its part of the store for the whole run (streamx.locks), taken before the model
+    loads. SIGINT and SIGTERM end it early with what was written committed (`RunSummary.stopped_by`)."""
     started = time.perf_counter()
     if not progress:
         transformers.utils.logging.disable_progress_bar()  # its weight-loading bar too
-    plan = config if isinstance(config, RunPlan) else make_plan(config, log=log)
+    cfg, rank = (config.config, config.rank) if isinstance(config, RunPlan) else (config, init_from_env())
+    with lock_part(cfg.out, rank.part_name):
+        plan = config if isinstance(config, RunPlan) else make_plan(config, log=log)
+        return _run(plan, started, progress, log)
+
+
+def _run(plan: RunPlan, started: float, progress: bool, log: Callable[[str], None]) -> RunSummary:
     cfg, rank = plan.config, plan.rank
     # rank 0 creates (or checks and reopens) the store before any other rank opens it
     root = prepare(cfg.out, plan.metadata, cfg.overwrite) if rank.is_main else None
@@ -244,7 +261,7 @@ def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str],
     if total is not None and rank.world_size > 1:
         total = -(-total // rank.world_size)  # about this rank's share
     desc = "streamx run" if rank.world_size == 1 else f"streamx run [rank {rank.rank}]"
-    with Progress(pipeline.counts, total, desc, disable=not progress):
+    with Progress(pipeline.counts, total, desc, disable=not progress), SignalStop(pipeline.wind_up, log) as signals:
         pipeline.run()
     rank.barrier()  # the store is complete when every rank has closed its part
     written = writer.this_run()
@@ -258,4 +275,5 @@ def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str],
         seconds=time.perf_counter() - started, stage_seconds=pipeline.stage_seconds(),
         queue_fill={name: fill.mean for name, fill in pipeline.fill.items()},
         store_samples=store_samples, store_tokens=store_tokens, rank=rank.rank,
+        stopped_by=signals.signal.name if signals.signal else None,
     )

@@ -11,20 +11,19 @@
     DIR/streamx_meta.json                            source store, layer ids, counts, the `speculators train` flags
     DIR/.streamx-convert/                            a convert's partial state (removed when complete)
 
-Every file is written under a temporary name in its folder and renamed into place (speculators'
-own resume trusts file names), so a file that is present is complete.
+Every file is written under a temporary name in its folder, fsynced and renamed into place
+(streamx.durable; speculators' own resume trusts file names), so a file that is present is complete,
+after a power loss too. One convert at a time writes a folder (streamx.locks).
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import shlex
 import shutil
-import threading
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 from safetensors.torch import save
 
-from . import __version__
+from . import __version__, durable
 from .store import BF16, Storage, Store, StoredSample
 
 META = "streamx_meta.json"
@@ -98,7 +97,7 @@ def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool, hs_
     for stale in (out / WORK).glob(".*.tmp-*"):
         stale.unlink()
     if not plan.exists():
-        atomic_write(plan, lambda tmp: tmp.write_text(json.dumps({"identity": identity}, indent=2) + "\n"))
+        durable.write_file(plan, lambda tmp: tmp.write_text(json.dumps({"identity": identity}, indent=2) + "\n"))
     return None
 
 
@@ -111,23 +110,12 @@ def _complete(out: Path, rows: int, hs_files: bool) -> bool:
 
 
 def _clear(out: Path) -> None:
-    """--overwrite: remove what a conversion writes (and nothing else)."""
-    for path in [out / HS_DIR, out / WORK, out / META, out / "token_freq.pt", out / "dataset_info.json",
-                 out / "state.json", out / STORE_ROWS, *out.glob("data-*.arrow")]:
-        if path.is_dir():
+    """--overwrite: empty the folder (its lock file lies beside it)."""
+    for path in out.iterdir():
+        if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
-        elif path.exists():
+        else:
             path.unlink()
-
-
-def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
-    """Write through a temporary name in the same directory, then rename: `path` is absent or complete."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # -- the files
@@ -139,7 +127,7 @@ def write_hs(path: Path, s: StoredSample) -> None:
     if s.hidden_states_scales is not None:
         tensors[FP8_SCALES] = s.hidden_states_scales.reshape(-1, 1, 1).contiguous()
     data = save(tensors)  # serialized in memory and written by Python: the file gets the usual umask permissions
-    atomic_write(path, lambda tmp: tmp.write_bytes(data))
+    durable.write_file(path, lambda tmp: tmp.write_bytes(data))
 
 
 def train_commands(out: str, verifier: str, target_layer_ids: list[int], files: Storage | None = BF16
@@ -198,7 +186,8 @@ def write_dataset(out: Path, blocks: Iterable[TokenColumns], fingerprint: str, p
     # each file renamed into place (same filesystem); the dataset's json files last
     files = sorted(p.name for p in saved.iterdir())
     for name in [*(f for f in files if f.endswith(".arrow")), *(f for f in files if not f.endswith(".arrow"))]:
-        os.replace(saved / name, out / name)
+        durable.fsync_file(saved / name)
+        durable.replace(saved / name, out / name)
     return totals
 
 

@@ -1,5 +1,5 @@
-"""Threads that stop together: a worker whose error reaches the main thread, and queue hand-offs
-that give up when the run stops.
+"""Threads that stop together: a worker whose error reaches the main thread, queue hand-offs that
+give up when the run stops, and the signals that ask a run to wind up.
 
 Every stage waits on a bounded queue (or the pinned-buffer ring) with a short timeout and looks at
 the run's `stop` event in between, so that no thread blocks forever once another has failed. A
@@ -10,6 +10,7 @@ is the one that set `stop`.
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -64,3 +65,34 @@ def first_error(workers: list[Worker]) -> BaseException:
     """The error that stopped a run, for the main thread to raise once every worker has ended."""
     errors = [w.error for w in workers if w.error is not None]
     return errors[0] if errors else RuntimeError("a pipeline thread stopped without an error")
+
+
+class SignalStop:
+    """SIGINT (Ctrl-C) and SIGTERM (Slurm, preemption, `kill`) ask a run to wind up: `requested` is set, the
+    stages stop taking new batches and the writer commits what it holds. A second signal stops at once
+    (KeyboardInterrupt; what was committed stays). Python delivers signals to the main thread, so the
+    handlers are installed only there, and the previous ones are put back on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, requested: threading.Event, log: Callable[[str], None]):
+        self.requested, self.log = requested, log
+        self.signal: signal.Signals | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> SignalStop:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested.is_set():
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum)
+        self.requested.set()
+        self.log(f"{self.signal.name}: finishing the batch in hand and committing what is written "
+                 "(send it again to stop at once)")

@@ -213,6 +213,11 @@ def test_other_conversion_in_out_is_refused_unless_overwrite(tiny_store, tmp_pat
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(ConvertError, match="not a streamx conversion"):
         convert(tiny_store, str(tmp_path / "other"), progress=False)
+    convert(tiny_store, str(tmp_path / "other"), seed=1, overwrite=True, progress=False)
+    c = tree(tmp_path / "other")  # emptied first: nothing unrelated is left beside the conversion
+    assert "notes.txt" not in c and c.keys() - {"streamx_meta.json"} == b.keys()
+    c.pop("streamx_meta.json")
+    assert c == b
 
 
 def test_invalid_samples_are_skipped_and_reported(tiny_store, tmp_path):

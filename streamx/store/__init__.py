@@ -23,12 +23,12 @@ from .format import (
     make_layout,
     storage_named,
 )
-from .prepare import Output, RunStore, open_for_run, prepare
+from .prepare import Output, RunStore, lock_part, open_for_run, prepare
 from .reader import SampleIndex, Store, StoredSample, open_store, to_json
 from .space import SpaceGuard, free_bytes
 
 __all__ = [
     "BF16", "FP8_STORAGE", "PARTS", "STORAGES", "Commit", "Compat", "Layout", "Output", "RunStore", "SampleIndex",
     "SpaceGuard", "Storage", "Store", "StoreError", "StoreMetadata", "StoredSample", "bf16_to_bits", "create_part",
-    "free_bytes", "make_layout", "open_for_run", "open_store", "prepare", "storage_named", "to_json",
+    "free_bytes", "lock_part", "make_layout", "open_for_run", "open_store", "prepare", "storage_named", "to_json",
 ]

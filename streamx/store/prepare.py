@@ -8,20 +8,28 @@ banner, the output check and the free-space check), and once when it opens the s
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import zarr
 
+from ..durable import DurableLocalStore
+from ..locks import Lock, lock_file
 from .format import PARTS, Commit, Layout, StoreError, StoreMetadata, create_part
 from .reader import Store
+
+
+def _writable(path: str) -> str | DurableLocalStore:
+    """What zarr writes a store through: a local one durably (streamx.durable), an object store as it is."""
+    return path if "://" in path else DurableLocalStore(path)
 
 
 def _open_group(path: str, mode: str) -> zarr.Group | None:
     """The streamx store's root group at `path`, or None when there is none."""
     try:
-        root = zarr.open_group(path, mode=mode)
+        root = zarr.open_group(path if mode == "r" else _writable(path), mode=mode)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError, ValueError, KeyError):
         return None
     return root if "streamx" in root.attrs else None
@@ -64,14 +72,28 @@ class Output:
         folder holding other files, or a place this process may not write."""
         if "://" in self.path:
             return  # object stores: credentials and buckets are checked when the store is created
+        _check_location(self.path)
         target = Path(self.path)
         if target.exists() and not overwrite and not self.is_store and any(target.iterdir()):
             raise StoreError(f"{self.path} exists and is not a streamx store; choose another --out or pass --overwrite")
-        existing = next(p for p in (target, *target.parents) if p.exists())
-        if not existing.is_dir():
-            raise StoreError(f"cannot write the store at {self.path}: {existing} is not a folder")
-        if not os.access(existing, os.W_OK):
-            raise StoreError(f"cannot write the store at {self.path}: {existing} is not writable")
+
+
+def _check_location(path: str) -> None:
+    """A local store's path is, or can become, a folder this process may write."""
+    existing = next(p for p in (Path(path), *Path(path).parents) if p.exists())
+    if not existing.is_dir():
+        raise StoreError(f"cannot write the store at {path}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK):
+        raise StoreError(f"cannot write the store at {path}: {existing} is not writable")
+
+
+def lock_part(path: str, part: str) -> Lock | contextlib.nullcontext:
+    """This process's hold on `part` of the store at `path`, for the whole run (streamx.locks); object stores
+    have no lock."""
+    if "://" in path:
+        return contextlib.nullcontext()
+    _check_location(path)
+    return Lock(lock_file(path, part), f"{part} of {path}")
 
 
 def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> zarr.Group:
@@ -84,7 +106,7 @@ def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> zarr
         try:
             if "://" not in path:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-            root = zarr.open_group(path, mode="w")
+            root = zarr.open_group(_writable(path), mode="w")
             root.attrs["streamx"] = metadata.to_json()
             root.create_group(PARTS)
         except OSError as err:
@@ -133,7 +155,7 @@ def open_for_run(path: str, metadata: StoreMetadata, root: zarr.Group | None = N
     """Open a prepared store for writing (`root`: the group `prepare` returned, in the process that called
     it), after checking that this run may resume it."""
     if root is None:
-        root = zarr.open_group(path, mode="r+")
+        root = zarr.open_group(_writable(path), mode="r+")
         _check_compatible(root, path, metadata)
     store = Store(path, root)
     return RunStore(root, store.done_row_ids(), dict(store.commits))

@@ -25,6 +25,8 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
+from .. import durable
+
 _UNUSED_CHUNK = np.iinfo(np.uint64).max  # index entry of a chunk that holds nothing (reads as fill value)
 _INDEX_ENTRY_BYTES = 2 * 8  # (offset, nbytes) as little-endian uint64
 _CHECKSUM_BYTES = 4  # the index's crc32c
@@ -178,16 +180,16 @@ class StreamedShards:
         return lambda: self.finish(fd, tmp, start, tokens)
 
     def finish(self, fd: int, tmp: Path, start: int, tokens: int) -> None:
-        """Pad the last chunk, append the shard index, and rename the file into place."""
+        """Pad the last chunk, append the shard index, and put the file in place durably (streamx.durable)."""
         chunks = -(-tokens // self.chunk_tokens)
         padding = (chunks * self.chunk_tokens - tokens) * self.token_nbytes  # a partial last chunk is stored whole
         _write_all(fd, memoryview(bytes(padding)))
         _write_all(fd, memoryview(shard_index(chunks, self.shard_tokens // self.chunk_tokens,
                                               self.chunk_tokens * self.token_nbytes)))
+        os.fsync(fd)  # the bytes on disk before the name: the commit after this may name the shard
         os.close(fd)
-        target = self.dir / shard_key(self.arr, start // self.shard_tokens)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, target)  # readers see the old file or the whole new one, never a torn one
+        # readers see the old file or the whole new one, never a torn one; the rename durable before the commit
+        durable.replace(tmp, self.dir / shard_key(self.arr, start // self.shard_tokens))
 
 
 def _write_all(fd: int, view: memoryview) -> None:

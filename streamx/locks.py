@@ -1,0 +1,65 @@
+"""One writer at a time: an OS lock on a file beside what is written (a store's part, a convert folder).
+
+Two processes writing one part tear its shards (a double launch of the same command is the usual
+way). The lock is `fcntl.flock`, which the kernel drops when its process ends, however it ends: a
+killed run never blocks its re-run. The file holds who took it, for the refusal's message. Object
+stores have no such lock: one writer per part is then the user's to keep (torchrun ranks write
+their own parts). On network filesystems flock is as good as the mount's lock support.
+
+The lock file sits beside the folder it guards (`.NAME.streamx-lock`), not in it: zarr would list it
+as a stray member of the store, and --overwrite, which deletes the folder, would delete it too.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+
+class LockedError(RuntimeError):
+    """Another process holds the lock; the message names it."""
+
+
+class Lock:
+    """An exclusive lock on `path`, taken at once or refused; released by `release()`, on leaving a `with`
+    block, or when this process ends."""
+
+    def __init__(self, path: Path, what: str):
+        self.path = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise OSError(f"cannot lock {what} ({path}): {err.strerror or err}") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 1024, 0).decode(errors="replace").strip() or "a process that did not say"
+            self.release()
+            raise LockedError(f"{what} is being written by another process ({holder}); wait for it to end or stop "
+                              "it, then run again") from None
+        started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:200] if sys.argv else "python"
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}: {command}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor drops the flock
+            self.fd = None
+
+    def __enter__(self) -> Lock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def lock_file(folder: str | Path, part: str = "") -> Path:
+    """The lock file of `folder` (a part of it, when `part` is given), beside it."""
+    folder = Path(folder).resolve()
+    return folder.parent / f".{folder.name}.streamx-lock{'-' + part if part else ''}"

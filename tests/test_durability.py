@@ -1,0 +1,234 @@
+"""Nothing lost when the machine dies: the order of fsyncs and renames behind every commit, one writer per
+part or convert folder, and SIGINT / SIGTERM committing what was written."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_same_samples, cli, committed_samples, run_args, small_config
+
+from streamx.convert import convert
+from streamx.locks import Lock, lock_file
+from streamx.pipeline import run
+from streamx.store import open_store
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def real(path) -> str:
+    """The path with its folder resolved (the file itself may not exist yet)."""
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
+
+class FileCalls:
+    """The fsyncs and renames this process makes under `root`, in order: ("fsync", path, size) and
+    ("replace", src, dst, size, the commit record a part's zarr.json is replaced with, or None)."""
+
+    def __init__(self, root: Path, monkeypatch):
+        self.root, self.events, self.lock = os.path.realpath(root), [], threading.Lock()
+        fsync, replace = os.fsync, os.replace
+
+        def recorded_fsync(fd):
+            path = os.readlink(f"/proc/self/fd/{fd}")  # resolved, as the paths recorded below
+            fsync(fd)
+            if path.startswith(self.root):
+                with self.lock:
+                    self.events.append(("fsync", path, os.fstat(fd).st_size))
+
+        def recorded_replace(src, dst, **kw):
+            src, dst = real(src), real(dst)
+            commit = None
+            if dst.startswith(self.root) and Path(dst).name == "zarr.json" and Path(dst).parent.parent.name == "parts":
+                commit = json.loads(Path(src).read_text())["attributes"].get("commit")
+            size = os.stat(src).st_size
+            replace(src, dst, **kw)
+            if dst.startswith(self.root):
+                with self.lock:
+                    self.events.append(("replace", src, dst, size, commit))
+
+        monkeypatch.setattr(os, "fsync", recorded_fsync)
+        monkeypatch.setattr(os, "replace", recorded_replace)
+
+    def replaces(self):
+        return [(i, e) for i, e in enumerate(self.events) if e[0] == "replace"]
+
+    def assert_durable_before(self, point: int, replace_event: tuple, existed: set[str]) -> None:
+        """The file `replace_event` put in place has its bytes (all of them) and its name on disk before event
+        number `point`: its temporary file fsynced at its final size before the rename, its folder fsynced after
+        it, and every folder on its path that it created fsynced in its parent."""
+        i = self.events.index(replace_event)
+        _, src, dst, size, _ = replace_event
+        assert ("fsync", src, size) in self.events[:i], f"{dst} renamed into place before its bytes were fsynced"
+        assert ("fsync", str(Path(dst).parent), ) in [e[:2] for e in self.events[i:point]], \
+            f"the rename to {dst} was not made durable (its folder fsynced) before event {point}"
+        for folder in Path(dst).parents:
+            if str(folder) in existed or not str(folder).startswith(self.root):
+                break
+            assert ("fsync", str(folder.parent)) in [e[:2] for e in self.events[:point]], \
+                f"the new folder {folder} was not made durable in its parent"
+
+
+def shard_files(part: Path, tokens: int, shard_tokens: int) -> list[str]:
+    """The shard files of the three token arrays (zarr's keys: c/<shard>/0/0 for [T, K, H]) holding tokens < tokens."""
+    shards = range(-(-tokens // shard_tokens))
+    return [str(part / name / "c" / str(s) / suffix) for s in shards
+            for name, suffix in (("hidden_states", "0/0"), ("input_ids", ""), ("loss_mask", ""))]
+
+
+def test_every_commit_names_only_what_is_on_disk(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
+    """For every commit record of a run: each shard file it covers, and every other file of the store written
+    before it (zarr's array shapes and index chunks), was fsynced before its rename, its rename made durable by an
+    fsync of its folder, and only then the commit record written, the same way. A power loss can then lose only
+    what no commit names. The same for convert's files before its completion record (the meta)."""
+    tmp_path = Path(os.path.realpath(tmp_path))
+    out = tmp_path / "s.zarr"
+    existed = {str(p) for p in (tmp_path, *tmp_path.parents)}
+    calls = FileCalls(tmp_path, monkeypatch)
+    run(small_config(tiny_chat_model_dir, chat_jsonl, out, max_samples=24), progress=False, log=lambda m: None)
+    replaces = calls.replaces()
+    commits = [(i, e) for i, e in replaces if e[4] is not None and e[4]["samples"] > 0]
+    assert len(commits) >= 4  # 64-token shards: the run commits many times
+    for point, commit in commits:
+        for _, earlier in [(i, e) for i, e in replaces if i < point]:
+            calls.assert_durable_before(point, earlier, existed)
+        placed = {e[2] for i, e in replaces if i < point}
+        missing = set(shard_files(out / "parts" / "part-00000", commit[4]["tokens"], 64)) - placed
+        assert not missing, f"a commit of {commit[4]['tokens']} tokens before its shards {sorted(missing)[:3]}"
+    last = replaces[-1][1]
+    assert last[4] is not None and last[4]["closed"]  # the trim on close, then the closing commit, last of all
+    calls.assert_durable_before(len(calls.events), last, existed)
+    assert open_store(str(out)).summary()["samples"] == 24
+
+    calls.events.clear()
+    spec = tmp_path / "spec"
+    convert(str(out), str(spec), progress=False, allow_random_weights=True, block_rows=8)
+    replaces = calls.replaces()
+    meta = [i for i, e in replaces if Path(e[2]).name == "streamx_meta.json"]
+    assert len(meta) == 1 and meta[0] == replaces[-1][0]  # the completion record is written last
+    hs = [e for _, e in replaces if e[2].endswith(".safetensors") and "/hidden_states/" in e[2]]
+    assert len(hs) == 24
+    for _, e in replaces:
+        calls.assert_durable_before(len(calls.events), e, existed | {str(spec)})
+        if Path(e[2]).name != "streamx_meta.json":
+            calls.assert_durable_before(meta[0], e, existed | {str(spec)})
+
+
+def wait_for(condition, proc, seconds=120.0):
+    deadline = time.time() + seconds
+    while not condition() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before the test could act on it"
+
+
+ROWS = 400  # of the long data: a run lasts long enough to act on it mid-way
+
+
+def long_run(model_dir, data, out, **settings) -> list[str]:
+    return run_args(model_dir, data, out, max_batch_size=2, max_samples=ROWS, **settings)
+
+
+@pytest.fixture(scope="module")
+def long_chats(tiny_chat_model_dir, chat_jsonl, tmp_path_factory):
+    """(data, reference): the chats repeated, and the store an uninterrupted run writes of their first ROWS."""
+    folder = tmp_path_factory.mktemp("long")
+    data = folder / "data.jsonl"
+    data.write_text(open(chat_jsonl).read() * (ROWS // 40 + 1))
+    reference = folder / "ref.zarr"
+    result = cli(*long_run(tiny_chat_model_dir, str(data), reference, chunk_tokens=0, shard_tokens=0))
+    assert result.returncode == 0, result.stderr
+    return str(data), reference
+
+
+def assert_committed_as_reference(reference, out) -> int:
+    """Every sample `out` committed equals the uninterrupted run's, bit for bit; returns how many there are."""
+    ref, got = open_store(str(reference)), open_store(str(out))
+    for row in got.row_ids().tolist():
+        a, b = ref.sample(row), got.sample(row)
+        assert a.input_ids.equal(b.input_ids) and a.loss_mask.equal(b.loss_mask)
+        assert a.hidden_states.view(torch.int16).equal(b.hidden_states.view(torch.int16)), row
+    return len(got)
+
+
+def test_a_second_run_on_the_same_part_is_refused_and_sigterm_commits(tiny_chat_model_dir, long_chats, tmp_path):
+    """A double launch: the second process fails at once (before its model loads) naming the first, which goes
+    on untouched; SIGTERM then stops the first with what it wrote committed (exit 143), and the same command
+    resumes it to the store an uninterrupted run writes."""
+    data, reference = long_chats
+    out = tmp_path / "s.zarr"
+    args = long_run(tiny_chat_model_dir, data, out)  # small shards: commits all along
+    first = subprocess.Popen([sys.executable, "-m", "streamx", *args], env=ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: committed_samples(out) > 0, first)
+        second = cli(*args)
+        assert first.poll() is None, "the first run ended before the second was refused"
+        errors = second.stderr.strip().splitlines()
+        assert second.returncode == 1 and len(errors) == 1, second.stderr  # refused before the banner
+        assert "part-00000" in errors[0] and f"pid {first.pid} " in errors[0], errors[0]
+        before = committed_samples(out)
+        first.send_signal(signal.SIGTERM)
+        stdout, stderr = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 143, stderr[-2000:]
+    assert "stopped by SIGTERM" in stdout and "run the same command again to resume" in stdout
+    assert before <= assert_committed_as_reference(reference, out) < ROWS
+    assert cli(*args).returncode == 0
+    assert_same_samples(reference, out)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_signal_commits_the_partial_shard(tiny_chat_model_dir, long_chats, tmp_path, sig):
+    """With the default shard size nothing would commit for a long while (a ~256 MiB shard fills first); a
+    signal still commits every sample written so far, each equal to an uninterrupted run's, and the same
+    command resumes."""
+    data, reference = long_chats
+    out = tmp_path / "s.zarr"
+    args = long_run(tiny_chat_model_dir, data, out, chunk_tokens=0, shard_tokens=0)
+    proc = subprocess.Popen([sys.executable, "-m", "streamx", *args], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        partial = out / "parts" / "part-00000" / "hidden_states"
+        wait_for(lambda: any(p.stat().st_size > 0 for p in partial.glob("streamx-shard-*.partial")), proc)
+        assert committed_samples(out) == 0
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, stderr[-2000:]
+    assert f"stopped by {sig.name}" in stdout
+    assert 0 < assert_committed_as_reference(reference, out) < ROWS
+    assert cli(*args).returncode == 0
+    assert_same_samples(reference, out)
+
+
+def test_a_lock_dies_with_its_process_and_convert_takes_one(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    """A convert into a folder another process is converting into is refused, naming it; once that process is
+    killed (kill -9: no clean-up ran), the lock is gone and the convert runs."""
+    store = tmp_path / "s.zarr"
+    run(small_config(tiny_chat_model_dir, chat_jsonl, store, max_samples=8), progress=False, log=lambda m: None)
+    spec = tmp_path / "spec"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from streamx.locks import Lock, lock_file; "
+                               f"lock = Lock(lock_file({str(spec)!r}), 'x'); print('held', flush=True); "
+                               "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        refused = cli("convert", str(store), "--out", str(spec), "--allow-random-weights", "--no-progress")
+        assert refused.returncode == 1 and f"pid {holder.pid} " in refused.stderr, refused.stderr
+        assert not spec.exists()  # refused before anything was written
+        holder.kill()
+        holder.wait()
+    finally:
+        holder.kill()
+    done = cli("convert", str(store), "--out", str(spec), "--allow-random-weights", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert len(list((spec / "hidden_states").iterdir())) == 8
+    with Lock(lock_file(str(spec)), "x"):  # a finished convert holds nothing
+        pass
