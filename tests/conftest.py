@@ -21,12 +21,16 @@ INTEGRATION_FIXTURES = {"smollm2_dir", "speculators_python", "s3_env"}
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "integration: needs the embedded model, a venv, a server or subprocesses")
+    config.addinivalue_line("markers", "speculators: needs the speculators venv (built once per Python version)")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if INTEGRATION_FIXTURES & fixtures:
             item.add_marker(pytest.mark.integration)
+        if "speculators_python" in fixtures:
+            item.add_marker(pytest.mark.speculators)
 
 
 @pytest.fixture(scope="session")
