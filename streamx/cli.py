@@ -122,7 +122,7 @@ def plan(
     try:
         if sample_rows < 1:
             raise ValueError(f"--sample-rows must be >= 1; got {sample_rows}")
-        est = estimate(cfg, sample_rows=sample_rows)
+        est = estimate(cfg, sample_rows=sample_rows, count_duplicates=True)
         rate, how = tokens_per_s, "given"
         if rate is None and calibrate:
             rate, how = calibrate_rate(cfg, log=_log), "calibrated: forward pass alone"

@@ -61,6 +61,9 @@ class RunConfig:
     max_length: int = setting(2048, "Maximum tokens per sample.")
     truncation: Truncation = setting("truncate", "Longer samples: truncate (cut to --max-length) or skip (reject "
                                      "as too_long).")
+    skip_duplicates: bool = setting(False, "Leave out rows whose content (messages, text or input_ids) repeats an "
+                                    "earlier row's exactly, as rejects (duplicate_content): repeats cost compute and "
+                                    "disk and weight training. Counted either way.")
     # batching
     token_budget: int = setting(4096, "Max tokens per forward pass: real tokens when packed, batch x longest when "
                                 "padded.")

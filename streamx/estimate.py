@@ -28,7 +28,7 @@ from .store.format import (
     entry_bytes,
 )
 from .store.shards import shard_index_bytes
-from .tokenize import Reject, SampleBuilder
+from .tokenize import Reject, Repeats, SampleBuilder
 
 GROUP_METADATA_BYTES = 4 << 10  # the store's zarr.json (metadata with the config), parts/ and the part (commit)
 ARRAY_METADATA_BYTES = 1 << 10  # each array's zarr.json
@@ -50,6 +50,7 @@ class Estimate:
     tokens: int
     trainable_tokens: int
     longest_sample: int  # tokens, in the sample
+    duplicates: int | None  # samples whose content repeats an earlier row's (None: not counted)
     layer_ids: list[int]
     num_layers: int
     hidden_size: int
@@ -90,9 +91,11 @@ def sampled(source: Source, sample_rows: int, seed: int = 0) -> tuple[list, int 
 
 
 def estimate(config: RunConfig, source: Source | None = None, builder: SampleBuilder | None = None,
-             sample_rows: int = 4096) -> Estimate:
+             sample_rows: int = 4096, count_duplicates: bool = False) -> Estimate:
     """Tokenize (a sample of) the rows as the run will and size the store for every storage choice.
-    The source and sample builder are opened from `config` unless given."""
+    The source and sample builder are opened from `config` unless given. `count_duplicates`: also count the
+    rows whose content repeats an earlier row's, over every row (a pass of hashing, no tokenizing, when the
+    rows were sampled); --skip-duplicates then sizes the store without them."""
     source = source or open_source(config.data, config.split, config.max_samples)
     builder = builder or SampleBuilder(model_tokenizer(resolve_model_path(config.model), config.tokenizer),
                                        config.max_length, config.truncation)
@@ -100,9 +103,17 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
     L, H = text_config.num_hidden_layers, text_config.hidden_size
     layer_ids = resolve_layer_ids(config.layers, L)
     rows, total = sampled(source, sample_rows)
-    samples, tokens, trainable, longest, rejects = 0, 0, 0, 0, {}
+    exact = total is not None and len(rows) == total
+    repeats: set[int] = set()
+    if count_duplicates and total is not None:
+        repeats = Repeats().of(rows if exact else source)
+    samples, tokens, trainable, longest, rejects, duplicates = 0, 0, 0, 0, {}, 0
     for row in rows:
         item = builder(row)
+        if exact and row.row_id in repeats and not isinstance(item, Reject):  # as the run marks them
+            duplicates += 1
+            if config.skip_duplicates:
+                item = Reject(row.row_id, "duplicate_content", "")
         if isinstance(item, Reject):
             rejects[item.reason] = rejects.get(item.reason, 0) + 1
             continue
@@ -111,12 +122,19 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
         trainable += int(item.loss_mask.sum())
         longest = max(longest, len(item.input_ids))
     scale = (total / len(rows)) if total and rows else 1.0
+    if not exact and repeats:  # sampled: the repeats were counted over every row
+        duplicates = len(repeats)
+        if config.skip_duplicates:  # their share comes out of what the sample stands for
+            scale = (total - duplicates) / len(rows)
     samples, tokens, trainable = (round(n * scale) for n in (samples, tokens, trainable))
     rejects = {reason: round(n * scale) for reason, n in rejects.items()}
+    if not exact and repeats and config.skip_duplicates:
+        rejects["duplicate_content"] = duplicates
     sizes = {storage: store_size(make_layout(len(layer_ids), H, config.chunk_tokens, config.shard_tokens,
                                              config.compressor, storage), tokens, samples, sum(rejects.values()))
              for storage in STORAGES}
-    return Estimate(total, len(rows), samples, rejects, tokens, trainable, longest, layer_ids, L, H, sizes)
+    return Estimate(total, len(rows), samples, rejects, tokens, trainable, longest,
+                    duplicates if count_duplicates and total is not None else None, layer_ids, L, H, sizes)
 
 
 @dataclass
@@ -149,6 +167,9 @@ class Forecast:
         lines = [
             f"rows         {e.rows:,}" if e.rows is not None else "rows         unknown (a stream)",
             f"samples      {e.samples:,}, rejected {rejects}{scaled}",
+            *([f"duplicates   {e.duplicates:,} rows repeat an earlier row's content ("
+               + ("left out: --skip-duplicates)" if config.skip_duplicates else "kept; --skip-duplicates leaves them "
+                  "out)")] if e.duplicates else []),
             f"tokens       {e.tokens:,} ({e.trainable_tokens:,} trainable); longest sample "
             f"{e.longest_sample:,}",
             f"layers       {e.layer_ids} of {e.num_layers}, hidden {e.hidden_size}",

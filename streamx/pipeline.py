@@ -43,6 +43,7 @@ class RunSummary:
     samples: int  # committed by this run (this process's part)
     tokens: int
     trainable_tokens: int
+    duplicates: int  # committed samples whose content repeats an earlier row's (kept: --skip-duplicates off)
     rejects: int
     reject_counts: dict[str, int]
     hidden_bytes: int
@@ -74,6 +75,8 @@ class RunSummary:
         return [
             f"committed {self.samples:,} samples ({self.tokens:,} tokens, {self.trainable_tokens:,} trainable) in "
             f"{self.seconds:.0f} s; rejected {self.rejects:,} ({rejects})",
+            *([f"{self.duplicates:,} of these samples repeat an earlier row's content (--skip-duplicates leaves such "
+               "rows out)"] if self.duplicates else []),
             f"layer ids {self.layer_ids} (speculators convention; id {self.num_layers} = the last layer's output "
             "before the final norm)",
             f"hidden states written: {gb(self.hidden_bytes)}; padding efficiency {self.padding_efficiency:.1%}"
@@ -268,7 +271,8 @@ def _run(plan: RunPlan, started: float, progress: bool, log: Callable[[str], Non
     store_samples, store_tokens = target.totals(rank.part_name, writer.commit, others_wrote=rank.world_size > 1)
     return RunSummary(
         out=cfg.out, layer_ids=plan.layer_ids, num_layers=plan.info.num_layers, samples=written.samples,
-        tokens=written.tokens, trainable_tokens=written.trainable_tokens, rejects=written.rejects,
+        tokens=written.tokens, trainable_tokens=written.trainable_tokens, duplicates=written.duplicates,
+        rejects=written.rejects,
         reject_counts=written.reject_counts, hidden_bytes=written.tokens * plan.layout.bytes_per_token,
         real_tokens=pipeline.counts.real_tokens, padded_tokens=pipeline.counts.padded_tokens,
         resumed_rows=len(target.done_rows),

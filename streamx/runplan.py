@@ -42,7 +42,7 @@ from .packing import Packing
 from .packing import configure as configure_packing
 from .source import Row, Source, open_source
 from .store import Compat, Layout, Output, StoreError, StoreMetadata, free_bytes, make_layout
-from .tokenize import REJECT_REASONS, Reject, Sample, SampleBuilder
+from .tokenize import REJECT_REASONS, Reject, Repeats, Sample, SampleBuilder
 
 
 @dataclass
@@ -78,19 +78,31 @@ class RunPlan:
         tokenized and batched (packed as the run does, or as asked). Windows and batches whose rows are
         all in `done` are left out; a batch with some done rows comes whole (the writer drops those)."""
         times = times or StageTimes()
+        seen = Repeats()
         for window in iter_windows(self.source, self.config.sort_window):
+            with times.measure("source_tokenize"):
+                repeats = seen.of(window)  # every window, owned or done or not: "earlier" is in source order
             if not self.rank.owns(window[0].row_id // self.config.sort_window):
                 continue
             if all(row.row_id in done for row in window):
                 continue
             with times.measure("source_tokenize"):
-                samples = self.tokenize(window)
+                samples = [self.mark_duplicate(s) if s.row_id in repeats else s for s in self.tokenize(window)]
             with times.measure("batching"):
                 items = list(self.batches(samples, packed))
             for item in items:
                 rows = [item.row_id] if isinstance(item, Reject) else [s.row_id for s in item.samples]
                 if not all(r in done for r in rows):
                     yield item
+
+    def mark_duplicate(self, sample: Sample | Reject) -> Sample | Reject:
+        """A row whose content repeats an earlier row's: a reject with --skip-duplicates, else a sample marked so."""
+        if isinstance(sample, Reject):
+            return sample
+        if self.config.skip_duplicates:
+            return Reject(sample.row_id, "duplicate_content", "the same content as an earlier row")
+        sample.duplicate = True
+        return sample
 
     def with_output(self, out: str, overwrite: bool = False) -> RunPlan:
         """The same plan into another store (bench's rounds): nothing is loaded, probed or fingerprinted again."""

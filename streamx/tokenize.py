@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,11 +36,50 @@ REJECT_REASONS = (
     "no_assistant_tokens",  # nothing to train on, e.g. every assistant token truncated away
     "too_long",  # over max_length with truncation="skip"
     "non_finite",  # NaN/inf hidden states (set by the capture stage)
+    "duplicate_content",  # --skip-duplicates: the same content as an earlier row (last: stored codes index this)
 )
 
 # OpenAI `messages` roles and ShareGPT `conversations` speakers, to chat-template roles
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
          "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "model": "assistant"}
+
+
+CONTENT_FIELDS = ("input_ids", "messages", "conversations", "text")  # what SampleBuilder builds from, in its order
+
+
+def content_key(record: dict | None) -> int | None:
+    """A 64-bit hash of what a row's sample is built from (the first of CONTENT_FIELDS it has, with its
+    loss_mask for input_ids), so rows that differ only elsewhere (an id, a source tag) count as the same;
+    None for a row that is not an object. 64 bits: a chance collision among a million rows is ~3e-8."""
+    if not isinstance(record, dict):
+        return None
+    field = next((f for f in CONTENT_FIELDS if record.get(f) is not None), None)
+    if field is None:
+        return None
+    content = [record.get(field), record.get("loss_mask")] if field == "input_ids" else record.get(field)
+    text = json.dumps(content, sort_keys=True, ensure_ascii=False, default=str)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+class Repeats:
+    """Which rows repeat an earlier row's content (content_key), row after row in source order.
+    Every rank and every resume sees every row, so all of them agree on which is first. Memory: one 64-bit
+    key per distinct row (a Python set, ~60 bytes each: ~60 MB at a million rows)."""
+
+    def __init__(self) -> None:
+        self.keys: set[int] = set()
+
+    def of(self, rows: Iterable[Row]) -> set[int]:
+        """The ids of the rows here whose content an earlier row (here or before) had."""
+        repeats = set()
+        for row in rows:
+            key = content_key(row.record)
+            if key is None:
+                continue
+            if key in self.keys:
+                repeats.add(row.row_id)
+            self.keys.add(key)
+        return repeats
 
 
 class NoChatTemplateError(ValueError):
@@ -51,6 +91,7 @@ class Sample:
     row_id: int
     input_ids: torch.Tensor  # int64 [T]
     loss_mask: torch.Tensor  # int64 0/1 [T], not shifted: 1 on assistant tokens
+    duplicate: bool = False  # its content repeats an earlier row's (content_key)
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ class PartWriter:
             self.sinks[name] = shard_sink(arr, self.flushed)
             if committed > self.flushed:  # the committed part of the last, partial shard
                 self.sinks[name].write(arr[self.flushed : committed])
-        self.pending_samples: list[tuple[int, int, int, int]] = []  # (row_id, offset, length, trainable)
+        self.pending_samples: list[tuple[int, int, int, int, int]] = []  # row_id, offset, length, trainable, duplicate
         self.pending_rejects: list[Reject] = []
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamx-commit")
         self._committing: Future | None = None
@@ -77,11 +77,11 @@ class PartWriter:
     # -- appending (the caller's thread)
 
     def append(self, row_id: int, input_ids: np.ndarray, loss_mask: np.ndarray, hidden_bits: np.ndarray,
-               hidden_scales: np.ndarray | None = None) -> None:
+               hidden_scales: np.ndarray | None = None, duplicate: bool = False) -> None:
         """One sample: its token ids, loss mask, hidden states as stored (bf16 or fp8 bit patterns) and, for fp8
-        storage, its per-token scales."""
+        storage, its per-token scales; `duplicate`: its content repeats an earlier row's (counted in the commit)."""
         T = len(input_ids)
-        self.pending_samples.append((row_id, self.end, T, int(loss_mask.sum())))
+        self.pending_samples.append((row_id, self.end, T, int(loss_mask.sum()), int(duplicate)))
         values = {"hidden_states": hidden_bits, "hidden_states_scales": hidden_scales, "input_ids": input_ids,
                   "loss_mask": loss_mask}
         done = 0
@@ -133,7 +133,7 @@ class PartWriter:
 
     # -- storage (the committer thread)
 
-    def _publish(self, stop: int, finishers: list[Callable[[], None]], samples: list[tuple[int, int, int, int]],
+    def _publish(self, stop: int, finishers: list[Callable[[], None]], samples: list[tuple[int, int, int, int, int]],
                  rejects: list[Reject]) -> None:
         for name in self.sinks:
             self._grow(name, stop)
@@ -160,17 +160,19 @@ class PartWriter:
         self._grow(name, start + len(values))
         self.arrays[name][start : start + len(values)] = values
 
-    def _commit(self, samples: list[tuple[int, int, int, int]], rejects: list[Reject]) -> None:
+    def _commit(self, samples: list[tuple[int, int, int, int, int]], rejects: list[Reject]) -> None:
         if not samples and not rejects:
             return
         c = self.commit
         if samples:
-            rows, offsets, lengths, trainable = (np.array(col, dtype=np.int64) for col in zip(*samples, strict=True))
+            rows, offsets, lengths, trainable, duplicates = (np.array(col, dtype=np.int64)
+                                                             for col in zip(*samples, strict=True))
             for name, values in zip(SAMPLE_ARRAYS, (rows, offsets, lengths), strict=True):
                 self._write(name, c.samples, values)
             c.samples += len(samples)
             c.tokens = int(offsets[-1] + lengths[-1])
             c.trainable_tokens += int(trainable.sum())
+            c.duplicates += int(duplicates.sum())
         if rejects:
             rows = np.array([r.row_id for r in rejects], dtype=REJECT_ARRAYS["reject_row_id"])
             codes = np.array([REJECT_REASONS.index(r.reason) for r in rejects], dtype=REJECT_ARRAYS["reject_reason"])
@@ -235,7 +237,8 @@ class WriterStage:
     def reject(self, reject: Reject) -> None:
         if reject.row_id not in self.done:
             self.writer.reject(reject)
-            self.rate.reject(reject.reason)
+            if reject.reason != "duplicate_content":  # asked for (--skip-duplicates), not a sign of broken data
+                self.rate.reject(reject.reason)
 
     def write(self, batch: CapturedBatch) -> None:
         with self.times.measure("d2h_wait"):
@@ -252,7 +255,7 @@ class WriterStage:
                     mask = sample.loss_mask.numpy().astype(np.uint8)
                     self.writer.append(sample.row_id, sample.input_ids.numpy(), mask,
                                        hidden_bits[offset : offset + T],
-                                       None if scales is None else scales[offset : offset + T])
+                                       None if scales is None else scales[offset : offset + T], sample.duplicate)
                     self.rate.accept()
                 else:
                     self.reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states"))

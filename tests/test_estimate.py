@@ -109,3 +109,18 @@ def test_plan_command(tiny_chat_model_dir, chat_jsonl, tmp_path):
 
     bad = CliRunner().invoke(app, [*args, "--sample-rows", "0"])
     assert bad.exit_code == 1 and bad.stderr.strip() == "error: --sample-rows must be >= 1; got 0"
+
+
+def test_plan_counts_duplicates_and_sizes_the_store_without_them(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    rows = [json.loads(line) for line in open(chat_jsonl)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:10]))  # the first 10 twice
+    cfg = small_config(tiny_chat_model_dir, str(data), tmp_path / "s.zarr", skip_duplicates=True)
+    est = estimate(cfg, count_duplicates=True)
+    run(cfg, progress=False, log=lambda m: None)
+    store = open_store(cfg.out)
+    assert est.duplicates == 10 and est.rejects == {"duplicate_content": 10}
+    assert (est.samples, est.tokens) == (len(store), store.num_tokens) == (len(rows), store.num_tokens)
+    sampled_est = estimate(cfg, sample_rows=len(rows) // 2, count_duplicates=True)  # repeats counted over every row
+    assert sampled_est.duplicates == 10 and sampled_est.samples == len(rows)
+    assert estimate(cfg.replace(skip_duplicates=False), count_duplicates=True).samples == len(rows) + 10

@@ -281,3 +281,43 @@ def test_random_weights_store_is_marked_and_convert_refuses_it(tiny_chat_model_d
     with pytest.raises(ConvertError, match="--random-weights"):
         convert(str(out), str(tmp_path / "spec"), progress=False)
     assert convert(str(out), str(tmp_path / "spec"), progress=False, allow_random_weights=True).rows == 6
+
+
+def chats_with_repeats(chat_jsonl, path):
+    """The chats, then a third of them again (each with an id field of its own, which does not make it new), and
+    the ids of the rows whose messages an earlier row had, counted here on the raw lists."""
+    rows = [json.loads(line) for line in open(chat_jsonl)]
+    rows += [{"id": f"again-{i}", **r} for i, r in enumerate(rows[::3])]
+    seen, repeats = [], set()
+    for i, r in enumerate(rows):
+        if r["messages"] in seen:
+            repeats.add(i)
+        seen.append(r["messages"])
+    return write_jsonl(path, rows), repeats
+
+
+def test_duplicates_are_counted_or_skipped_the_same_on_resume(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    data, repeats = chats_with_repeats(chat_jsonl, tmp_path / "data.jsonl")
+    rows = len(open(data).read().splitlines())
+    assert repeats
+    kept = run(small_config(tiny_chat_model_dir, data, tmp_path / "kept.zarr"), progress=False)
+    store = open_store(str(tmp_path / "kept.zarr"))
+    assert kept.duplicates == len(repeats) == store.summary()["duplicate_content"] and kept.samples == rows
+    first = {json.dumps(json.loads(line)["messages"]): i for i, line in reversed(list(enumerate(open(data))))}
+    for row in repeats:  # a repeat's sample is its first occurrence's, bit for bit
+        original = first[json.dumps(json.loads(open(data).read().splitlines()[row])["messages"])]
+        assert store.sample(row).hidden_states.view(torch.int16).equal(
+            store.sample(original).hidden_states.view(torch.int16))
+    assert any("repeat an earlier row's content" in line for line in store.describe())
+
+    skipped = tmp_path / "skipped.zarr"
+    summary = run(small_config(tiny_chat_model_dir, data, skipped, skip_duplicates=True), progress=False)
+    assert summary.reject_counts == {"duplicate_content": len(repeats)} and summary.duplicates == 0
+    assert sorted(open_store(str(skipped)).row_ids().tolist()) == sorted(set(range(rows)) - repeats)
+    # resumed from a first run that ends before the repeats: the rows it committed still count as earlier
+    resumed = tmp_path / "resumed.zarr"
+    before = small_config(tiny_chat_model_dir, data, resumed, skip_duplicates=True, max_samples=min(repeats))
+    run(before, progress=False)
+    run(small_config(tiny_chat_model_dir, data, resumed, skip_duplicates=True), progress=False)
+    assert_same_samples(skipped, resumed)
+    assert open_store(str(resumed)).summary()["reject_counts"] == {"duplicate_content": len(repeats)}

@@ -226,8 +226,9 @@ def test_template_error_and_reason_coverage():
     tok.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
     out = SampleBuilder(tok, 64)(Row(2, {"messages": msgs("a", "b")}))
     assert out == Reject(2, "template_error", "Conversation roles must alternate user/assistant")
-    # every reason this stage can give is exercised above; non_finite belongs to the capture stage
-    assert {r for _, r, _ in REJECTS} | {"template_error", "non_finite"} == set(REJECT_REASONS)
+    # every reason this stage can give is exercised above; non_finite belongs to the capture stage,
+    # duplicate_content to the run's batch stream (tests/test_pipeline.py)
+    assert {r for _, r, _ in REJECTS} | {"template_error", "non_finite", "duplicate_content"} == set(REJECT_REASONS)
     with pytest.raises(ValueError, match="unknown reject reason"):
         Reject(0, "bad_row", "")
 
@@ -300,3 +301,19 @@ def test_bad_arguments(qwen):
         SampleBuilder(qwen, 64, "drop")
     with pytest.raises(ValueError, match="max_length"):
         SampleBuilder(qwen, 0)
+
+
+def test_content_key_is_what_a_sample_is_built_from():
+    from streamx.source import Row
+    from streamx.tokenize import Repeats, content_key
+
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    assert content_key(chat) == content_key({**chat, "id": 7, "source": "x"})  # other fields do not count
+    assert content_key(chat) != content_key({"messages": [*chat["messages"][:1], {"role": "assistant",
+                                                                                   "content": "hello!"}]})
+    ids = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}
+    assert content_key(ids) != content_key({**ids, "loss_mask": [0, 0, 1]})  # the mask is part of the sample
+    assert content_key({"other": 1}) is None and content_key(None) is None
+    rows = [Row(i, r) for i, r in enumerate([chat, ids, {**chat, "id": 1}, {"other": 1}, {"other": 1}, ids])]
+    seen = Repeats()
+    assert seen.of(rows[:3]) == {2} and seen.of(rows[3:]) == {5}  # earlier windows count; unreadable rows never

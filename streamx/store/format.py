@@ -252,6 +252,7 @@ class Commit:
     samples: int = 0
     tokens: int = 0
     trainable_tokens: int = 0
+    duplicates: int = 0  # samples whose content repeats an earlier row's (kept: --skip-duplicates was off)
     rejects: int = 0
     reject_counts: dict[str, int] = field(default_factory=dict)
     reject_examples: dict[str, str] = field(default_factory=dict)  # one example per reason
@@ -270,6 +271,7 @@ class Commit:
         """What was committed after `earlier` (this part's record when a run opened it)."""
         return Commit(samples=self.samples - earlier.samples, tokens=self.tokens - earlier.tokens,
                       trainable_tokens=self.trainable_tokens - earlier.trainable_tokens,
+                      duplicates=self.duplicates - earlier.duplicates,
                       rejects=self.rejects - earlier.rejects,
                       reject_counts={k: n - earlier.reject_counts.get(k, 0) for k, n in self.reject_counts.items()
                                      if n > earlier.reject_counts.get(k, 0)}, closed=self.closed,

@@ -174,6 +174,7 @@ class Store:
             "samples": len(self),
             "tokens": self.num_tokens,
             "trainable_tokens": sum(c.trainable_tokens for c in self.commits.values()),
+            "duplicate_content": sum(c.duplicates for c in self.commits.values()),  # samples repeating an earlier row
             "rejected": sum(counts.values()),
             "reject_counts": counts,
             "reject_examples": examples,
@@ -199,7 +200,9 @@ class Store:
             f"data         {meta.config['data']} (split {meta.config['split']}), max_length {meta.max_length} "
             f"({meta.truncation})",
             f"samples      {summary['samples']:,} committed, {summary['rejected']:,} rejected"
-            + (f", {summary['duplicate_rows']} DUPLICATE rows" if summary["duplicate_rows"] else ""),
+            + (f", {summary['duplicate_rows']} DUPLICATE rows" if summary["duplicate_rows"] else "")
+            + (f"; {summary['duplicate_content']:,} samples repeat an earlier row's content (streamx run "
+               "--skip-duplicates leaves them out)" if summary["duplicate_content"] else ""),
             f"tokens       {summary['tokens']:,} ({summary['trainable_tokens']:,} trainable)",
             f"size         {gb(summary['hidden_state_bytes'])} of {meta.storage} hidden states{scales}, "
             f"{meta.bytes_per_token:,} bytes/token, chunks {meta.chunk_tokens} tokens, shards {meta.shard_tokens} "
