@@ -244,20 +244,24 @@ class WriterStage:
         with self.times.measure("d2h_wait"):
             batch.host.wait()
         with self.times.measure("write"):
-            hidden_bits = self.writer.storage.to_bits(batch.host.hidden)
-            scales = None if batch.host.scales is None else batch.host.scales.numpy()
-            offset = 0
-            for sample, finite in zip(batch.samples, batch.host.finite.tolist(), strict=True):
-                T = len(sample.input_ids)
-                if sample.row_id in self.done:
-                    pass
-                elif finite:
-                    mask = sample.loss_mask.numpy().astype(np.uint8)
-                    self.writer.append(sample.row_id, sample.input_ids.numpy(), mask,
-                                       hidden_bits[offset : offset + T],
-                                       None if scales is None else scales[offset : offset + T], sample.duplicate)
-                    self.rate.accept()
-                else:
-                    self.reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states"))
-                offset += T
-            batch.host.release()
+            try:
+                self._append(batch)
+            finally:  # the pinned buffer goes back to the ring even when the write fails
+                batch.host.release()
+
+    def _append(self, batch: CapturedBatch) -> None:
+        hidden_bits = self.writer.storage.to_bits(batch.host.hidden)
+        scales = None if batch.host.scales is None else batch.host.scales.numpy()
+        offset = 0
+        for sample, finite in zip(batch.samples, batch.host.finite.tolist(), strict=True):
+            T = len(sample.input_ids)
+            if sample.row_id in self.done:
+                pass
+            elif finite:
+                mask = sample.loss_mask.numpy().astype(np.uint8)
+                self.writer.append(sample.row_id, sample.input_ids.numpy(), mask, hidden_bits[offset : offset + T],
+                                   None if scales is None else scales[offset : offset + T], sample.duplicate)
+                self.rate.accept()
+            else:
+                self.reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states"))
+            offset += T

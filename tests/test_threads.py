@@ -42,3 +42,29 @@ def test_items_come_through_until_the_run_stops():
     stop.set()
     assert get(q, stop) == "b"  # what is queued is still handed over; only an empty queue stops a getter
     assert "without an error" in str(first_error([]))
+
+
+def test_a_failed_write_gives_its_host_buffer_back():
+    """On CUDA the model stage waits for a free pinned buffer: one kept by a failed write would be lost."""
+    import torch
+
+    from streamx.metrics import StageTimes
+    from streamx.store import BF16
+    from streamx.tokenize import Sample
+    from streamx.transfer import HostBatch
+    from streamx.writer import CapturedBatch, RejectRate, WriterStage
+
+    class FullDisk:
+        storage = BF16
+
+        def append(self, *args):
+            raise OSError(28, "No space left on device")
+
+    released = []
+    sample = Sample(0, torch.arange(1, 4), torch.ones(3, dtype=torch.int64))
+    host = HostBatch(torch.randn(3, 2, 4).to(torch.bfloat16), torch.ones(1, dtype=torch.bool),
+                     release=lambda: released.append(True))
+    stage = WriterStage(FullDisk(), set(), RejectRate(0.5), StageTimes())
+    with pytest.raises(OSError, match="No space"):
+        stage.write(CapturedBatch([sample], host))
+    assert released == [True]
