@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -232,3 +233,19 @@ def test_a_lock_dies_with_its_process_and_convert_takes_one(tiny_chat_model_dir,
     assert len(list((spec / "hidden_states").iterdir())) == 8
     with Lock(lock_file(str(spec)), "x"):  # a finished convert holds nothing
         pass
+
+
+def test_a_resume_removes_a_killed_writers_temporary_files(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    """kill -9 during a durable write leaves its temporary file beside zarr.json; zarr would warn about it as a
+    stray member on every listing. The next run on the part removes them."""
+    out = tmp_path / "s.zarr"
+    run(small_config(tiny_chat_model_dir, chat_jsonl, out, max_samples=8), progress=False, log=lambda m: None)
+    part = out / "parts" / "part-00000"
+    stale = [part / ".zarr.json.tmp-1-2-dead", part / "sample_row_id" / ".zarr.json.tmp-1-2-dead"]
+    for path in stale:
+        path.write_text("{")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # zarr's "not recognized as a component of a Zarr hierarchy"
+        run(small_config(tiny_chat_model_dir, chat_jsonl, out, max_samples=16), progress=False, log=lambda m: None)
+        assert len(open_store(str(out))) == 16
+    assert not any(p.exists() for p in stale)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zarr
+from zarr.storage import LocalStore
 
 from ..durable import DurableLocalStore
 from ..locks import Lock, lock_file
@@ -142,6 +143,11 @@ class RunStore:
         """This process's part, created when new. Under torchrun, call it only once every rank has read
         `done_rows`: a part being created is not yet readable."""
         parts = self.root.require_group(PARTS)
+        store = self.root.store
+        if name in parts and isinstance(store, LocalStore):  # a killed writer's temporary files (we hold the part)
+            folder = Path(store.root) / PARTS / name
+            for stale in [*folder.glob(".*.tmp-*"), *folder.glob("*/.*.tmp-*")]:
+                stale.unlink()
         return parts[name] if name in parts else create_part(self.root, name, layout)
 
     def totals(self, part: str, commit: Commit, others_wrote: bool) -> tuple[int, int]:
