@@ -19,7 +19,7 @@ from zarr.storage import LocalStore
 from ..durable import DurableLocalStore
 from ..locks import Lock, lock_file
 from .format import PARTS, Commit, Layout, StoreError, StoreMetadata, create_part
-from .reader import Store
+from .reader import RowSet, Store
 
 
 def _writable(path: str) -> str | DurableLocalStore:
@@ -136,7 +136,7 @@ class RunStore:
     with; and the way to its own part."""
 
     root: zarr.Group
-    done_rows: set[int]
+    done_rows: RowSet
     commits: dict[str, Commit]  # each part's record when opened
 
     def part(self, name: str, layout: Layout) -> zarr.Group:

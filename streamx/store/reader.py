@@ -11,7 +11,7 @@ Only what the commit records name is read; the arrays' shapes mean nothing to a 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,25 @@ class SampleIndex:
     parts: np.ndarray  # its part's number (in Store.parts order)
     offsets: np.ndarray  # its first token in that part
     lengths: np.ndarray
+
+
+class RowSet(Collection[int]):
+    """Source row ids as a bitmap, one byte per row up to the largest: what a resume skips, without the
+    Python object per row a set would hold (~60 MB at a million rows, 1 MB here)."""
+
+    def __init__(self, rows: np.ndarray):
+        self.bits = np.zeros(int(rows.max()) + 1 if rows.size else 0, dtype=bool)
+        self.bits[rows] = True
+        self.count = int(self.bits.sum())
+
+    def __contains__(self, row: object) -> bool:
+        return isinstance(row, (int, np.integer)) and 0 <= row < self.bits.size and bool(self.bits[row])
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(np.flatnonzero(self.bits).tolist())
 
 
 class Store:
@@ -158,9 +177,10 @@ class Store:
                                                                            strict=True)]
         return out
 
-    def done_row_ids(self) -> set[int]:
+    def done_row_ids(self) -> RowSet:
         """Rows a resumed run must not process again: committed samples and committed rejects."""
-        return set(self.index.rows.tolist()) | {row for row, _ in self.rejected()}
+        rejects = [part["reject_row_id"][: self.commits[name].rejects] for name, part in self.parts.items()]
+        return RowSet(np.concatenate([self.index.rows, *rejects]))
 
     def summary(self) -> dict[str, Any]:
         counts: dict[str, int] = {}

@@ -75,7 +75,10 @@ class ShardFiles:
     copies and decodes every chunk). A range across two shards is joined (a copy). The index of a shard is
     read once and its checksum checked. For arrays `streamable_dir` accepts only."""
 
-    MAPS = 64  # shard files kept mapped (virtual memory only); a returned view keeps its own map alive
+    # shard files kept mapped: address space only (no descriptor, pages read on use), so many, for training's
+    # shuffled reads (64 remapped 97% of reads over 2k shards, bench/RESULTS.md "Flat costs at scale"); well under
+    # Linux's vm.max_map_count (65530 a process). A returned view keeps its own map alive.
+    MAPS = 4096
 
     def __init__(self, arr: zarr.Array):
         directory = streamable_dir(arr)
