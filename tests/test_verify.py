@@ -15,6 +15,7 @@ from streamx.cli import app
 from streamx.config import load_config
 from streamx.pipeline import run
 from streamx.store import bf16_to_bits, make_layout, open_for_run, open_store, prepare
+from streamx.tokenize import Reject
 from streamx.verify import verify
 from streamx.writer import PartWriter
 
@@ -139,6 +140,16 @@ def test_zero_and_nan_states_are_named_without_the_model(full_store, tmp_path, f
     assert list(failures(report)) == ["states"]
     want = f"row {victim}: id 2 holds NaN or Inf" if fault == "NaN" else f"row {victim}: id 2 is all zero"
     assert failures(report)["states"] == [want]
+
+
+def test_a_row_both_sample_and_reject_is_named(full_store, tmp_path):
+    out = write_store(full_store, tmp_path / "s.zarr", lambda s, x: x)
+    row = int(open_store(out).index.rows[2])
+    meta = open_store(out).metadata
+    writer = PartWriter(open_for_run(out, meta).part("part-00001", make_layout(len(CLAIMED), meta.hidden_size, 16, 64)))
+    writer.reject(Reject(row, "too_long", "x"))
+    writer.close()
+    assert failures(verify(out, use_model=False))["rows"] == [f"row {row} is both a sample and a reject"]
 
 
 def test_a_truncated_part_and_a_duplicated_row_are_named(full_store, tmp_path):
