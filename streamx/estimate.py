@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .batching import iter_windows
 from .config import RunConfig, resolve_layer_ids
 from .metrics import gb
 from .models import model_tokenizer, read_text_config, resolve_model_path
@@ -106,7 +107,9 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
     exact = total is not None and len(rows) == total
     repeats: set[int] = set()
     if count_duplicates and total is not None:
-        repeats = Repeats().of(rows if exact else source)
+        seen = Repeats()
+        for window in iter_windows(rows if exact else source, 1024):
+            repeats |= {row for row, (_, again) in seen.of(window).items() if again}
     samples, tokens, trainable, longest, rejects, duplicates = 0, 0, 0, 0, {}, 0
     for row in rows:
         item = builder(row)

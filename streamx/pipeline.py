@@ -15,7 +15,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +28,7 @@ from .distributed import init_from_env
 from .gather import select_gather_fn
 from .metrics import QueueFill, StageTimes, Throughput, gb
 from .runplan import RunPlan, make_plan
-from .store import SpaceGuard, lock_part, open_for_run, prepare
+from .store import DoneKeys, SpaceGuard, lock_part, open_for_run, prepare
 from .threads import SignalStop, Stopped, Worker, first_error, get, put
 from .tokenize import Reject
 from .transfer import HostTransfer
@@ -146,8 +146,8 @@ class Progress:
 class Pipeline:
     """One process's run: the three stages, the queues between them and what they measure."""
 
-    def __init__(self, plan: RunPlan, writer: PartWriter, done: set[int]):
-        self.plan, self.writer, self.done = plan, writer, done
+    def __init__(self, plan: RunPlan, writer: PartWriter, done: Collection[int], done_keys: DoneKeys | None = None):
+        self.plan, self.writer, self.done, self.done_keys = plan, writer, done, done_keys
         cfg = plan.config
         self.stop = threading.Event()  # a stage failed: every stage gives up
         self.wind_up = threading.Event()  # asked to end early (SIGINT/SIGTERM): no new batches, commit the rest
@@ -160,7 +160,7 @@ class Pipeline:
     def produce(self) -> None:
         """Producer thread: this rank's batches (RunPlan.batch_stream), pinned on CUDA."""
         pin = self.plan.device.type == "cuda"  # pinned batches: host-to-device copies run async
-        for item in self.plan.batch_stream(self.done, times=self.times):
+        for item in self.plan.batch_stream(self.done, times=self.times, done_keys=self.done_keys):
             if self.wind_up.is_set():
                 break
             if isinstance(item, Reject):
@@ -258,7 +258,7 @@ def _run(plan: RunPlan, started: float, progress: bool, log: Callable[[str], Non
         log(f"resuming {cfg.out}: {len(target.done_rows)} rows already committed")
     space = SpaceGuard.for_layout(cfg.out, plan.layout) if cfg.space_check else None
     writer = PartWriter(target.part(rank.part_name, plan.layout), space)
-    pipeline = Pipeline(plan, writer, target.done_rows)
+    pipeline = Pipeline(plan, writer, target.done_rows, target.done_keys)
 
     total = None if plan.source.num_rows is None else max(0, plan.source.num_rows - len(target.done_rows))
     if total is not None and rank.world_size > 1:

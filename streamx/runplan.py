@@ -41,7 +41,7 @@ from .models import (
 from .packing import Packing
 from .packing import configure as configure_packing
 from .source import Row, Source, open_source
-from .store import Compat, Layout, Output, StoreError, StoreMetadata, free_bytes, make_layout
+from .store import Compat, DoneKeys, Layout, Output, StoreError, StoreMetadata, free_bytes, make_layout
 from .tokenize import REJECT_REASONS, Reject, Repeats, Sample, SampleBuilder
 
 
@@ -73,36 +73,48 @@ class RunPlan:
                             packed=self.packing.on if packed is None else packed)
 
     def batch_stream(self, done: Collection[int] = frozenset(), packed: bool | None = None,
-                     times: StageTimes | None = None) -> Iterator[Batch | Reject]:
+                     times: StageTimes | None = None, done_keys: DoneKeys | None = None) -> Iterator[Batch | Reject]:
         """This rank's batches and rejects, in run order: the sorting windows of source rows it owns,
         tokenized and batched (packed as the run does, or as asked). Windows and batches whose rows are
-        all in `done` are left out; a batch with some done rows comes whole (the writer drops those)."""
-        times = times or StageTimes()
-        seen = Repeats()
-        for window in iter_windows(self.source, self.config.sort_window):
+        all in `done` are left out; a batch with some done rows comes whole (the writer drops those).
+        Every row of every window has its content key taken, in source order, so that every rank and every
+        resume agree on which rows repeat an earlier one; with `done_keys` (a resume's, from the store), the
+        windows it holds whole are not even parsed where the source can skip rows (jsonl): their keys come
+        from the store."""
+        times, sort_window, seen = times or StageTimes(), self.config.sort_window, Repeats()
+        rows = self.source if not done_keys else \
+            self.source.rows(skip=done_keys.in_whole_windows(sort_window, self.source.num_rows))
+        next_window = 0
+        for window in iter_windows(rows, sort_window):
+            w = window[0].row_id // sort_window
             with times.measure("source_tokenize"):
-                repeats = seen.of(window)  # every window, owned or done or not: "earlier" is in source order
-            if not self.rank.owns(window[0].row_id // self.config.sort_window):
+                if done_keys:  # the windows the source skipped, in order
+                    seen.add(done_keys.between(next_window * sort_window, w * sort_window))
+                next_window = w + 1
+                keys = seen.of(window)  # every window, owned or done or not: "earlier" is in source order
+            if not self.rank.owns(w):
                 continue
             if all(row.row_id in done for row in window):
                 continue
             with times.measure("source_tokenize"):
-                samples = [self.mark_duplicate(s) if s.row_id in repeats else s for s in self.tokenize(window)]
+                samples = [self.with_key(s, *keys.get(s.row_id, (0, False))) for s in self.tokenize(window)]
             with times.measure("batching"):
                 items = list(self.batches(samples, packed))
             for item in items:
-                rows = [item.row_id] if isinstance(item, Reject) else [s.row_id for s in item.samples]
-                if not all(r in done for r in rows):
+                item_rows = [item.row_id] if isinstance(item, Reject) else [s.row_id for s in item.samples]
+                if not all(r in done for r in item_rows):
                     yield item
 
-    def mark_duplicate(self, sample: Sample | Reject) -> Sample | Reject:
-        """A row whose content repeats an earlier row's: a reject with --skip-duplicates, else a sample marked so."""
-        if isinstance(sample, Reject):
-            return sample
-        if self.config.skip_duplicates:
-            return Reject(sample.row_id, "duplicate_content", "the same content as an earlier row")
-        sample.duplicate = True
-        return sample
+    def with_key(self, item: Sample | Reject, key: int, repeat: bool) -> Sample | Reject:
+        """The item with its row's content key; a sample that repeats an earlier row is marked so, or with
+        --skip-duplicates becomes a reject."""
+        if isinstance(item, Reject):
+            return dataclasses.replace(item, content_key=key)
+        item.content_key = key
+        if repeat and self.config.skip_duplicates:
+            return Reject(item.row_id, "duplicate_content", "the same content as an earlier row", key)
+        item.duplicate = repeat
+        return item
 
     def with_output(self, out: str, overwrite: bool = False) -> RunPlan:
         """The same plan into another store (bench's rounds): nothing is loaded, probed or fingerprinted again."""

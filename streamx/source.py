@@ -32,12 +32,22 @@ class Source:
     """A re-iterable stream of Rows. `num_rows` is None when not cheaply known (hub streams)."""
 
     def __init__(self, name: str, rows: Callable[[], Iterator[Row]], count: Callable[[], int | None],
-                 max_samples: int | None = None, pick: Callable[[Sequence[int]], Iterator[Row]] | None = None):
+                 max_samples: int | None = None, pick: Callable[[Sequence[int]], Iterator[Row]] | None = None,
+                 skipping: Callable[[Callable[[int], bool]], Iterator[Row]] | None = None):
         self.name = name
         self._rows, self._count, self.max_samples, self._pick = rows, count, max_samples, pick
+        self._skipping = skipping
 
     def __iter__(self) -> Iterator[Row]:
         return itertools.islice(self._rows(), self.max_samples)
+
+    def rows(self, skip: Callable[[int], bool]) -> Iterator[Row]:
+        """Every row but those `skip` is true of, which are neither parsed nor yielded where the format allows
+        (jsonl: a resume's done windows); other formats yield every row."""
+        if self._skipping is None:
+            return iter(self)
+        rows = self._skipping(skip)
+        return rows if self.max_samples is None else itertools.takewhile(lambda r: r.row_id < self.max_samples, rows)
 
     def rows_at(self, row_ids: Sequence[int]) -> Iterator[Row]:
         """The rows with these ids (ascending), without parsing the others where the format allows
@@ -115,7 +125,7 @@ def _file_source(path: Path, max_samples: int | None) -> Source:
     suffix = path.suffix.lower()
     if suffix == ".jsonl" or (suffix == ".json" and _first_byte(path) != b"["):
         return Source(str(path), lambda: _jsonl_rows(path), lambda: _count_lines(path, max_samples), max_samples,
-                      lambda row_ids: _jsonl_rows(path, set(row_ids)))
+                      lambda row_ids: _jsonl_rows(path, set(row_ids)), lambda skip: _jsonl_rows(path, skip=skip))
     if suffix == ".json":  # a JSON array has to be parsed whole: use jsonl for large data
         with open(path, "rb") as fh:
             records = json.load(fh)
@@ -141,15 +151,16 @@ def _first_byte(path: Path) -> bytes:
     return b""
 
 
-def _jsonl_rows(path: Path, only: set[int] | None = None) -> Iterator[Row]:
-    """Every row, or only the rows whose ids are in `only` (the others are counted, not parsed)."""
+def _jsonl_rows(path: Path, only: set[int] | None = None, skip: Callable[[int], bool] | None = None) -> Iterator[Row]:
+    """Every row, only the rows whose ids are in `only`, or all but those `skip` is true of (the others are
+    counted, not parsed)."""
     row_id, last = 0, None if only is None else max(only, default=-1)
     with open(path, "rb") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():  # blank lines are not rows
                 continue
-            if only is not None and row_id not in only:
-                if row_id >= last:
+            if (only is not None and row_id not in only) or (skip is not None and skip(row_id)):
+                if only is not None and row_id >= last:
                     return
                 row_id += 1
                 continue

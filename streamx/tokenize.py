@@ -69,17 +69,20 @@ class Repeats:
     def __init__(self) -> None:
         self.keys: set[int] = set()
 
-    def of(self, rows: Iterable[Row]) -> set[int]:
-        """The ids of the rows here whose content an earlier row (here or before) had."""
-        repeats = set()
+    def of(self, rows: Iterable[Row]) -> dict[int, tuple[int, bool]]:
+        """Row id -> (its content key, whether an earlier row, here or before, had it) of the rows here that
+        have a key."""
+        found = {}
         for row in rows:
             key = content_key(row.record)
-            if key is None:
-                continue
-            if key in self.keys:
-                repeats.add(row.row_id)
-            self.keys.add(key)
-        return repeats
+            if key is not None:
+                found[row.row_id] = (key, key in self.keys)
+                self.keys.add(key)
+        return found
+
+    def add(self, keys: Iterable[int]) -> None:
+        """The keys of rows passed without being read (a resume's done windows, from the store)."""
+        self.keys.update(k for k in keys if k)
 
 
 class NoChatTemplateError(ValueError):
@@ -91,7 +94,8 @@ class Sample:
     row_id: int
     input_ids: torch.Tensor  # int64 [T]
     loss_mask: torch.Tensor  # int64 0/1 [T], not shifted: 1 on assistant tokens
-    duplicate: bool = False  # its content repeats an earlier row's (content_key)
+    duplicate: bool = False  # its content repeats an earlier row's
+    content_key: int = 0  # content_key of its row (0: not computed)
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class Reject:
     row_id: int
     reason: str  # one of REJECT_REASONS
     detail: str
+    content_key: int = 0  # content_key of its row (0: none or not computed)
 
     def __post_init__(self):
         if self.reason not in REJECT_REASONS:

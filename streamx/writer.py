@@ -69,7 +69,8 @@ class PartWriter:
             self.sinks[name] = shard_sink(arr, self.flushed)
             if committed > self.flushed:  # the committed part of the last, partial shard
                 self.sinks[name].write(arr[self.flushed : committed])
-        self.pending_samples: list[tuple[int, int, int, int, int]] = []  # row_id, offset, length, trainable, duplicate
+        self.pending_samples: list[tuple[int, int, int, int, int, int]] = []  # row_id, offset, length, trainable,
+        # duplicate, content key
         self.pending_rejects: list[Reject] = []
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamx-commit")
         self._committing: Future | None = None
@@ -77,11 +78,12 @@ class PartWriter:
     # -- appending (the caller's thread)
 
     def append(self, row_id: int, input_ids: np.ndarray, loss_mask: np.ndarray, hidden_bits: np.ndarray,
-               hidden_scales: np.ndarray | None = None, duplicate: bool = False) -> None:
+               hidden_scales: np.ndarray | None = None, duplicate: bool = False, content_key: int = 0) -> None:
         """One sample: its token ids, loss mask, hidden states as stored (bf16 or fp8 bit patterns) and, for fp8
-        storage, its per-token scales; `duplicate`: its content repeats an earlier row's (counted in the commit)."""
+        storage, its per-token scales; `duplicate`: its content repeats an earlier row's (counted in the commit);
+        `content_key`: its row's (tokenize.content_key)."""
         T = len(input_ids)
-        self.pending_samples.append((row_id, self.end, T, int(loss_mask.sum()), int(duplicate)))
+        self.pending_samples.append((row_id, self.end, T, int(loss_mask.sum()), int(duplicate), content_key))
         values = {"hidden_states": hidden_bits, "hidden_states_scales": hidden_scales, "input_ids": input_ids,
                   "loss_mask": loss_mask}
         done = 0
@@ -133,7 +135,7 @@ class PartWriter:
 
     # -- storage (the committer thread)
 
-    def _publish(self, stop: int, finishers: list[Callable[[], None]], samples: list[tuple[int, int, int, int, int]],
+    def _publish(self, stop: int, finishers: list[Callable[[], None]], samples: list[tuple[int, ...]],
                  rejects: list[Reject]) -> None:
         for name in self.sinks:
             self._grow(name, stop)
@@ -157,17 +159,20 @@ class PartWriter:
             arr.resize((self.sizes[name], *arr.shape[1:]))
 
     def _write(self, name: str, start: int, values: np.ndarray) -> None:
+        if name not in self.arrays:  # the content keys, in a part from before streamx recorded them
+            return
         self._grow(name, start + len(values))
         self.arrays[name][start : start + len(values)] = values
 
-    def _commit(self, samples: list[tuple[int, int, int, int, int]], rejects: list[Reject]) -> None:
+    def _commit(self, samples: list[tuple[int, ...]], rejects: list[Reject]) -> None:
         if not samples and not rejects:
             return
         c = self.commit
         if samples:
-            rows, offsets, lengths, trainable, duplicates = (np.array(col, dtype=np.int64)
-                                                             for col in zip(*samples, strict=True))
-            for name, values in zip(SAMPLE_ARRAYS, (rows, offsets, lengths), strict=True):
+            columns = list(zip(*samples, strict=True))
+            rows, offsets, lengths, trainable, duplicates = (np.array(col, dtype=np.int64) for col in columns[:5])
+            keys = np.array(columns[5], dtype=np.uint64)
+            for name, values in zip(SAMPLE_ARRAYS, (rows, offsets, lengths, keys), strict=True):
                 self._write(name, c.samples, values)
             c.samples += len(samples)
             c.tokens = int(offsets[-1] + lengths[-1])
@@ -178,6 +183,7 @@ class PartWriter:
             codes = np.array([REJECT_REASONS.index(r.reason) for r in rejects], dtype=REJECT_ARRAYS["reject_reason"])
             self._write("reject_row_id", c.rejects, rows)
             self._write("reject_reason", c.rejects, codes)
+            self._write("reject_content_key", c.rejects, np.array([r.content_key for r in rejects], dtype=np.uint64))
             c.rejects += len(rejects)
             for r in rejects:
                 c.reject_counts[r.reason] = c.reject_counts.get(r.reason, 0) + 1
@@ -260,8 +266,10 @@ class WriterStage:
             elif finite:
                 mask = sample.loss_mask.numpy().astype(np.uint8)
                 self.writer.append(sample.row_id, sample.input_ids.numpy(), mask, hidden_bits[offset : offset + T],
-                                   None if scales is None else scales[offset : offset + T], sample.duplicate)
+                                   None if scales is None else scales[offset : offset + T], sample.duplicate,
+                                   sample.content_key)
                 self.rate.accept()
             else:
-                self.reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states"))
+                self.reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states",
+                                   sample.content_key))
             offset += T

@@ -321,3 +321,34 @@ def test_duplicates_are_counted_or_skipped_the_same_on_resume(tiny_chat_model_di
     run(small_config(tiny_chat_model_dir, data, resumed, skip_duplicates=True), progress=False)
     assert_same_samples(skipped, resumed)
     assert open_store(str(resumed)).summary()["reject_counts"] == {"duplicate_content": len(repeats)}
+
+
+def test_a_resume_does_not_parse_the_rows_it_holds(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
+    """The windows a store holds whole are skipped unparsed (their content keys come from the store), and the
+    resumed store is the uninterrupted one; a part from before streamx recorded content keys resumes too, by
+    parsing every row."""
+    import shutil
+    import types
+
+    import streamx.source as source_module
+
+    data, repeats = chats_with_repeats(chat_jsonl, tmp_path / "data.jsonl")
+    rows = len(open(data).read().splitlines())
+    reference = tmp_path / "ref.zarr"
+    run(small_config(tiny_chat_model_dir, data, reference, skip_duplicates=True), progress=False)
+    parsed = []
+    counting = types.SimpleNamespace(loads=lambda line: parsed.append(line) or json.loads(line), load=json.load)
+    monkeypatch.setattr(source_module, "json", counting)  # the source's parsing only
+    for name, drop_keys in (("resumed.zarr", False), ("old.zarr", True)):
+        out = tmp_path / name
+        first = small_config(tiny_chat_model_dir, data, out, skip_duplicates=True, max_samples=min(repeats) + 5)
+        run(first, progress=False)
+        if drop_keys:  # as a part written before the content keys were
+            for array in ("sample_content_key", "reject_content_key"):
+                shutil.rmtree(out / "parts" / "part-00000" / array)
+        parsed.clear()
+        run(small_config(tiny_chat_model_dir, data, out, skip_duplicates=True, space_check=False), progress=False)
+        whole = (min(repeats) + 5) // 16 * 16  # the windows (16 rows) the first run committed whole
+        assert len(parsed) == (rows if drop_keys else rows - whole), name
+        assert_same_samples(reference, out)
+        assert open_store(str(out)).summary()["reject_counts"] == {"duplicate_content": len(repeats)}

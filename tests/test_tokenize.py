@@ -316,4 +316,10 @@ def test_content_key_is_what_a_sample_is_built_from():
     assert content_key({"other": 1}) is None and content_key(None) is None
     rows = [Row(i, r) for i, r in enumerate([chat, ids, {**chat, "id": 1}, {"other": 1}, {"other": 1}, ids])]
     seen = Repeats()
-    assert seen.of(rows[:3]) == {2} and seen.of(rows[3:]) == {5}  # earlier windows count; unreadable rows never
+    first, second = seen.of(rows[:3]), seen.of(rows[3:])
+    assert [r for r, (_, again) in {**first, **second}.items() if again] == [2, 5]  # earlier windows count
+    assert sorted({**first, **second}) == [0, 1, 2, 5]  # rows without content have no key
+    assert first[2][0] == first[0][0] == content_key(chat) and second[5][0] == content_key(ids)
+    passed = Repeats()
+    passed.add([content_key(chat), 0])  # keys of rows a resume did not read
+    assert passed.of(rows[2:3]) == {2: (content_key(chat), True)}

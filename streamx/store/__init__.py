@@ -24,11 +24,12 @@ from .format import (
     storage_named,
 )
 from .prepare import Output, RunStore, lock_part, open_for_run, prepare
-from .reader import SampleIndex, Store, StoredSample, open_store, to_json
+from .reader import DoneKeys, RowSet, SampleIndex, Store, StoredSample, open_store, to_json
 from .space import SpaceGuard, free_bytes
 
 __all__ = [
-    "BF16", "FP8_STORAGE", "PARTS", "STORAGES", "Commit", "Compat", "Layout", "Output", "RunStore", "SampleIndex",
+    "BF16", "FP8_STORAGE", "PARTS", "STORAGES", "Commit", "Compat", "DoneKeys", "Layout", "Output", "RowSet",
+    "RunStore", "SampleIndex",
     "SpaceGuard", "Storage", "Store", "StoreError", "StoreMetadata", "StoredSample", "bf16_to_bits", "create_part",
     "free_bytes", "lock_part", "make_layout", "open_for_run", "open_store", "prepare", "storage_named", "to_json",
 ]

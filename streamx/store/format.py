@@ -9,8 +9,10 @@
         sample_row_id  int64  [N]         source row of each sample
         sample_offset  int64  [N]         first token of each sample in this part
         sample_length  int64  [N]
+        sample_content_key uint64 [N]     its row's content key (tokenize.content_key; 0: none)
         reject_row_id  int64  [R]
         reject_reason  uint8  [R]         index into metadata["reject_reasons"]
+        reject_content_key uint64 [R]
 
 Only the prefixes named by a part's commit record are valid: anything beyond was written by
 a run that stopped before committing it and is overwritten on resume. Readers use the read API
@@ -37,8 +39,12 @@ READABLE_FORMATS = ("streamx-store/1", STORE_FORMAT)
 PARTS = "parts"
 GROUP_DOCUMENTS = 3  # zarr.json of the store, of parts/ and of the part
 INDEX_CHUNK = 65536  # entries per chunk of the per-sample / per-reject index arrays
-SAMPLE_ARRAYS = {"sample_row_id": "int64", "sample_offset": "int64", "sample_length": "int64"}
-REJECT_ARRAYS = {"reject_row_id": "int64", "reject_reason": "uint8"}
+# each entry's content key (tokenize.content_key; 0: none, e.g. an unreadable row): what a resume needs of the
+# rows it does not read again. Parts written before streamx 0.4 lack the two key arrays (CONTENT_KEY_ARRAYS).
+SAMPLE_ARRAYS = {"sample_row_id": "int64", "sample_offset": "int64", "sample_length": "int64",
+                 "sample_content_key": "uint64"}
+REJECT_ARRAYS = {"reject_row_id": "int64", "reject_reason": "uint8", "reject_content_key": "uint64"}
+CONTENT_KEY_ARRAYS = ("sample_content_key", "reject_content_key")
 TOKEN_ID_ARRAYS = {"input_ids": "int64", "loss_mask": "uint8"}
 SCALE_DTYPE = "float32"  # hidden_states_scales, one per token (fp8 storage)
 

@@ -19,7 +19,7 @@ from zarr.storage import LocalStore
 from ..durable import DurableLocalStore
 from ..locks import Lock, lock_file
 from .format import PARTS, Commit, Layout, StoreError, StoreMetadata, create_part
-from .reader import RowSet, Store
+from .reader import DoneKeys, RowSet, Store
 
 
 def _writable(path: str) -> str | DurableLocalStore:
@@ -138,6 +138,7 @@ class RunStore:
     root: zarr.Group
     done_rows: RowSet
     commits: dict[str, Commit]  # each part's record when opened
+    done_keys: DoneKeys | None  # the done rows' content keys (None: a part from before streamx recorded them)
 
     def part(self, name: str, layout: Layout) -> zarr.Group:
         """This process's part, created when new. Under torchrun, call it only once every rank has read
@@ -164,4 +165,4 @@ def open_for_run(path: str, metadata: StoreMetadata, root: zarr.Group | None = N
         root = zarr.open_group(_writable(path), mode="r+")
         _check_compatible(root, path, metadata)
     store = Store(path, root)
-    return RunStore(root, store.done_row_ids(), dict(store.commits))
+    return RunStore(root, store.done_row_ids(), dict(store.commits), store.done_keys())

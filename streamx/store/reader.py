@@ -22,7 +22,7 @@ import zarr
 
 from .. import __version__
 from ..metrics import gb
-from .format import PARTS, READABLE_FORMATS, Commit, StoreError, StoreMetadata
+from .format import CONTENT_KEY_ARRAYS, PARTS, READABLE_FORMATS, Commit, StoreError, StoreMetadata
 from .shards import ShardFiles, streamable_dir
 
 
@@ -62,6 +62,33 @@ class RowSet(Collection[int]):
 
     def __iter__(self) -> Iterator[int]:
         return iter(np.flatnonzero(self.bits).tolist())
+
+
+@dataclass(frozen=True)
+class DoneKeys:
+    """The content keys of a store's committed rows (samples and rejects), by row id: what a resume needs of
+    the rows it does not read again (RunPlan.batch_stream)."""
+
+    rows: np.ndarray  # int64, ascending, each once
+    keys: np.ndarray  # uint64, the key of each (0: none)
+
+    def in_whole_windows(self, sort_window: int, num_rows: int | None) -> Callable[[int], bool]:
+        """Whether a row lies in a sorting window whose every row is committed (`num_rows`: the source's rows,
+        for the size of its last window)."""
+        counts = np.bincount(self.rows // sort_window) if self.rows.size else np.zeros(0, dtype=np.int64)
+        expected = np.full(counts.size, sort_window)
+        if num_rows is not None and counts.size and (num_rows - 1) // sort_window == counts.size - 1:
+            expected[-1] = num_rows - (counts.size - 1) * sort_window
+        whole = counts >= expected
+        return lambda row: row // sort_window < whole.size and bool(whole[row // sort_window])
+
+    def __len__(self) -> int:
+        return self.rows.size
+
+    def between(self, a: int, b: int) -> np.ndarray:
+        """The keys of the committed rows a..b-1."""
+        i, j = np.searchsorted(self.rows, [a, b])
+        return self.keys[i:j]
 
 
 class Store:
@@ -176,6 +203,20 @@ class Store:
             out += [(int(r), reasons[int(c)]) for r, c in zip(part["reject_row_id"][:n], part["reject_reason"][:n],
                                                                            strict=True)]
         return out
+
+    def done_keys(self) -> DoneKeys | None:
+        """The committed rows' content keys, or None when a part was written before streamx recorded them."""
+        if not all(name in part for part in self.parts.values() for name in CONTENT_KEY_ARRAYS):
+            return None
+        rows, keys = [self.index.rows], [np.concatenate([part["sample_content_key"][: self.commits[name].samples]
+                                                         for name, part in self.parts.items()] or [np.zeros(0)])]
+        for name, part in self.parts.items():
+            n = self.commits[name].rejects
+            rows.append(part["reject_row_id"][:n])
+            keys.append(part["reject_content_key"][:n])
+        rows, keys = np.concatenate(rows), np.concatenate(keys).astype(np.uint64)
+        unique, first = np.unique(rows, return_index=True)
+        return DoneKeys(unique, keys[first])
 
     def done_row_ids(self) -> RowSet:
         """Rows a resumed run must not process again: committed samples and committed rejects."""
