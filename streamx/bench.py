@@ -192,7 +192,8 @@ def run_mode(mode: str, work: Workload, scratch: Path, r: int) -> tuple[dict[str
             return forward_only(plan.model, work.padded_batches, plan.device), None
     if mode == "streamx":
         store = scratch / f"round{r}.zarr"
-        summary = run(plan.with_output(str(store), overwrite=True), progress=False, log=lambda m: None)
+        summary = run(plan.with_output(str(store), overwrite=True), progress=False, log=lambda m: None,
+                      wind_up_on_signals=False)
         written = _dir_bytes(store)
         shutil.rmtree(store)  # a round's store can be GBs: keep one at a time
         return {"bytes_written": written}, summary

@@ -234,20 +234,22 @@ class Pipeline:
         return seconds
 
 
-def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str], None] = print) -> RunSummary:
+def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str], None] = print,
+        wind_up_on_signals: bool = True) -> RunSummary:
     """Run the pipeline into config.out: a RunConfig is planned first (model loaded); a RunPlan is used as is.
     The process holds its part of the store for the whole run (streamx.locks), taken before the model
-    loads. SIGINT and SIGTERM end it early with what was written committed (`RunSummary.stopped_by`)."""
+    loads. SIGINT and SIGTERM end it early with what was written committed (`RunSummary.stopped_by`), unless
+    `wind_up_on_signals` is off (a caller that runs many short runs, as bench, lets Ctrl-C stop it at once)."""
     started = time.perf_counter()
     if not progress:
         transformers.utils.logging.disable_progress_bar()  # its weight-loading bar too
     cfg, rank = (config.config, config.rank) if isinstance(config, RunPlan) else (config, init_from_env())
     with lock_part(cfg.out, rank.part_name):
         plan = config if isinstance(config, RunPlan) else make_plan(config, log=log)
-        return _run(plan, started, progress, log)
+        return _run(plan, started, progress, log, wind_up_on_signals)
 
 
-def _run(plan: RunPlan, started: float, progress: bool, log: Callable[[str], None]) -> RunSummary:
+def _run(plan: RunPlan, started: float, progress: bool, log: Callable[[str], None], signals: bool) -> RunSummary:
     cfg, rank = plan.config, plan.rank
     # rank 0 creates (or checks and reopens) the store before any other rank opens it
     root = prepare(cfg.out, plan.metadata, cfg.overwrite) if rank.is_main else None
@@ -264,7 +266,8 @@ def _run(plan: RunPlan, started: float, progress: bool, log: Callable[[str], Non
     if total is not None and rank.world_size > 1:
         total = -(-total // rank.world_size)  # about this rank's share
     desc = "streamx run" if rank.world_size == 1 else f"streamx run [rank {rank.rank}]"
-    with Progress(pipeline.counts, total, desc, disable=not progress), SignalStop(pipeline.wind_up, log) as signals:
+    with Progress(pipeline.counts, total, desc, disable=not progress), \
+            SignalStop(pipeline.wind_up, log, enabled=signals) as stop:
         pipeline.run()
     rank.barrier()  # the store is complete when every rank has closed its part
     written = writer.this_run()
@@ -279,5 +282,5 @@ def _run(plan: RunPlan, started: float, progress: bool, log: Callable[[str], Non
         seconds=time.perf_counter() - started, stage_seconds=pipeline.stage_seconds(),
         queue_fill={name: fill.mean for name, fill in pipeline.fill.items()},
         store_samples=store_samples, store_tokens=store_tokens, rank=rank.rank,
-        stopped_by=signals.signal.name if signals.signal else None,
+        stopped_by=stop.signal.name if stop.signal else None,
     )

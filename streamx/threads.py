@@ -75,13 +75,13 @@ class SignalStop:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, requested: threading.Event, log: Callable[[str], None]):
-        self.requested, self.log = requested, log
+    def __init__(self, requested: threading.Event, log: Callable[[str], None], enabled: bool = True):
+        self.requested, self.log, self.enabled = requested, log, enabled
         self.signal: signal.Signals | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> SignalStop:
-        if threading.current_thread() is threading.main_thread():
+        if self.enabled and threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
