@@ -75,10 +75,13 @@ class ShardFiles:
     copies and decodes every chunk). A range across two shards is joined (a copy). The index of a shard is
     read once and its checksum checked. For arrays `streamable_dir` accepts only."""
 
-    # shard files kept mapped: address space only (no descriptor, pages read on use), so many, for training's
-    # shuffled reads (64 remapped 97% of reads over 2k shards, bench/RESULTS.md "Flat costs at scale"); well under
-    # Linux's vm.max_map_count (65530 a process). A returned view keeps its own map alive.
+    # shard files kept mapped, up to MAPS files and MAP_BYTES: a map costs no descriptor and its pages are read on
+    # use, but the pages read count in the process's RSS (page cache, reclaimable) until it is unmapped. Small
+    # shards get many maps for shuffled reads (64 remapped 97% of reads over 2k shards, bench/RESULTS.md "Flat
+    # costs at scale"); 256 MiB shards a few, where one remap is small beside one sample's read. A returned view
+    # keeps its own map alive.
     MAPS = 4096
+    MAP_BYTES = 1 << 30
 
     def __init__(self, arr: zarr.Array):
         directory = streamable_dir(arr)
@@ -89,6 +92,7 @@ class ShardFiles:
         self.token_shape, self.dtype = tuple(arr.shape[1:]), np.dtype(arr.dtype)
         self.token_nbytes = int(np.prod(self.token_shape, dtype=np.int64)) * self.dtype.itemsize
         self._maps: OrderedDict[int, tuple[mmap.mmap, np.ndarray]] = OrderedDict()  # shard -> (map, index)
+        self._mapped = 0  # bytes
 
     def read(self, a: int, b: int) -> np.ndarray:
         """Tokens a..b (within what the commit covers), as a view of the shard files where they lie in one."""
@@ -120,8 +124,9 @@ class ShardFiles:
         if len(raw) != size or np.frombuffer(checksum, "<u4")[0] != google_crc32c.value(table):
             raise OSError(f"{path}: the shard index does not match its checksum")
         self._maps[shard] = (mapped, np.frombuffer(table, "<u8").reshape(chunks, 2))
-        if len(self._maps) > self.MAPS:
-            self._maps.popitem(last=False)
+        self._mapped += len(mapped)
+        while len(self._maps) > 1 and (len(self._maps) > self.MAPS or self._mapped > self.MAP_BYTES):
+            self._mapped -= len(self._maps.popitem(last=False)[1][0])
         return self._maps[shard]
 
     def _runs(self, index: np.ndarray, a: int, b: int) -> list[tuple[int, int, int]]:
