@@ -185,8 +185,8 @@ def convert(
         "backend (python -m streamx.speculators_backend; docs/speculators.md), no second copy of the states. Or the "
         "hs files' states: bf16, or fp8 (speculators' fp8 backend: half the bytes; an fp8 store's own bytes, a bf16 "
         "store's quantised). Default: files in the store's storage."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Empty --out first, whatever it holds (another "
-                                   "conversion, other files)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the conversion in --out: the folder is "
+                                   "emptied first (a folder of other files is never touched)."),
     workers: int = typer.Option(4, help="Threads reading the store and writing files."),
     allow_random_weights: bool = typer.Option(False, "--allow-random-weights", help="Convert a store made with "
                                               "--random-weights anyway (for testing the output, not for training)."),

@@ -12,12 +12,16 @@ as a stray member of the store, and --overwrite, which deletes the folder, would
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
 import sys
 import time
+import warnings
 from pathlib import Path
+
+_UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOLCK}  # flock not offered by the filesystem
 
 
 class LockedError(RuntimeError):
@@ -37,7 +41,14 @@ class Lock:
             raise OSError(f"cannot lock {what} ({path}): {err.strerror or err}") from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as err:
+            if err.errno in _UNSUPPORTED:  # e.g. Lustre mounted without -o flock: run, but say so
+                warnings.warn(f"{path}: this filesystem has no flock ({err.strerror}); nothing stops a second "
+                              f"process writing {what}", stacklevel=2)
+                return
+            if not isinstance(err, BlockingIOError):
+                self.release()
+                raise OSError(f"cannot lock {what} ({path}): {err.strerror or err}") from None
             holder = os.pread(self.fd, 1024, 0).decode(errors="replace").strip() or "a process that did not say"
             self.release()
             raise LockedError(f"{what} is being written by another process ({holder}); wait for it to end or stop "

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import transformers
@@ -151,6 +152,7 @@ class Pipeline:
         cfg = plan.config
         self.stop = threading.Event()  # a stage failed: every stage gives up
         self.wind_up = threading.Event()  # asked to end early (SIGINT/SIGTERM): no new batches, commit the rest
+        self.cut_short = threading.Event()  # a stage did stop early for it (not set when the data ran out first)
         self.batches: queue.Queue = queue.Queue(maxsize=cfg.queue_batches)
         self.to_write: queue.Queue = queue.Queue(maxsize=cfg.queue_batches)
         self.times = StageTimes()
@@ -162,6 +164,7 @@ class Pipeline:
         pin = self.plan.device.type == "cuda"  # pinned batches: host-to-device copies run async
         for item in self.plan.batch_stream(self.done, times=self.times, done_keys=self.done_keys):
             if self.wind_up.is_set():
+                self.cut_short.set()
                 break
             if isinstance(item, Reject):
                 self.counts.tokenized(rows=1, tokens=0)
@@ -185,7 +188,7 @@ class Pipeline:
                 gather(states, slot, hidden, token_index)
 
         with LayerCapture(plan.model, plan.layer_ids, timed_gather) as capture:
-            while (item := get(self.batches, self.stop)) is not None and not self.wind_up.is_set():
+            while (item := self.next_batch()) is not None:
                 self.fill["batches"].record()
                 if isinstance(item, Reject):
                     put(self.to_write, item, self.stop)
@@ -207,11 +210,24 @@ class Pipeline:
                 self.counts.padded_tokens += item.padded_tokens
         put(self.to_write, None, self.stop)
 
+    def next_batch(self) -> Any:
+        """The producer's next item; None at the end of the data, or at once when asked to wind up."""
+        try:
+            item = get(self.batches, self.stop, self.wind_up)
+        except Stopped:
+            if self.stop.is_set():
+                raise
+            item = False  # winding up, and nothing came meanwhile
+        if item is not None and self.wind_up.is_set():
+            self.cut_short.set()
+            return None
+        return item
+
     def run(self) -> None:
         stage = WriterStage(self.writer, self.done, RejectRate(self.plan.config.max_reject_fraction), self.times)
         producer = Worker("streamx-producer", self.produce, self.stop)
-        writer = Worker("streamx-writer", lambda: stage.run(self.to_write, self.stop, self.fill["to_write"]),
-                        self.stop)
+        writer = Worker("streamx-writer", lambda: stage.run(self.to_write, self.stop, self.fill["to_write"],
+                                                            self.cut_short), self.stop)
         producer.start()
         writer.start()
         finished = False
@@ -282,5 +298,5 @@ def _run(plan: RunPlan, started: float, progress: bool, log: Callable[[str], Non
         seconds=time.perf_counter() - started, stage_seconds=pipeline.stage_seconds(),
         queue_fill={name: fill.mean for name, fill in pipeline.fill.items()},
         store_samples=store_samples, store_tokens=store_tokens, rank=rank.rank,
-        stopped_by=stop.signal.name if stop.signal else None,
+        stopped_by=stop.signal.name if stop.signal and pipeline.cut_short.is_set() else None,
     )

@@ -218,5 +218,6 @@ def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, l
         reject_reasons=list(REJECT_REASONS),
         compat=Compat(model=info.weights_fingerprint, compute_dtype=info.dtype, layer_ids=layer_ids,
                       tokenization=builder.fingerprint, data=config.data, split=config.split,
-                      storage=layout.storage.name, packing=packing.setting),
+                      storage=layout.storage.name, packing=packing.setting,
+                      skip_duplicates=config.skip_duplicates),
     )

@@ -69,20 +69,22 @@ class TokenColumns(Protocol):
 def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool, hs_files: bool = True
             ) -> dict[str, Any] | None:
     """Make `out` ready for the conversion `identity` names: returns its meta when `out` already holds
-    it complete; raises FileExistsError when `out` holds anything else (unless `overwrite`). `hs_files`:
-    the conversion writes one per row (else store_rows.npy)."""
+    it complete; raises FileExistsError when `out` holds another conversion (unless `overwrite`, which
+    empties it) or files that are not a conversion (always: --overwrite never empties a folder streamx did
+    not make, such as a home folder). `hs_files`: the conversion writes one per row (else store_rows.npy)."""
     meta_path, plan = out / META, out / WORK / "plan.json"
     found = None
     if out.exists() and any(out.iterdir()):
         record = meta_path if meta_path.exists() else plan
         found = json.loads(record.read_text()) if record.exists() else None
+        if found is None:
+            raise FileExistsError(f"{out} holds files that are not a streamx conversion; choose an empty or new --out")
         if overwrite:
             _clear(out)
             found = None
-        elif found is None or found["identity"] != identity:
-            what = "files that are not a streamx conversion" if found is None else \
-                "a conversion of another store, seed, row set or hidden-state dtype"
-            raise FileExistsError(f"{out} holds {what}; pass --overwrite to replace it or choose another --out")
+        elif found["identity"] != identity:
+            raise FileExistsError(f"{out} holds a conversion of another store, seed, row set or hidden-state dtype; "
+                                  "pass --overwrite to replace it or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     if hs_files:
         (out / HS_DIR).mkdir(exist_ok=True)
@@ -110,7 +112,7 @@ def _complete(out: Path, rows: int, hs_files: bool) -> bool:
 
 
 def _clear(out: Path) -> None:
-    """--overwrite: empty the folder (its lock file lies beside it)."""
+    """--overwrite of a conversion: empty the folder, files put there since included (its lock lies beside it)."""
     for path in out.iterdir():
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)

@@ -51,13 +51,14 @@ def put(q: queue.Queue, item: Any, stop: threading.Event) -> None:
     raise Stopped
 
 
-def get(q: queue.Queue, stop: threading.Event) -> Any:
-    """Get, waiting for an item; raises Stopped if the run stops while the queue is empty."""
+def get(q: queue.Queue, stop: threading.Event, *also: threading.Event) -> Any:
+    """Get, waiting for an item; raises Stopped if the run stops (or one of `also` is set) while the queue is
+    empty."""
     while True:
         try:
             return q.get(timeout=POLL_SECONDS)
         except queue.Empty:
-            if stop.is_set():
+            if stop.is_set() or any(e.is_set() for e in also):
                 raise Stopped from None
 
 
@@ -87,7 +88,8 @@ class SignalStop:
 
     def __exit__(self, *exc: object) -> None:
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            if handler is not None:  # None: a handler installed from C, which Python cannot put back
+                signal.signal(s, handler)
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.requested.is_set():

@@ -62,8 +62,9 @@ def content_key(record: dict | None) -> int | None:
 
 
 class Repeats:
-    """Which rows repeat an earlier row's content (content_key), row after row in source order.
-    Every rank and every resume sees every row, so all of them agree on which is first. Memory: one 64-bit
+    """Which rows repeat an earlier row's content (content_key), row after row in source order. Every
+    rank and every resume passes every row, read or (a resume's done windows) with its key from the store,
+    so all of them agree on which is first. Memory: one 64-bit
     key per distinct row (a Python set, ~60 bytes each: ~60 MB at a million rows)."""
 
     def __init__(self) -> None:

@@ -99,12 +99,13 @@ class PartWriter:
     def reject(self, reject: Reject) -> None:
         self.pending_rejects.append(reject)
 
-    def close(self) -> None:
-        """Write the last partial shard, commit everything and trim the arrays to the commit."""
+    def close(self, complete: bool = True) -> None:
+        """Write the last partial shard, commit everything and trim the arrays to the commit; `complete`: the
+        run got to the end of its data (else the part stays open for a resume, as after a kill)."""
         self._end_shard(self.end - self.flushed)
         self.wait_committed()
         self._committer.shutdown()
-        self.commit.closed = True
+        self.commit.closed = complete
         for name, arr in self.arrays.items():
             n = self._committed_size(name)
             if arr.shape[0] != n:
@@ -226,14 +227,16 @@ class WriterStage:
     def __init__(self, writer: PartWriter, done: Collection[int], rate: RejectRate, times: StageTimes):
         self.writer, self.done, self.rate, self.times = writer, done, rate, times
 
-    def run(self, items: queue.Queue, stop: threading.Event, fill: QueueFill | None = None) -> None:
+    def run(self, items: queue.Queue, stop: threading.Event, fill: QueueFill | None = None,
+            cut_short: threading.Event | None = None) -> None:
+        """`cut_short` set when the sentinel comes: the run stopped before the end of its data."""
         while True:
             item = get(items, stop)
             if fill is not None:
                 fill.record()
             if item is None:
                 with self.times.measure("write"):
-                    self.writer.close()
+                    self.writer.close(complete=cut_short is None or not cut_short.is_set())
                 return
             if isinstance(item, Reject):
                 self.reject(item)

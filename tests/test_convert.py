@@ -211,13 +211,19 @@ def test_other_conversion_in_out_is_refused_unless_overwrite(tiny_store, tmp_pat
     assert a.pop("streamx_meta.json") != b.pop("streamx_meta.json") and a == b
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
-    with pytest.raises(ConvertError, match="not a streamx conversion"):
-        convert(tiny_store, str(tmp_path / "other"), progress=False)
-    convert(tiny_store, str(tmp_path / "other"), seed=1, overwrite=True, progress=False)
-    c = tree(tmp_path / "other")  # emptied first: nothing unrelated is left beside the conversion
-    assert "notes.txt" not in c and c.keys() - {"streamx_meta.json"} == b.keys()
+    for overwrite in (False, True):  # a folder streamx did not make is never emptied
+        with pytest.raises(ConvertError, match="not a streamx conversion"):
+            convert(tiny_store, str(tmp_path / "other"), progress=False, overwrite=overwrite)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+    (out / "notes.txt").write_text("put there since")  # inside a conversion: --overwrite empties it
+    (out / "hidden_states" / "hs_999.safetensors").write_bytes(b"stale")
+    convert(tiny_store, str(out), seed=1, overwrite=True, progress=False)
+    c = tree(out)
     c.pop("streamx_meta.json")
     assert c == b
+    with pytest.raises(ConvertError, match="holds the store"):  # --out around the store would delete it
+        convert(tiny_store, str(Path(tiny_store).parent), overwrite=True, progress=False)
+    assert open_store(tiny_store).row_ids().size
 
 
 def test_invalid_samples_are_skipped_and_reported(tiny_store, tmp_path):

@@ -206,6 +206,8 @@ def test_a_signal_commits_the_partial_shard(tiny_chat_model_dir, long_chats, tmp
     assert proc.returncode == 128 + sig, stderr[-2000:]
     assert f"stopped by {sig.name}" in stdout
     assert 0 < assert_committed_as_reference(reference, out) < ROWS
+    assert not open_store(str(out)).commits["part-00000"].closed  # open for the resume, as after a kill
+    assert "interrupted" in cli("inspect", str(out)).stdout
     assert cli(*args).returncode == 0
     assert_same_samples(reference, out)
 
@@ -249,3 +251,16 @@ def test_a_resume_removes_a_killed_writers_temporary_files(tiny_chat_model_dir, 
         run(small_config(tiny_chat_model_dir, chat_jsonl, out, max_samples=16), progress=False, log=lambda m: None)
         assert len(open_store(str(out))) == 16
     assert not any(p.exists() for p in stale)
+
+
+def test_a_filesystem_without_flock_runs_with_a_warning(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with pytest.warns(UserWarning, match="no flock"):
+        with Lock(tmp_path / ".x.streamx-lock", "x"):
+            pass

@@ -302,7 +302,7 @@ def test_duplicates_are_counted_or_skipped_the_same_on_resume(tiny_chat_model_di
     assert repeats
     kept = run(small_config(tiny_chat_model_dir, data, tmp_path / "kept.zarr"), progress=False)
     store = open_store(str(tmp_path / "kept.zarr"))
-    assert kept.duplicates == len(repeats) == store.summary()["duplicate_content"] and kept.samples == rows
+    assert kept.duplicates == len(repeats) == store.summary()["duplicate_content_kept"] and kept.samples == rows
     first = {json.dumps(json.loads(line)["messages"]): i for i, line in reversed(list(enumerate(open(data))))}
     for row in repeats:  # a repeat's sample is its first occurrence's, bit for bit
         original = first[json.dumps(json.loads(open(data).read().splitlines()[row])["messages"])]
@@ -314,6 +314,8 @@ def test_duplicates_are_counted_or_skipped_the_same_on_resume(tiny_chat_model_di
     summary = run(small_config(tiny_chat_model_dir, data, skipped, skip_duplicates=True), progress=False)
     assert summary.reject_counts == {"duplicate_content": len(repeats)} and summary.duplicates == 0
     assert sorted(open_store(str(skipped)).row_ids().tolist()) == sorted(set(range(rows)) - repeats)
+    with pytest.raises(RuntimeError, match="incompatible run.*skip_duplicates"):  # no mixing on a resume
+        run(small_config(tiny_chat_model_dir, data, skipped), progress=False)
     # resumed from a first run that ends before the repeats: the rows it committed still count as earlier
     resumed = tmp_path / "resumed.zarr"
     before = small_config(tiny_chat_model_dir, data, resumed, skip_duplicates=True, max_samples=min(repeats))

@@ -341,3 +341,25 @@ def test_shard_files_read_what_zarr_reads(tmp_path, samples, layout):
     shard.write_bytes(bytes(data))
     with pytest.raises(OSError, match="the shard index does not match its checksum"):
         ShardFiles(part["hidden_states"]).read(0, 4)
+
+
+def test_shard_files_read_from_many_threads(tmp_path, samples):
+    """convert's threads share one store's maps: every read right, the mapped bytes counted right."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from streamx.store.shards import ShardFiles
+
+    path = tmp_path / "s.zarr"
+    writer = open_writer(path, LAYOUT)
+    for s in samples * 8:
+        append(writer, s)
+    writer.close()
+    arr = Store(str(path)).parts["part-00000"]["hidden_states"]
+    files, n = ShardFiles(arr), arr.shape[0]
+    files.MAP_BYTES = 3 * 2 ** 12  # a few maps: constant eviction
+    ranges = [(a, min(n, a + 5)) for a in np.random.default_rng(0).integers(0, n - 1, 400).tolist()]
+    expected = [arr[a:b] for a, b in ranges]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda r: files.read(*r).copy(), ranges))
+    assert all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert files._mapped == sum(len(m) for m, _ in files._maps.values())

@@ -157,10 +157,12 @@ class Compat:
     split: str
     storage: str = "bf16"
     packing: str = "off"  # on or off: packed and padded forwards round differently, so a resume must not mix them
+    skip_duplicates: bool = False  # a resume must not mix kept repeats with left-out ones
 
     def differences(self, theirs: dict[str, Any]) -> list[str]:
         ours = asdict(self)
-        theirs = {"storage": BF16.name, "packing": "off", **theirs}  # records from before fp8 storage and packing
+        # records from before fp8 storage, packing and --skip-duplicates
+        theirs = {"storage": BF16.name, "packing": "off", "skip_duplicates": False, **theirs}
         return [f"{k}: store has {theirs.get(k)!r}, this run {ours.get(k)!r}"
                 for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
 
@@ -262,7 +264,7 @@ class Commit:
     rejects: int = 0
     reject_counts: dict[str, int] = field(default_factory=dict)
     reject_examples: dict[str, str] = field(default_factory=dict)  # one example per reason
-    closed: bool = False  # set by a clean close(); False: the part was interrupted
+    closed: bool = False  # set by a close() at the end of the data; False: interrupted (killed, or stopped by a signal)
     updated: str | None = None
 
     def to_json(self) -> dict[str, Any]:

@@ -147,7 +147,7 @@ class RunStore:
         store = self.root.store
         if name in parts and isinstance(store, LocalStore):  # a killed writer's temporary files (we hold the part)
             folder = Path(store.root) / PARTS / name
-            for stale in [*folder.glob(".*.tmp-*"), *folder.glob("*/.*.tmp-*")]:
+            for stale in folder.rglob(".*.tmp-*"):
                 stale.unlink()
         return parts[name] if name in parts else create_part(self.root, name, layout)
 

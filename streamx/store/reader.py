@@ -73,8 +73,8 @@ class DoneKeys:
     keys: np.ndarray  # uint64, the key of each (0: none)
 
     def in_whole_windows(self, sort_window: int, num_rows: int | None) -> Callable[[int], bool]:
-        """Whether a row lies in a sorting window whose every row is committed (`num_rows`: the source's rows,
-        for the size of its last window)."""
+        """A predicate: does a row lie in a sorting window whose every row is committed (`num_rows`: the
+        source's rows, for the size of its last window)."""
         counts = np.bincount(self.rows // sort_window) if self.rows.size else np.zeros(0, dtype=np.int64)
         expected = np.full(counts.size, sort_window)
         if num_rows is not None and counts.size and (num_rows - 1) // sort_window == counts.size - 1:
@@ -235,7 +235,7 @@ class Store:
             "samples": len(self),
             "tokens": self.num_tokens,
             "trainable_tokens": sum(c.trainable_tokens for c in self.commits.values()),
-            "duplicate_content": sum(c.duplicates for c in self.commits.values()),  # samples repeating an earlier row
+            "duplicate_content_kept": sum(c.duplicates for c in self.commits.values()),  # samples repeating a row
             "rejected": sum(counts.values()),
             "reject_counts": counts,
             "reject_examples": examples,
@@ -262,8 +262,8 @@ class Store:
             f"({meta.truncation})",
             f"samples      {summary['samples']:,} committed, {summary['rejected']:,} rejected"
             + (f", {summary['duplicate_rows']} DUPLICATE rows" if summary["duplicate_rows"] else "")
-            + (f"; {summary['duplicate_content']:,} samples repeat an earlier row's content (streamx run "
-               "--skip-duplicates leaves them out)" if summary["duplicate_content"] else ""),
+            + (f"; {summary['duplicate_content_kept']:,} samples repeat an earlier row's content (streamx run "
+               "--skip-duplicates leaves them out)" if summary["duplicate_content_kept"] else ""),
             f"tokens       {summary['tokens']:,} ({summary['trainable_tokens']:,} trainable)",
             f"size         {gb(summary['hidden_state_bytes'])} of {meta.storage} hidden states{scales}, "
             f"{meta.bytes_per_token:,} bytes/token, chunks {meta.chunk_tokens} tokens, shards {meta.shard_tokens} "

@@ -15,6 +15,7 @@ import json
 import mmap
 import os
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -93,6 +94,7 @@ class ShardFiles:
         self.token_nbytes = int(np.prod(self.token_shape, dtype=np.int64)) * self.dtype.itemsize
         self._maps: OrderedDict[int, tuple[mmap.mmap, np.ndarray]] = OrderedDict()  # shard -> (map, index)
         self._mapped = 0  # bytes
+        self._lock = threading.Lock()  # convert's threads read one store at once
 
     def read(self, a: int, b: int) -> np.ndarray:
         """Tokens a..b (within what the commit covers), as a view of the shard files where they lie in one."""
@@ -111,6 +113,10 @@ class ShardFiles:
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def _map(self, shard: int) -> tuple[mmap.mmap, np.ndarray]:
+        with self._lock:
+            return self._mapped_shard(shard)
+
+    def _mapped_shard(self, shard: int) -> tuple[mmap.mmap, np.ndarray]:
         if shard in self._maps:
             self._maps.move_to_end(shard)
             return self._maps[shard]
@@ -123,11 +129,11 @@ class ShardFiles:
         table, checksum = raw[:-_CHECKSUM_BYTES], raw[-_CHECKSUM_BYTES:]
         if len(raw) != size or np.frombuffer(checksum, "<u4")[0] != google_crc32c.value(table):
             raise OSError(f"{path}: the shard index does not match its checksum")
-        self._maps[shard] = (mapped, np.frombuffer(table, "<u8").reshape(chunks, 2))
+        entry = self._maps[shard] = (mapped, np.frombuffer(table, "<u8").reshape(chunks, 2))
         self._mapped += len(mapped)
         while len(self._maps) > 1 and (len(self._maps) > self.MAPS or self._mapped > self.MAP_BYTES):
             self._mapped -= len(self._maps.popitem(last=False)[1][0])
-        return self._maps[shard]
+        return entry
 
     def _runs(self, index: np.ndarray, a: int, b: int) -> list[tuple[int, int, int]]:
         """(file offset, first token, end token) of the reads covering tokens a..b of a shard (tokens relative
