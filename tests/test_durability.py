@@ -243,8 +243,10 @@ def test_a_resume_removes_a_killed_writers_temporary_files(tiny_chat_model_dir, 
     out = tmp_path / "s.zarr"
     run(small_config(tiny_chat_model_dir, chat_jsonl, out, max_samples=8), progress=False, log=lambda m: None)
     part = out / "parts" / "part-00000"
-    stale = [part / ".zarr.json.tmp-1-2-dead", part / "sample_row_id" / ".zarr.json.tmp-1-2-dead"]
+    stale = [part / ".zarr.json.tmp-1-2-dead", part / "sample_row_id" / ".zarr.json.tmp-1-2-dead",
+             part / "sample_row_id" / "c" / ".0.tmp-1-2-dead"]  # a chunk's, a level deeper
     for path in stale:
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("{")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # zarr's "not recognized as a component of a Zarr hierarchy"
@@ -264,3 +266,21 @@ def test_a_filesystem_without_flock_runs_with_a_warning(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="no flock"):
         with Lock(tmp_path / ".x.streamx-lock", "x"):
             pass
+
+
+def test_a_signal_after_the_last_batch_changes_nothing(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
+    """Ctrl-C while the writer closes a run whose data is all through: the run ends as usual, complete."""
+    from streamx.writer import PartWriter
+
+    close = PartWriter.close
+
+    def close_after_a_signal(self, complete=True):
+        os.kill(os.getpid(), signal.SIGINT)  # handled on the main thread, which waits for the writer
+        time.sleep(0.5)
+        close(self, complete)
+
+    monkeypatch.setattr(PartWriter, "close", close_after_a_signal)
+    out = tmp_path / "s.zarr"
+    summary = run(small_config(tiny_chat_model_dir, chat_jsonl, out, max_samples=8), progress=False, log=lambda m: None)
+    assert summary.stopped_by is None and summary.samples == 8
+    assert open_store(str(out)).commits["part-00000"].closed
