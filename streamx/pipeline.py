@@ -217,11 +217,11 @@ class Pipeline:
         except Stopped:
             if self.stop.is_set():
                 raise
-            item = False  # winding up, and nothing came meanwhile
-        if item is not None and self.wind_up.is_set():
-            self.cut_short.set()
-            return None
-        return item
+        else:
+            if item is None or not self.wind_up.is_set():
+                return item
+        self.cut_short.set()  # winding up: this batch and the rest are left for the resume
+        return None
 
     def run(self) -> None:
         stage = WriterStage(self.writer, self.done, RejectRate(self.plan.config.max_reject_fraction), self.times)
