@@ -16,15 +16,16 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origi
 
 import typer
 
-from .config import RunConfig, StorageName, load_config
+from .config import RegenerateConfig, RunConfig, StorageName, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Stream a causal LM's selected hidden states over a chat dataset into a Zarr store "
                        "for speculative-decoding drafter training.")
 
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML file of run settings, e.g. "
-                                                    "configs/default.yaml; flags override it.")]
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML file of settings, e.g. "
+                                                    "configs/default.yaml (run) or configs/regenerate.yaml; flags "
+                                                    "override it.")]
 
 
 def _option_type(hint: Any) -> Any:
@@ -34,35 +35,43 @@ def _option_type(hint: Any) -> Any:
     return hint
 
 
-def with_run_settings(command: Callable[..., None]) -> Callable[..., None]:
-    """Give a command one option per RunConfig field (its declared help, the default shown) plus --config.
-    The command's first parameter receives the RunConfig: defaults < --config < flags."""
-    own = list(signature(command).parameters.values())[1:]
-    hints = get_type_hints(RunConfig)
-    defaults = RunConfig().to_dict()
-    settings = []
-    for f in fields(RunConfig):
-        kind = _option_type(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
-        decl = f"{flag}/--no-{flag[2:]}" if kind is bool else flag
-        value = defaults[f.name]
-        default = "unset" if value is None else str(value).lower() if kind is bool else str(value)
-        option = typer.Option(None, decl, help=f"{f.metadata['help']}  [default: {default}]", show_default=False)
-        settings.append(Parameter(f.name, Parameter.KEYWORD_ONLY, default=option, annotation=Optional[kind]))
-    config = Parameter("config", Parameter.KEYWORD_ONLY, default=None, annotation=ConfigOpt)
+def with_settings(cls: type) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command one option per field of the settings class `cls` (RunConfig, RegenerateConfig: its declared
+    help, the default shown) plus --config. The command's first parameter receives the settings: defaults <
+    --config < flags."""
 
-    @functools.wraps(command)
-    def wrapper(*, config: Path | None = None, **options: Any) -> None:
-        overrides = {f.name: options.pop(f.name) for f in fields(RunConfig)}
-        try:
-            run_config = load_config(config, **overrides)
-        except Exception as err:  # noqa: BLE001 - a bad setting is one line for the user
-            _fail(err)
-        command(run_config, **options)
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        own = list(signature(command).parameters.values())[1:]
+        hints = get_type_hints(cls)
+        defaults = cls().to_dict()
+        settings = []
+        for f in fields(cls):
+            kind = _option_type(hints[f.name])
+            flag = "--" + f.name.replace("_", "-")
+            decl = f"{flag}/--no-{flag[2:]}" if kind is bool else flag
+            value = defaults[f.name]
+            default = "unset" if value is None else str(value).lower() if kind is bool else str(value)
+            option = typer.Option(None, decl, help=f"{f.metadata['help']}  [default: {default}]", show_default=False)
+            settings.append(Parameter(f.name, Parameter.KEYWORD_ONLY, default=option, annotation=Optional[kind]))
+        config = Parameter("config", Parameter.KEYWORD_ONLY, default=None, annotation=ConfigOpt)
 
-    own = [p.replace(kind=Parameter.KEYWORD_ONLY) for p in own]
-    wrapper.__signature__ = Signature([config, *settings, *own])
-    return wrapper
+        @functools.wraps(command)
+        def wrapper(*, config: Path | None = None, **options: Any) -> None:
+            overrides = {f.name: options.pop(f.name) for f in fields(cls)}
+            try:
+                loaded = load_config(config, cls, **overrides)
+            except Exception as err:  # noqa: BLE001 - a bad setting is one line for the user
+                _fail(err)
+            command(loaded, **options)
+
+        own = [p.replace(kind=Parameter.KEYWORD_ONLY) for p in own]
+        wrapper.__signature__ = Signature([config, *settings, *own])
+        return wrapper
+
+    return decorate
+
+
+with_run_settings = with_settings(RunConfig)
 
 
 def _fail(err: BaseException) -> None:
@@ -99,6 +108,28 @@ def run(
         _fail(err)
     typer.echo("\n".join(summary.lines()))
     if summary.stopped_by:  # the shell's convention for a process ended by a signal: 128 + its number
+        raise typer.Exit(128 + signal.Signals[summary.stopped_by].value)
+
+
+@app.command()
+@with_settings(RegenerateConfig)
+def regenerate(
+    cfg: RegenerateConfig,
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress: a live bar on a terminal, "
+                                  "a status line every 30 s in a log."),
+) -> None:
+    """Let the target model write every assistant turn of the data again, turn by turn on its own earlier replies,
+    into a .jsonl that `streamx run --data` reads. Re-running resumes (every row exactly once); rows that fail
+    go to OUT.errors.jsonl and are tried again by the next run. Ctrl-C or SIGTERM finishes the rows in flight and
+    exits 130 / 143."""
+    from .regenerate import regenerate as run_regenerate
+
+    try:
+        summary = run_regenerate(cfg, progress=progress, log=_log)
+    except Exception as err:  # noqa: BLE001 - every failure is one line for the user
+        _fail(err)
+    typer.echo("\n".join(summary.lines()))
+    if summary.stopped_by:
         raise typer.Exit(128 + signal.Signals[summary.stopped_by].value)
 
 

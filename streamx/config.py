@@ -3,14 +3,15 @@
 Every setting is declared once, here, with its type and help: the CLI's options are generated from
 these fields (streamx.cli), and a choice typed as a Literal is validated and listed by the CLI too.
 The defaults are the embedded default run; configs/default.yaml spells them out (a test keeps the
-two equal), so `--config configs/default.yaml` and no --config at all run the same."""
+two equal), so `--config configs/default.yaml` and no --config at all run the same. `streamx regenerate`
+has its own settings, RegenerateConfig, declared the same way (configs/regenerate.yaml)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -20,6 +21,19 @@ Kernel = Literal["auto", "torch", "triton"]
 Compressor = Literal["none", "zstd", "shuffle-lz4", "shuffle-zstd", "bitshuffle-lz4", "bitshuffle-zstd"]
 StorageName = Literal["bf16", "fp8"]
 PackingSetting = Literal["on", "off"]
+Thinking = Literal["auto", "on", "off"]
+Reasoning = Literal["keep", "drop"]
+TruncatedTurns = Literal["keep", "drop-turn", "drop-row"]
+
+
+def check_choices(settings: Any) -> None:
+    """The Literal-typed settings hold one of their choices, for configs from YAML and Python (the CLI checks
+    them too)."""
+    hints = get_type_hints(type(settings))
+    for f in fields(settings):
+        choices = get_args(hints[f.name]) if get_origin(hints[f.name]) is Literal else None
+        if choices and getattr(settings, f.name) not in choices:
+            raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(settings, f.name)!r}")
 
 
 def setting(default: Any, help: str) -> Any:
@@ -93,11 +107,7 @@ class RunConfig:
         self.validate()
 
     def validate(self) -> None:
-        hints = get_type_hints(RunConfig)
-        for f in fields(self):  # the Literal settings, for configs from YAML and Python (the CLI checks them too)
-            choices = get_args(hints[f.name]) if get_origin(hints[f.name]) is Literal else None
-            if choices and getattr(self, f.name) not in choices:
-                raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+        check_choices(self)
         for name in ("max_length", "token_budget", "max_batch_size", "sort_window", "queue_batches"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
@@ -121,8 +131,79 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
 
-def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
-    """The defaults, then the YAML file when one is given, then overrides.
+@dataclass
+class RegenerateConfig:
+    """The settings of `streamx regenerate` (streamx.regenerate): the target model answers the prompts of a
+    chat dataset, turn by turn, and the rows it writes are what `streamx run --data` reads."""
+
+    # what to run
+    data: str = setting("chatterbot:english", "Conversations to regenerate: any source `streamx run` reads with "
+                        "messages or conversations rows.")
+    split: str = setting("train", "Dataset split (datasets names and directories).")
+    max_samples: int | None = setting(None, "Use only the first N rows of the source.")
+    out: str = setting("streamx-out/regenerated.jsonl", "Output .jsonl file, one row per conversation. An existing "
+                       "file of the same settings is resumed: rows already in it are not generated again.")
+    overwrite: bool = setting(False, "Delete an existing output (and its side files) and start over.")
+    model: str | None = setting(None, "The target model. With --endpoint: the name the server knows it by (unset: "
+                                "the one model the server lists). Without: a hub id, local HF directory or "
+                                "'smollm2-135m-instruct' (unset: the embedded default), run in this process.")
+    # engines
+    endpoint: list[str] | None = setting(None, "An OpenAI-compatible server (vllm serve, SGLang, transformers "
+                                         "serve), e.g. http://localhost:8000/v1; repeat it to share the load over "
+                                         "several. Unset: the model runs in this process through transformers.")
+    concurrency: int = setting(8, "Conversations in flight: requests at once over all endpoints, or the batch size "
+                               "of the in-process engine.")
+    timeout: float = setting(600.0, "Seconds to wait for one response before retrying it.")
+    retries: int = setting(5, "Retries of a request that failed with 408/429/5xx or a connection error, with "
+                           "exponential backoff over the endpoints; then the run stops, naming the server.")
+    return_token_ids: bool = setting(False, "Ask the server for the token ids it used and generated (vLLM's "
+                                     "return_token_ids): rows then carry input_ids + loss_mask exactly as generated. "
+                                     "The in-process engine always writes them.")
+    device: str = setting("auto", "In-process engine: auto (CUDA when present), cpu, cuda, cuda:N.")
+    dtype: str = setting("auto", "In-process engine: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, "
+                         "float16.")
+    # sampling
+    max_tokens: int = setting(1024, "Most tokens generated per assistant turn; a turn that reaches it is truncated "
+                              "(finish reason length).")
+    temperature: float | None = setting(None, "Sampling temperature; 0 = greedy. Unset: the model's own "
+                                        "generation config (what it is deployed with).")
+    top_p: float | None = setting(None, "Nucleus sampling; unset: the model's own generation config.")
+    seed: int = setting(0, "Seed of sampling; each turn's seed is derived from it, the row id and the turn, so a "
+                       "resumed or reordered run asks for the same samples.")
+    thinking: Thinking = setting("auto", "Reasoning models: on or off (the chat template's enable_thinking), or "
+                                 "auto (the template's default).")
+    reasoning: Reasoning = setting("keep", "The reasoning text a reply comes with: keep it in the history sent for "
+                                   "later turns and in the output (where the template renders it, it is trained "
+                                   "on), or drop it.")
+    truncated: TruncatedTurns = setting("keep", "A turn that hit --max-tokens: keep it, drop-turn (the row ends "
+                                        "before it), or drop-row (to the side file).")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        for name in ("concurrency", "max_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.retries < 0 or self.timeout <= 0:
+            raise ValueError(f"retries must be >= 0 and timeout > 0; got {self.retries}, {self.timeout}")
+        if self.max_samples is not None and self.max_samples < 0:
+            raise ValueError(f"max_samples must be >= 0; got {self.max_samples}")
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0; got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
+        if isinstance(self.endpoint, str):  # one endpoint from YAML or Python
+            self.endpoint = [self.endpoint]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+Settings = TypeVar("Settings", RunConfig, RegenerateConfig)
+
+
+def load_config(path: str | Path | None = None, cls: type[Settings] = RunConfig, **overrides: Any) -> Settings:
+    """The defaults of `cls` (RunConfig or RegenerateConfig), then the YAML file when one is given, then
+    overrides.
 
     Overrides whose value is None are ignored, so CLI flags left unset keep the file's value."""
     values: dict[str, Any] = {}
@@ -134,13 +215,13 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
         if not isinstance(values, dict):
             raise ValueError(f"{path}: expected a mapping of config fields")
     values.update({k: v for k, v in overrides.items() if v is not None})
-    known = {f.name for f in fields(RunConfig)}
+    known = {f.name for f in fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown config field(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    if isinstance(values.get("layers"), list):
+    if cls is RunConfig and isinstance(values.get("layers"), list):
         values["layers"] = ",".join(str(i) for i in values["layers"])
-    return RunConfig(**values)
+    return cls(**values)
 
 
 def resolve_layer_ids(layers: str, num_layers: int) -> list[int]:

@@ -12,7 +12,6 @@ main thread raises it; whatever was committed stays committed and a re-run resum
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -21,13 +20,12 @@ from typing import Any
 
 import torch
 import transformers
-from tqdm import tqdm
 
 from .capture import LayerCapture, sample_is_finite
 from .config import RunConfig
 from .distributed import init_from_env
 from .gather import select_gather_fn
-from .metrics import QueueFill, StageTimes, Throughput, gb
+from .metrics import Progress, QueueFill, StageTimes, Throughput, gb
 from .runplan import RunPlan, make_plan
 from .store import DoneKeys, SpaceGuard, lock_part, open_for_run, prepare
 from .threads import SignalStop, Stopped, Worker, first_error, get, put
@@ -87,61 +85,6 @@ class RunSummary:
             f"next: streamx inspect {self.out}   |   streamx convert {self.out} --out SPEC_DIR (speculators training "
             f"data)   |   python: streamx.open_store({self.out!r}).sample(row_id)",
         ]
-
-
-class Progress:
-    """Rows done, tokens/s, padding efficiency and a token-driven ETA, redrawn every `interval` seconds even
-    while a long batch runs: a live bar on a terminal; elsewhere (Slurm, nohup, CI logs) one plain,
-    newline-ended status line every `interval` seconds (default 30), so a log file gets readable lines."""
-
-    def __init__(self, counts: Throughput, total_rows: int | None, desc: str, disable: bool,
-                 interval: float | None = None, terminal: bool | None = None):
-        self.counts, self.total_rows, self.desc, self.disable = counts, total_rows, desc, disable
-        self.terminal = sys.stderr.isatty() if terminal is None else terminal
-        self.interval = interval if interval is not None else 1.0 if self.terminal else 30.0
-        self.started = time.perf_counter()
-        self.bar = tqdm(total=total_rows, unit="row", desc=desc, disable=disable or not self.terminal,
-                        dynamic_ncols=True,
-                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rows [{elapsed}{postfix}]")
-        self._stop = threading.Event()
-        self._ticker = threading.Thread(target=self._tick, name="streamx-progress", daemon=True)
-
-    def __enter__(self) -> Progress:
-        if not self.disable:
-            self._ticker.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if not self.disable:
-            self.draw()
-        self.bar.close()
-
-    def status(self) -> str:
-        """tokens/s, padding efficiency and ETA, as the bar's postfix."""
-        c = self.counts
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
-        parts = [f"{c.real_tokens / elapsed:,.0f} tok/s"]
-        if c.padded_tokens:
-            parts.append(f"pad eff {c.real_tokens / c.padded_tokens:.1%}")
-        eta = c.eta_seconds(self.total_rows, elapsed)
-        if eta is not None:
-            parts.append(f"ETA {tqdm.format_interval(eta)}")
-        return ", ".join(parts)
-
-    def draw(self) -> None:
-        if self.terminal:
-            self.bar.n = self.counts.rows
-            self.bar.set_postfix_str(self.status())  # and redraws
-            return
-        total = f"/{self.total_rows:,}" if self.total_rows is not None else ""
-        elapsed = tqdm.format_interval(time.perf_counter() - self.started)
-        print(f"{self.desc}: {self.counts.rows:,}{total} rows [{elapsed}, {self.status()}]", file=sys.stderr,
-              flush=True)
-
-    def _tick(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.draw()
 
 
 class Pipeline:

@@ -41,7 +41,9 @@ REJECT_REASONS = (
 
 # OpenAI `messages` roles and ShareGPT `conversations` speakers, to chat-template roles
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
-         "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "model": "assistant"}
+         "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "model": "assistant", "tool": "tool"}
+# message fields besides role and content that chat templates read: passed through as they are
+TEMPLATE_FIELDS = ("reasoning_content", "tool_calls", "tool_call_id", "name")
 
 
 CONTENT_FIELDS = ("input_ids", "messages", "conversations", "text")  # what SampleBuilder builds from, in its order
@@ -198,10 +200,15 @@ class SampleBuilder:
         cursor = 0
         for i in turns:
             content = messages[i]["content"].strip()  # templates may strip it
-            start = text.find(content, max(cursor, self._turn_start(messages, i, text)))
+            turn_start = max(cursor, self._turn_start(messages, i, text))
+            start = text.find(content, turn_start)
             if start < 0:
                 raise _Rejected("template_mismatch", f"assistant message {i} not found in the rendered chat template")
             cursor = start + len(content)
+            # reasoning the model wrote before its answer is trained on where the template renders it
+            reasoning = (messages[i].get("reasoning_content") or "").strip()
+            thought = text.find(reasoning, turn_start, start) if reasoning else -1
+            start = thought if thought >= 0 else start
             k = bisect.bisect_right(ends, start)  # first token ending after the content starts
             while k < len(ids) and offsets[k][0] < cursor:
                 mask[k] = 1
@@ -240,9 +247,14 @@ def _messages(turns) -> list[dict]:
         content = t.get("content") if t.get("content") is not None else t.get("value")
         if not isinstance(role, str) or role.lower() not in ROLES:
             raise _Rejected("unknown_role", f"message {i} has role {role!r}")
+        if content is None and t.get("tool_calls"):  # an assistant turn that only calls tools
+            content = ""
         if not isinstance(content, str):
             raise _Rejected("non_string_content", f"message {i} ({role}) content is {type(content).__name__}")
-        out.append({"role": ROLES[role.lower()], "content": content})
+        extra = {k: t[k] for k in TEMPLATE_FIELDS if t.get(k) is not None}
+        if not isinstance(extra.get("reasoning_content", ""), str):
+            raise _Rejected("non_string_content", f"message {i} ({role}) reasoning_content is not a string")
+        out.append({"role": ROLES[role.lower()], "content": content, **extra})
     return out
 
 

@@ -16,7 +16,7 @@ from streamx.models import EMBEDDED_MODEL, cache_dir, load_model, resolve_model_
 # Tests that load the embedded model (directly or through a fixture built on it), build the
 # speculators venv or start an S3 server are integration tests: `pytest -m "not integration"` runs
 # the rest (stages on plain Python objects and tiny in-memory models) in seconds.
-INTEGRATION_FIXTURES = {"smollm2_dir", "speculators_python", "s3_env"}
+INTEGRATION_FIXTURES = {"smollm2_dir", "speculators_python", "s3_env", "chat_server"}
 
 
 def pytest_configure(config):
@@ -134,3 +134,51 @@ def speculators_venv(speculators_python):
         return subprocess.run([speculators_python, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
     return run
+
+
+class ChatServer:
+    """`transformers serve` (transformers' `serving` extra) on a free localhost port with one model preloaded:
+    the OpenAI-compatible server `streamx regenerate` is tested against. `kill()` ends it at once."""
+
+    def __init__(self, model_dir: str, log_path):
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.model = model_dir
+        self.log = open(log_path, "w")
+        exe = shutil.which("transformers") or os.path.join(os.path.dirname(sys.executable), "transformers")
+        self.proc = subprocess.Popen([exe, "serve", model_dir, "--host", "127.0.0.1", "--port", str(self.port),
+                                      "--device", "cpu", "--log-level", "warning"], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        self._wait_healthy(timeout=180)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        import time
+        import urllib.request
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"transformers serve exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"transformers serve did not answer in {timeout} s; see {self.log.name}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def chat_server(smollm2_dir, tmp_path_factory):
+    """One `transformers serve` of the embedded model for the session's regenerate tests."""
+    server = ChatServer(smollm2_dir, tmp_path_factory.mktemp("server") / "serve.log")
+    yield server
+    server.kill()

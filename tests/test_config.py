@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from streamx.config import RunConfig, check_layer_ids, load_config, resolve_layer_ids
+from streamx.config import RegenerateConfig, RunConfig, check_layer_ids, load_config, resolve_layer_ids
 
 
 def test_presets_for_qwen3_8b():
@@ -57,3 +57,16 @@ def test_the_defaults_are_declared_once_and_the_yaml_spells_them_out():
     defaults = RunConfig().to_dict()
     assert spelled and {k: defaults[k] for k in spelled} == spelled
     assert load_config(path) == load_config(None) == RunConfig()
+
+
+def test_regenerate_settings_are_declared_once_and_the_yaml_spells_them_out():
+    path = Path(__file__).resolve().parent.parent / "configs" / "regenerate.yaml"
+    spelled = yaml.safe_load(path.read_text())
+    defaults = RegenerateConfig().to_dict()
+    assert spelled and {k: defaults[k] for k in spelled} == spelled
+    assert load_config(path, RegenerateConfig) == RegenerateConfig()
+    assert load_config(None, RegenerateConfig, endpoint="http://a:1/v1").endpoint == ["http://a:1/v1"]
+    with pytest.raises(ValueError, match="truncated must be one of keep, drop-turn, drop-row"):
+        load_config(None, RegenerateConfig, truncated="cut")
+    with pytest.raises(ValueError, match="unknown config field"):
+        load_config(None, RegenerateConfig, layers="eagle3")  # a run setting

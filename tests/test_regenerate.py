@@ -1,0 +1,435 @@
+"""`streamx regenerate`: the target model's own assistant turns, multi-turn on-policy, exactly once.
+
+Against a real OpenAI-compatible server (`transformers serve` of the embedded model, on localhost) and the
+in-process engine; the references are independent: the tokenizer's own rendering of the output's messages,
+and an unbatched greedy `generate` of each turn's prompt."""
+
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ChatServer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from streamx.config import RegenerateConfig, load_config
+from streamx.engines import Endpoints, Request, RowError, Sampling, ServerDown, api_base, parse_reply
+from streamx.regenerate import RowFile, conversation, exact_tokens, plan_turns, regenerate, side_files
+from streamx.source import Row, open_source
+from streamx.store import open_store
+from streamx.tokenize import SampleBuilder
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+BAD_ROWS = [{"text": "a text row"}, {"messages": [{"role": "system", "content": "only a system prompt"}]},
+            {"messages": [{"role": "critic", "content": "?"}]}]
+BAD_REASONS = {"not_a_conversation", "no_prompt", "unknown_role", "malformed_json"}
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory) -> Path:
+    """Real chatterbot conversations, 1 to 3 joined into multi-turn chats, one ending on a user turn, and bad
+    rows (a text row, a system prompt alone, an unknown role, a line that is not JSON) between them."""
+    rows = [r.record for r in open_source("chatterbot:english")]
+    out, i = [], 40
+    while len(out) < 8:
+        n = 1 + len(out) % 3
+        out.append({"id": f"chat-{len(out)}", "messages": [m for r in rows[i: i + n] for m in r["messages"]]})
+        i += n
+    out[5]["messages"].append({"role": "user", "content": "And what else?"})  # a prompt to answer at the end
+    lines = [json.dumps(r) for r in out[:3]] + [json.dumps(b) for b in BAD_ROWS] + ["{not json"]
+    lines += [json.dumps(r) for r in out[3:]]
+    path = tmp_path_factory.mktemp("regen") / "chats.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def settings(data, out, **more) -> RegenerateConfig:
+    return load_config(None, RegenerateConfig, **{"data": str(data), "out": str(out), "max_tokens": 12,
+                                                   "temperature": 0.0, **more})
+
+
+def read_rows(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def assistant_prompts(messages):
+    """Each generated turn's history: the messages before each assistant message."""
+    return [messages[:i] for i, m in enumerate(messages) if m["role"] == "assistant"]
+
+
+def cli(*args, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "streamx", "regenerate", "--no-progress", *args], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+# ---- the plan of a conversation, on plain Python objects ----
+
+def test_the_plan_keeps_prompts_and_tool_results_and_regenerates_every_answer():
+    calls = [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+             {"id": "b", "type": "function", "function": {"name": "g", "arguments": "{}"}}]
+    sharegpt = [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"}, {"from": "gpt", "value": "old"},
+                {"from": "human", "value": "Q2"}]
+    items, tools = plan_turns({"conversations": sharegpt, "tools": [{"type": "function"}]})
+    assert items == [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, None,
+                     {"role": "user", "content": "Q2"}, None]  # a trailing user turn is answered too
+    assert tools == [{"type": "function"}]
+    items, _ = plan_turns({"messages": [{"role": "user", "content": "Q"},
+                                        {"role": "assistant", "content": None, "tool_calls": calls},
+                                        {"role": "tool", "content": "1", "tool_call_id": "a"},
+                                        {"role": "tool", "content": "2", "tool_call_id": "b"},
+                                        {"role": "assistant", "content": "old"}]})
+    assert items[1]["tool_calls"] == calls and [m and m["role"] for m in items] == [
+        "user", "assistant", "tool", "tool", None]  # parallel calls and their results kept, the answer regenerated
+
+
+@pytest.mark.parametrize("record, reason", [
+    ({"text": "t"}, "not_a_conversation"), ({"input_ids": [1, 2]}, "not_a_conversation"),
+    ({"messages": []}, "empty_conversation"), ({"messages": [{"role": "system", "content": "S"}]}, "no_prompt"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, "unknown_role"),
+    ({"messages": [{"role": "user", "content": 3}]}, "non_string_content"), ([1], "unrecognised_row"),
+])
+def test_rows_that_cannot_be_regenerated_say_why(record, reason):
+    with pytest.raises(RowError) as err:
+        plan_turns(record)
+    assert err.value.reason == reason
+
+
+def reply(text, finish="stop", reasoning=None, ids=None):
+    from streamx.engines import Reply
+    prompt, completion = ids or (None, None)
+    return Reply(text, reasoning, None, finish, 5, 3, prompt, completion)
+
+
+def run_conversation(record, replies, cfg):
+    """Drive conversation() with scripted replies; returns (output or error, the requests it made)."""
+    conv, requests = conversation(Row(7, record), cfg), []
+    try:
+        requests.append(next(conv))
+        for r in replies:
+            requests.append(conv.send(r))
+    except StopIteration as done:
+        return done.value, requests
+    except RowError as err:
+        return err, requests
+    raise AssertionError("the conversation asked for more turns than scripted")
+
+
+TWO_TURNS = {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+                          {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]}
+
+
+def test_later_turns_are_conditioned_on_the_models_own_replies_and_reasoning_is_kept_or_dropped(tmp_path):
+    cfg = settings("x", tmp_path / "o.jsonl")
+    done, requests = run_conversation(TWO_TURNS, [reply("new 1", reasoning="thought 1"), reply("new 2")], cfg)
+    assert requests[1].messages == [{"role": "user", "content": "Q1"},
+                                    {"role": "assistant", "content": "new 1", "reasoning_content": "thought 1"},
+                                    {"role": "user", "content": "Q2"}]
+    assert done.row["messages"][-1] == {"role": "assistant", "content": "new 2"}
+    assert requests[0].seed != requests[1].seed and done.row["source_row"] == 7
+    dropped, requests = run_conversation(TWO_TURNS, [reply("new 1", reasoning="thought 1"), reply("new 2")],
+                                         cfg.__class__(**{**cfg.to_dict(), "reasoning": "drop"}))
+    assert "reasoning_content" not in requests[1].messages[1] and "reasoning_content" not in dropped.row["messages"][1]
+
+
+def test_truncated_turns_follow_the_policy(tmp_path):
+    base = settings("x", tmp_path / "o.jsonl").to_dict()
+    replies = [reply("new 1"), reply("cut", finish="length")]
+    kept, _ = run_conversation(TWO_TURNS, replies, RegenerateConfig(**base))
+    assert [t["finish_reason"] for t in kept.row["turns"]] == ["stop", "length"]
+    cut, _ = run_conversation(TWO_TURNS, replies, RegenerateConfig(**{**base, "truncated": "drop-turn"}))
+    assert cut.dropped_turns == 1 and [m["content"] for m in cut.row["messages"]] == ["Q1", "new 1"]
+    gone, _ = run_conversation(TWO_TURNS, replies, RegenerateConfig(**{**base, "truncated": "drop-row"}))
+    assert isinstance(gone, RowError) and gone.reason == "truncated"
+
+
+def test_exact_tokens_train_on_a_reply_only_where_it_stands_verbatim():
+    turns = [{}, {}, {}]
+    # turn 0 stands verbatim in the last prompt; turn 1 was re-rendered (e.g. its reasoning dropped)
+    trace = [([1, 2], [3, 4]), ([1, 2, 3, 4, 5, 6], [7, 8]), ([1, 2, 3, 4, 5, 6, 9, 5], [10, 11])]
+    tokens = exact_tokens(trace, turns)
+    assert tokens["input_ids"] == [1, 2, 3, 4, 5, 6, 9, 5, 10, 11]
+    assert tokens["loss_mask"] == [0, 0, 1, 1, 0, 0, 0, 0, 1, 1]
+    assert [t["tokens_verbatim"] for t in turns] == [True, False, True]
+
+
+# ---- the HTTP client: retries, refusals, vLLM's token ids ----
+
+class ScriptedServer:
+    """A localhost HTTP server answering chat completions from a script of (status, payload) pairs, for the
+    client's own behaviour: retries, refusals, payload shapes. The real server is tested below."""
+
+    def __init__(self, script):
+        self.script, self.bodies = list(script), []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                status, payload = outer.script.pop(0) if len(outer.script) > 1 else outer.script[0]
+                data = json.dumps(payload(outer.bodies[-1]) if callable(payload) else payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def completion(text="fine", finish="stop", **more):
+    return {"choices": [{"index": 0, "finish_reason": finish, "message": {"role": "assistant", "content": text}}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 2}, **more}
+
+
+def test_the_client_retries_overload_and_refuses_bad_rows_with_the_servers_reason():
+    server = ScriptedServer([(503, {"error": {"message": "overloaded"}}), (429, {"detail": "slow down"}),
+                             (200, completion()), (400, {"error": {"message": "context too long"}})])
+    try:
+        client = Endpoints([server.url], Sampling(max_tokens=8, temperature=0.0), threading.Event(), timeout=5,
+                           retries=3, model="m")
+        assert client.complete(Request([{"role": "user", "content": "hi"}], seed=3)).content == "fine"
+        assert len(server.bodies) == 3  # two refusals retried
+        assert server.bodies[0] == {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                                    "seed": 3, "temperature": 0.0}
+        with pytest.raises(RowError, match="HTTP 400: context too long") as err:
+            client.complete(Request([{"role": "user", "content": "hi"}], seed=3))
+        assert err.value.reason == "request_rejected" and len(server.bodies) == 4  # not retried
+    finally:
+        server.close()
+    dead = Endpoints([server.url], Sampling(max_tokens=8), threading.Event(), timeout=2, retries=1, model="m")
+    with pytest.raises(ServerDown, match=r"no answer after 2 tries; the last: http://127.0.0.1:\d+/v1: .*refused"):
+        dead.complete(Request([{"role": "user", "content": "hi"}], seed=0))
+
+
+def test_endpoint_urls_and_reply_shapes():
+    assert api_base("http://h:8000") == api_base("http://h:8000/v1/") == "http://h:8000/v1"
+    assert api_base("https://h/api/v1/chat/completions") == "https://h/api/v1"
+    with pytest.raises(ValueError, match="http"):
+        api_base("localhost:8000")
+    vllm = parse_reply({**completion("ok", "length"), "prompt_token_ids": [1, 2], "choices": [
+        {"finish_reason": "length", "token_ids": [5, 6], "message": {"content": "ok", "reasoning": "hm"}}]})
+    assert (vllm.reasoning, vllm.finish_reason, vllm.prompt_ids, vllm.completion_ids) == ("hm", "length", [1, 2],
+                                                                                         [5, 6])
+    with pytest.raises(RowError) as err:
+        parse_reply({"object": "error"})
+    assert err.value.reason == "bad_response"
+
+
+def test_token_ids_from_a_vllm_shaped_server_are_what_streamx_run_trains_on(smollm2_dir, conversations, tmp_path):
+    """vLLM returns the token ids it read and wrote (return_token_ids): the rows carry them, and they equal the
+    chat template's own rendering of the rows' messages, mask included (SampleBuilder, computed apart)."""
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+
+    def answer(body):
+        text = tok.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
+        prompt = tok(text, add_special_tokens=False)["input_ids"]
+        reply_ids = tok("I see.", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+        return completion("I see.", prompt_token_ids=prompt, choices=[
+            {"finish_reason": "stop", "token_ids": reply_ids, "message": {"content": "I see."}}])
+
+    server = ScriptedServer([(200, answer)])
+    try:
+        summary = regenerate(settings(conversations, tmp_path / "o.jsonl", endpoint=[server.url], model="m",
+                                      return_token_ids=True), progress=False, log=lambda m: None)
+    finally:
+        server.close()
+    assert all(b["return_token_ids"] for b in server.bodies)
+    rows = read_rows(tmp_path / "o.jsonl")
+    builder = SampleBuilder(tok, max_length=4096)
+    assert summary.rows_with_token_ids == len(rows) == 8
+    for row in rows:
+        reference = builder(Row(0, {"messages": row["messages"]}))
+        n = len(row["input_ids"])
+        assert row["input_ids"] == reference.input_ids.tolist()[:n]  # the template's trailing newline aside
+        assert row["loss_mask"] == reference.loss_mask.tolist()[:n]
+        assert all(t["tokens_verbatim"] for t in row["turns"])
+
+
+# ---- against a real server: transformers serve of the embedded model ----
+
+def test_regenerate_against_transformers_serve(chat_server, conversations, tmp_path):
+    """Every turn is the server's, each asked with the history of the model's own earlier replies (the prompt
+    token count the server reports is the tokenizer's count of that history); bad rows go to the side file
+    with their reasons; `streamx run` reads the output as it is."""
+    out = tmp_path / "regen.jsonl"
+    proc = cli("--data", str(conversations), "--out", str(out), "--endpoint", chat_server.url, "--max-tokens", "12",
+               "--temperature", "0", "--concurrency", "3")
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr
+    rows = read_rows(out)
+    assert [r["source_row"] for r in rows] == [0, 1, 2, 7, 8, 9, 10, 11]  # source order; 3..6 are bad
+    assert [r["id"] for r in rows] == [f"chat-{i}" for i in range(8)]  # the source's other fields kept
+    source = [json.loads(line) if line.startswith('{"') else None for line in conversations.read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(chat_server.model)
+    for row in rows:
+        original = source[row["source_row"]]["messages"]
+        assert [m["content"] for m in row["messages"] if m["role"] != "assistant"] == [
+            m["content"] for m in original if m["role"] != "assistant"]  # prompts kept, in order
+        assert len(row["turns"]) == sum(m["role"] == "assistant" for m in row["messages"]) >= 1
+        for history, turn in zip(assistant_prompts(row["messages"]), row["turns"], strict=True):
+            text = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+            assert turn["prompt_tokens"] == len(tok(text, add_special_tokens=False)["input_ids"])
+            assert 1 <= turn["completion_tokens"] <= 12 and turn["finish_reason"] in ("stop", "length")
+    assert rows[5]["messages"][-2]["content"] == "And what else?"  # the trailing user turn was answered
+    errors = {e["source_row"]: e["reason"] for e in read_rows(side_files(out)[0])}
+    assert set(errors) == {3, 4, 5, 6} and set(errors.values()) == BAD_REASONS
+    truncated = sum(t["finish_reason"] == "length" for r in rows for t in r["turns"])
+    assert f"wrote 8 rows ({sum(len(r['turns']) for r in rows)} assistant turns)" in stdout
+    assert f"truncated at --max-tokens: {truncated} turns kept" in stdout and "errors: 4 rows" in stdout
+
+    store = tmp_path / "store.zarr"
+    run = subprocess.run([sys.executable, "-m", "streamx", "run", "--model", chat_server.model, "--data", str(out),
+                          "--out", str(store), "--no-progress", "--layers", "2,30"], env=ENV, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert open_store(str(store)).summary()["samples"] == 8
+
+
+def kill_when(proc, path, lines):
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and path.read_text().count("\n") >= lines:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run ended ({proc.poll()}) before writing {lines} rows")
+
+
+def test_kill_9_mid_run_and_the_same_command_gives_every_row_once(chat_server, conversations, tmp_path):
+    args = ["--data", str(conversations), "--endpoint", chat_server.url, "--max-tokens", "12", "--temperature", "0",
+            "--concurrency", "2"]
+    reference = subprocess.run([sys.executable, "-m", "streamx", "regenerate", "--no-progress", *args, "--out",
+                                str(tmp_path / "reference.jsonl")], env=ENV, capture_output=True, timeout=600)
+    assert reference.returncode == 0, reference.stderr
+    out = tmp_path / "killed.jsonl"
+    kill_when(cli(*args, "--out", str(out)), out, 3)
+    with open(out, "a") as fh:  # what a kill in the middle of a write could leave
+        fh.write('{"source_row": 9, "messages": [{"ro')
+    resumed = cli(*args, "--out", str(out))
+    stdout, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr
+    rows = read_rows(out)
+    assert sorted(r["source_row"] for r in rows) == [0, 1, 2, 7, 8, 9, 10, 11]  # each once
+    assert "rows were already there" in stdout
+    by_row = {r["source_row"]: r for r in read_rows(tmp_path / "reference.jsonl")}
+    assert all(r["messages"] == by_row[r["source_row"]]["messages"] for r in rows)
+
+
+def test_a_server_that_dies_stops_the_run_in_one_line_and_nothing_is_written_twice(
+        chat_server, smollm2_dir, conversations, tmp_path):
+    doomed = ChatServer(smollm2_dir, tmp_path / "doomed.log")
+    out = tmp_path / "o.jsonl"
+    args = ["--data", str(conversations), "--max-tokens", "12", "--temperature", "0", "--concurrency", "1",
+            "--out", str(out), "--retries", "2"]
+    proc = cli(*args, "--endpoint", doomed.url)
+    try:
+        deadline = time.time() + 300
+        while not (out.exists() and out.read_text().count("\n") >= 2) and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        doomed.kill()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no answer after 3 tries; the last: " + doomed.url), stderr
+    written = [r["source_row"] for r in read_rows(out)]
+    assert len(written) == len(set(written)) >= 2
+    resumed = cli(*args, "--endpoint", chat_server.url)  # the same model, served elsewhere
+    assert resumed.wait(600) == 0, resumed.stderr.read()
+    assert sorted(r["source_row"] for r in read_rows(out)) == [0, 1, 2, 7, 8, 9, 10, 11]
+
+
+# ---- the in-process engine ----
+
+def test_the_in_process_engine_matches_an_unbatched_generate_and_its_tokens_are_exact(smollm2_dir, conversations,
+                                                                                     tmp_path):
+    """Each turn equals greedy `generate` on that turn's prompt alone (no batch, no padding); input_ids and
+    loss_mask equal the chat template's rendering of the row's messages (SampleBuilder), where the rows end on
+    a finished turn."""
+    out = tmp_path / "local.jsonl"
+    summary = regenerate(settings(conversations, out, model=smollm2_dir, concurrency=4, device="cpu",
+                                  max_samples=8), progress=False, log=lambda m: None)
+    rows = read_rows(out)
+    assert summary.rows == len(rows) == 4 and summary.errors.total() == 4
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    builder = SampleBuilder(tok, max_length=4096)
+    for row in rows:
+        for history, answer in zip(assistant_prompts(row["messages"]),
+                                   [m for m in row["messages"] if m["role"] == "assistant"], strict=True):
+            text = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+            ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+            alone = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id,
+                                   pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
+            assert tok.decode(alone, skip_special_tokens=True) == answer["content"]
+        reference = builder(Row(0, {"messages": row["messages"]}))
+        n = len(row["input_ids"])
+        assert row["input_ids"] == reference.input_ids.tolist()[:n]
+        if row["turns"][-1]["finish_reason"] == "stop":  # else the template closes a turn the model did not
+            assert row["loss_mask"] == reference.loss_mask.tolist()[:n]
+
+
+def test_a_resume_with_other_settings_is_refused_and_the_side_file_is_retried(tiny_chat_model_dir, conversations,
+                                                                             tmp_path):
+    out = tmp_path / "o.jsonl"
+    cfg = settings(conversations, out, model=tiny_chat_model_dir, max_tokens=4, device="cpu", max_samples=3)
+    first = regenerate(cfg, progress=False, log=lambda m: None)
+    assert first.rows == 3
+    with pytest.raises(ValueError, match=r"other settings \(max_tokens 4 there, 5 here\)"):
+        regenerate(cfg.__class__(**{**cfg.to_dict(), "max_tokens": 5}), progress=False, log=lambda m: None)
+    more = regenerate(cfg.__class__(**{**cfg.to_dict(), "max_samples": None}), progress=False, log=lambda m: None)
+    assert (more.resumed_rows, more.rows, more.errors.total()) == (3, 5, 4)
+    again = regenerate(cfg.__class__(**{**cfg.to_dict(), "max_samples": None}), progress=False, log=lambda m: None)
+    assert (again.rows, again.errors.total()) == (0, 4)  # the bad rows are tried again, and fail again
+    assert sorted(r["source_row"] for r in read_rows(out)) == [0, 1, 2, 7, 8, 9, 10, 11]
+    fresh = regenerate(cfg.__class__(**{**cfg.to_dict(), "overwrite": True}), progress=False, log=lambda m: None)
+    assert fresh.rows == 3 and len(read_rows(out)) == 3
+
+
+def test_a_partial_last_line_is_cut_and_a_foreign_file_is_refused(tmp_path):
+    path = tmp_path / "o.jsonl"
+    path.write_text('{"source_row": 4, "messages": []}\n{"source_row": 5, "mess')
+    rows = RowFile(path)
+    assert rows.done == {4}
+    rows.append({"source_row": 5})
+    rows.close()
+    assert [r["source_row"] for r in read_rows(path)] == [4, 5]
+    path.write_text('{"a": 1}\n')
+    with pytest.raises(ValueError, match="line 1 is not a regenerated row"):
+        RowFile(path)
+
+
+def test_speculators_regenerated_rows_are_read_by_streamx_run_as_pre_tokenized(tiny_chat_model_dir, tmp_path):
+    """speculators' own regenerate output (input_ids + loss_mask rows) goes into a store token for token."""
+    from helpers import small_config
+
+    from streamx.pipeline import run
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+    rows = []
+    for q, a in [("What is a drafter?", "A small model."), ("Why?", "Speed.")]:
+        prompt = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        p, c = tok(prompt, add_special_tokens=False)["input_ids"], tok(a + "<|im_end|>")["input_ids"]
+        rows.append({"input_ids": p + c, "loss_mask": [0] * len(p) + [1] * len(c)})
+    data = tmp_path / "spec.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run(small_config(tiny_chat_model_dir, str(data), tmp_path / "s.zarr"), progress=False, log=lambda m: None)
+    store = open_store(str(tmp_path / "s.zarr"))
+    for i, row in enumerate(rows):
+        sample = store.sample(i)
+        assert sample.input_ids.tolist() == row["input_ids"] and sample.loss_mask.tolist() == row["loss_mask"]
