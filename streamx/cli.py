@@ -131,6 +131,8 @@ def regenerate(
     typer.echo("\n".join(summary.lines()))
     if summary.stopped_by:
         raise typer.Exit(128 + signal.Signals[summary.stopped_by].value)
+    if summary.errors and not summary.rows:  # every row tried failed: for scripts, a failure
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -169,7 +169,8 @@ class RegenerateConfig:
                                         "generation config (what it is deployed with).")
     top_p: float | None = setting(None, "Nucleus sampling; unset: the model's own generation config.")
     seed: int = setting(0, "Seed of sampling; each turn's seed is derived from it, the row id and the turn, so a "
-                       "resumed or reordered run asks for the same samples.")
+                       "resumed or reordered run asks servers that honour it (vLLM) for the same samples. The "
+                       "in-process engine seeds each batch from its first turn's.")
     thinking: Thinking = setting("auto", "Reasoning models: on or off (the chat template's enable_thinking), or "
                                  "auto (the template's default).")
     reasoning: Reasoning = setting("keep", "The reasoning text a reply comes with: keep it in the history sent for "

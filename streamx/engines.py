@@ -22,8 +22,12 @@ import torch
 
 from .threads import Stopped
 
-RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})  # timeouts, rate limits, overloaded or restarting
+RETRIED_STATUS = frozenset({408, 429})  # and every 5xx: timeouts, rate limits, overloaded or restarting
+UNAVAILABLE_STATUS = frozenset({408, 429, 502, 503, 504})  # still so after the retries: the server is down
+SETUP_STATUS = frozenset({401, 403, 404, 405})  # wrong key, --model or URL: every row would fail the same way
 MAX_BACKOFF_S = 30.0
+CONNECT_TIMEOUT_S = 10.0  # a host that does not answer at all is known in seconds, whatever --timeout is
+STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)  # a keep-alive the server closed
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,8 @@ class RowError(Exception):
 
 
 class ServerDown(RuntimeError):
-    """No server answered a request within its retries: the run stops (what was written stays)."""
+    """No server answered a request within its retries, or the servers refuse every request (a wrong --model,
+    key or URL): the run stops (what was written stays)."""
 
 
 # ---- OpenAI-compatible servers ----
@@ -84,12 +89,13 @@ def api_base(url: str) -> str:
 
 class Endpoints:
     """One or more servers sharing the load: requests go round the endpoints, a failed one is retried on the
-    next with exponential backoff. Each thread keeps one keep-alive connection per endpoint."""
+    next with exponential backoff until `give_up` is set. Each thread keeps one keep-alive connection per
+    endpoint."""
 
-    def __init__(self, urls: list[str], sampling: Sampling, stop: threading.Event, timeout: float = 600.0,
+    def __init__(self, urls: list[str], sampling: Sampling, give_up: threading.Event, timeout: float = 600.0,
                  retries: int = 5, return_token_ids: bool = False, model: str | None = None):
         self.urls = [api_base(u) for u in urls]
-        self.sampling, self.stop, self.timeout, self.retries = sampling, stop, timeout, retries
+        self.sampling, self.give_up, self.timeout, self.retries = sampling, give_up, timeout, retries
         self.return_token_ids = return_token_ids
         self._turn = itertools.count()  # which endpoint a request starts at
         self._local = threading.local()
@@ -120,7 +126,7 @@ class Endpoints:
         body = json.dumps(self.body(request), ensure_ascii=False).encode()
         start = next(self._turn)
         for attempt in range(self.retries + 1):
-            url = self.urls[(start + attempt) % len(self.urls)]
+            url, status = self.urls[(start + attempt) % len(self.urls)], None
             try:
                 status, payload = self._post(url, body)
             except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out
@@ -129,10 +135,15 @@ class Endpoints:
                 if status == 200:
                     return parse_reply(payload)
                 failure = f"{url}: HTTP {status}: {error_message(payload)}"
-                if status not in RETRIED_STATUS:  # the server read the request and refused it: this row's fault
+                if status in SETUP_STATUS:
+                    raise ServerDown(f"{failure} (check --model, --endpoint and the server's key)")
+                if status < 500 and status not in RETRIED_STATUS:  # the server read the request and refused it
                     raise RowError("request_rejected", failure)
-            if attempt < self.retries and self.stop.wait(min(MAX_BACKOFF_S, 0.5 * 2**attempt) * random.uniform(.5, 1)):
+            backoff = min(MAX_BACKOFF_S, 0.5 * 2**attempt) * random.uniform(0.5, 1)
+            if attempt < self.retries and self.give_up.wait(backoff):
                 raise Stopped
+        if status is not None and status not in UNAVAILABLE_STATUS:  # the server answers, but fails on this row
+            raise RowError("server_error", f"{failure} ({self.retries + 1} tries)")
         raise ServerDown(f"no answer after {self.retries + 1} tries; the last: {failure}")
 
     def _post(self, url: str, body: bytes) -> tuple[int, object]:
@@ -140,26 +151,36 @@ class Endpoints:
 
     def _call(self, url: str, method: str, path: str, body: bytes | None, what: str = "") -> tuple[int, object]:
         connections = self._local.__dict__.setdefault("connections", {})
-        conn = connections.get(url)
-        if conn is None:
-            parts = urllib.parse.urlsplit(url)
-            kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-            conn = connections[url] = kind(parts.netloc, timeout=self.timeout)
-        try:
-            conn.request(method, urllib.parse.urlsplit(url).path + path, body=body,
-                         headers={"Content-Type": "application/json"})
-            response = conn.getresponse()
-            raw = response.read()
-        except (OSError, http.client.HTTPException) as err:
-            conn.close()
-            del connections[url]
-            if what:  # a call made once at start: say plainly which server is not there
-                raise ServerDown(f"cannot {what} at {url}: {err or type(err).__name__}") from None
-            raise
+        for fresh in (url not in connections, True):  # a kept-alive connection the server closed: once more, anew
+            try:
+                if url not in connections:
+                    connections[url] = self._connect(url)
+                conn = connections[url]
+                conn.request(method, urllib.parse.urlsplit(url).path + path, body=body,
+                             headers={"Content-Type": "application/json"})
+                response = conn.getresponse()
+                raw = response.read()
+                break
+            except (OSError, http.client.HTTPException) as err:
+                if url in connections:
+                    connections.pop(url).close()
+                if not fresh and isinstance(err, STALE):
+                    continue
+                if what:  # a call made once at start: say plainly which server is not there
+                    raise ServerDown(f"cannot {what} at {url}: {err or type(err).__name__}") from None
+                raise
         try:
             return response.status, json.loads(raw)
         except ValueError:
             return response.status, raw.decode("utf-8", "replace")
+
+    def _connect(self, url: str) -> http.client.HTTPConnection:
+        parts = urllib.parse.urlsplit(url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        conn = kind(parts.netloc, timeout=CONNECT_TIMEOUT_S)
+        conn.connect()
+        conn.sock.settimeout(self.timeout)  # then each response may take up to --timeout
+        return conn
 
 
 def error_message(payload: object) -> str:
@@ -205,6 +226,7 @@ class LocalEngine:
             raise ValueError(f"{model} has no chat template: regenerate needs one to prompt it")
         self.sampling = sampling
         self.model = self.info.model
+        self.max_positions = getattr(self.lm.config.get_text_config(), "max_position_embeddings", None)
         config = self.lm.generation_config
         eos = config.eos_token_id if config.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos = frozenset(eos if isinstance(eos, list) else [eos])
@@ -215,8 +237,8 @@ class LocalEngine:
             self.generation |= {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
         elif sampling.temperature is not None:
             self.generation |= {"do_sample": True, "temperature": sampling.temperature}
-        if sampling.top_p is not None and self.generation.get("do_sample"):
-            self.generation["top_p"] = sampling.top_p
+        if sampling.top_p is not None and sampling.temperature != 0:  # a top-p asks for sampling
+            self.generation |= {"do_sample": True, "top_p": sampling.top_p}
 
     def prompt_ids(self, request: Request) -> list[int]:
         try:
@@ -224,7 +246,11 @@ class LocalEngine:
                                                       add_generation_prompt=True, **self.sampling.template_kwargs())
         except jinja2.TemplateError as err:
             raise RowError("template_error", str(err).splitlines()[0] if str(err) else type(err).__name__) from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if self.max_positions and len(ids) + self.sampling.max_tokens > self.max_positions:
+            raise RowError("too_long", f"{len(ids)} prompt tokens + --max-tokens {self.sampling.max_tokens} > the "
+                           f"model's {self.max_positions} positions")
+        return ids
 
     def generate(self, requests: list[Request]) -> list[Reply | RowError]:
         """One reply (or the row's error) per request, in order."""

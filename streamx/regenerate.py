@@ -34,7 +34,7 @@ from .metrics import Progress
 from .models import EMBEDDED_MODEL
 from .source import Row, open_source
 from .threads import SignalStop, Stopped, Worker, first_error, get, put
-from .tokenize import CONTENT_FIELDS, ROLES
+from .tokenize import CONTENT_FIELDS, ROLES, TEMPLATE_FIELDS
 
 # what a resume must find unchanged: the settings that decide what is generated
 COMPAT_SETTINGS = ("data", "split", "model", "max_tokens", "temperature", "top_p", "seed", "thinking", "reasoning",
@@ -42,7 +42,7 @@ COMPAT_SETTINGS = ("data", "split", "model", "max_tokens", "temperature", "top_p
 SYNC_SECONDS = 1.0  # the output is fsynced this often: a power loss costs at most this much work, never a row twice
 # a source row's fields that the output row replaces (the others, such as an id or tools, are kept)
 REPLACED_FIELDS = (*CONTENT_FIELDS, "loss_mask", "source_row", "turns")
-WINDOW_PER_SLOT = 4  # rows in flight or waiting for an earlier one, per --concurrency: bounds memory
+WINDOW_PER_SLOT = 16  # rows in flight or waiting for a slower earlier one, per --concurrency: bounds memory
 
 
 def side_files(out: Path) -> tuple[Path, Path]:
@@ -60,6 +60,7 @@ class Regenerated:
     row: dict  # the output row
     dropped_turns: int = 0  # truncated turns cut off under --truncated drop-turn
     tool_turns_kept: int = 0  # assistant turns with tool calls, kept from the source
+    tool_calls_generated: int = 0  # generated turns that call tools
 
 
 def plan_turns(record: dict | None) -> tuple[list[dict | None], list | None]:
@@ -87,7 +88,8 @@ def plan_turns(record: dict | None) -> tuple[list[dict | None], list | None]:
         content = turn.get("content") if turn.get("content") is not None else turn.get("value")
         if not isinstance(content, str) and not (role == "assistant" and content is None):
             raise RowError("non_string_content", f"message {i} ({role}) content is {type(content).__name__}")
-        items.append({k: v for k, v in turn.items() if k not in ("from", "value")} | {"role": role, "content": content})
+        kept = {k: turn[k] for k in TEMPLATE_FIELDS if turn.get(k) is not None}  # not e.g. a per-message timestamp
+        items.append({"role": role, "content": content, **kept})
     if items and items[-1] is not None and items[-1]["role"] != "assistant":
         items.append(None)  # a conversation that ends on a user (or tool) turn: answer it
     if not any(i is None for i in items):
@@ -114,7 +116,7 @@ def conversation(row: Row, cfg: RegenerateConfig) -> Conversation:
     history: list[dict] = []
     turns: list[dict] = []
     trace: list[tuple[list[int] | None, list[int] | None]] = []
-    dropped = 0
+    dropped = calls = 0
     for item in items:
         if item is not None:
             history.append(item)
@@ -130,6 +132,7 @@ def conversation(row: Row, cfg: RegenerateConfig) -> Conversation:
             message["reasoning_content"] = reply.reasoning
         if reply.tool_calls:
             message["tool_calls"] = reply.tool_calls
+            calls += 1
         history.append(message)
         turns.append({"finish_reason": reply.finish_reason, "prompt_tokens": reply.prompt_tokens,
                       "completion_tokens": reply.completion_tokens})
@@ -143,7 +146,7 @@ def conversation(row: Row, cfg: RegenerateConfig) -> Conversation:
     if all(p is not None and c is not None for p, c in trace):
         row_out |= exact_tokens(trace, turns)
     kept = sum(1 for m in items if m is not None and m.get("tool_calls"))
-    return Regenerated(row_out, dropped, kept)
+    return Regenerated(row_out, dropped, kept, calls)
 
 
 def exact_tokens(trace: list[tuple[list[int], list[int]]], turns: list[dict]) -> dict:
@@ -206,7 +209,8 @@ class RowFile:
         return done
 
     def append(self, row: dict) -> None:
-        data = memoryview((json.dumps(row, ensure_ascii=False) + "\n").encode())
+        # default=str: a source's other fields may hold what JSON has no type for (Arrow timestamps)
+        data = memoryview((json.dumps(row, ensure_ascii=False, default=str) + "\n").encode())
         while data:  # a regular file takes the whole line in one write, save on a full disk
             data = data[os.write(self._fd, data):]
         if time.monotonic() - self._synced >= SYNC_SECONDS:
@@ -260,7 +264,7 @@ class RegenerateSummary:
         self.finish_reasons.update(t["finish_reason"] for t in turns)
         self.dropped_turns += outcome.dropped_turns
         self.tool_turns_kept += outcome.tool_turns_kept
-        self.tool_calls_generated += sum(1 for m in outcome.row["messages"][-len(turns):] if m.get("tool_calls"))
+        self.tool_calls_generated += outcome.tool_calls_generated
         if "input_ids" in outcome.row:
             self.rows_with_token_ids += 1
             self.turns_not_verbatim += sum(1 for t in turns if not t["tokens_verbatim"])
@@ -317,14 +321,9 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True, log: Callable[[str]
     durable.make_dirs(out.parent)
     with Lock(lock_file(out), "regenerate output"):
         stop, wind_up = threading.Event(), threading.Event()
-        sampling = Sampling(cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.thinking)
-        if cfg.endpoint:
-            engine = Endpoints(cfg.endpoint, sampling, stop, cfg.timeout, cfg.retries, cfg.return_token_ids, cfg.model)
-            where = ", ".join(engine.urls)
-        else:
-            engine = LocalEngine(cfg.model or EMBEDDED_MODEL, sampling, cfg.device, cfg.dtype)
-            where = f"in-process, {engine.info.device}"
-        settings = cfg.to_dict() | {"model": engine.model}
+        engine, where = open_engine(cfg, wind_up)
+        data = str(Path(cfg.data).resolve()) if Path(cfg.data).exists() else cfg.data  # however a path is spelled
+        settings = cfg.to_dict() | {"model": engine.model, "data": data}
         if cfg.overwrite:
             for path in (out, errors_path, settings_path):
                 path.unlink(missing_ok=True)
@@ -357,6 +356,17 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True, log: Callable[[str]
         summary.seconds = time.perf_counter() - summary.started
         summary.stopped_by = signals.signal.name if signals.signal else None
     return summary
+
+
+def open_engine(cfg: RegenerateConfig, give_up: threading.Event) -> tuple[Endpoints | LocalEngine, str]:
+    """The endpoints, or the model in this process, and where it runs (for the summary). `give_up` ends a
+    request's retries: a signal, or another thread's failure (_threaded sets it then)."""
+    sampling = Sampling(cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.thinking)
+    if cfg.endpoint:
+        engine = Endpoints(cfg.endpoint, sampling, give_up, cfg.timeout, cfg.retries, cfg.return_token_ids, cfg.model)
+        return engine, ", ".join(engine.urls)
+    local = LocalEngine(cfg.model or EMBEDDED_MODEL, sampling, cfg.device, cfg.dtype)
+    return local, f"in-process, {local.info.device}"
 
 
 @dataclass
@@ -399,10 +409,11 @@ def _check_settings(path: Path, settings: dict, out: Path) -> None:
     """The first run records its settings beside the output; a resume with settings that change what is
     generated is refused, naming them (the rows would mix two regenerations)."""
     wanted = {k: settings[k] for k in COMPAT_SETTINGS}
-    if not path.exists():
-        if out.exists() and out.stat().st_size:
-            raise ValueError(f"{out} exists but has no {path.name}: it was not written by streamx regenerate "
-                             "(--overwrite starts over)")
+    has_rows = out.exists() and out.stat().st_size > 0
+    if not path.exists() and has_rows:
+        raise ValueError(f"{out} exists but has no {path.name}: it was not written by streamx regenerate "
+                         "(--overwrite starts over)")
+    if not has_rows:  # nothing generated yet: these settings are the run's
         durable.write_file(path, lambda tmp: tmp.write_text(json.dumps(settings, indent=2)))
         return
     saved = json.loads(path.read_text())
@@ -418,13 +429,16 @@ def _threaded(todo: Iterable[Row], complete: Callable[[Request], Reply], cfg: Re
     """--concurrency threads, each driving one conversation at a time against the endpoints; rows are taken in
     source order, at most WINDOW_PER_SLOT x concurrency of them in flight or waiting."""
     jobs: queue.Queue = queue.Queue(maxsize=cfg.concurrency)
-    finished: dict[int, Regenerated | RowError] = {}
+    finished: dict[int, Regenerated | RowError | None] = {}
     ready = threading.Condition()
 
     def work() -> None:
         while (job := get(jobs, stop)) is not None:
             row_id, conv = job
-            outcome = drive(conv, complete)
+            try:
+                outcome = None if wind_up.is_set() else drive(conv, complete)  # None: left for the next run
+            except Stopped:  # winding up in the middle of its retries
+                outcome = None
             with ready:
                 finished[row_id] = outcome
                 ready.notify_all()
@@ -440,7 +454,8 @@ def _threaded(todo: Iterable[Row], complete: Callable[[Request], Reply], cfg: Re
             while order:
                 if order[0] in finished:
                     row_id = order.popleft()
-                    take(row_id, finished.pop(row_id))
+                    if (outcome := finished.pop(row_id)) is not None:
+                        take(row_id, outcome)
                 elif len(order) > wait_for and not stop.is_set():
                     ready.wait(0.1)
                 else:
@@ -460,10 +475,11 @@ def _threaded(todo: Iterable[Row], complete: Callable[[Request], Reply], cfg: Re
     except Stopped:
         pass
     finally:
-        stop.set()  # a worker's failure, a signal or the end: no thread waits on
+        stop.set()  # a worker's failure, a signal or the end: no thread waits on, no request retries on
+        wind_up.set()
         with ready:
             for row_id in order:  # the rows finished before a failure are kept: nothing is done twice
-                if row_id in finished:
+                if finished.get(row_id) is not None:
                     take(row_id, finished.pop(row_id))
     if any(w.error for w in workers):
         raise first_error(workers)
@@ -475,6 +491,7 @@ def _batched(todo: Iterable[Row], generate: Callable[[list[Request]], list[Reply
     """Up to --concurrency conversations at once, the next turn of each generated as one batch; rows are taken
     in source order."""
     rows: Iterator[Row] = iter(todo)
+    exhausted = False
     active: dict[int, tuple[Conversation, Request]] = {}
     finished: dict[int, Regenerated | RowError] = {}
     order: deque[int] = deque()
@@ -490,9 +507,10 @@ def _batched(todo: Iterable[Row], generate: Callable[[list[Request]], list[Reply
             finished[row_id] = err
 
     while True:
-        while len(active) < cfg.concurrency and not wind_up.is_set():
+        while len(active) < cfg.concurrency and not (exhausted or wind_up.is_set()):
             row = next(rows, None)
             if row is None:
+                exhausted = True
                 break
             order.append(row.row_id)
             advance(row.row_id, conversation(row, cfg), None)
@@ -504,5 +522,5 @@ def _batched(todo: Iterable[Row], generate: Callable[[list[Request]], list[Reply
         while order and order[0] in finished:
             row_id = order.popleft()
             take(row_id, finished.pop(row_id))
-        if not active:  # every row taken, or winding up with none in flight
+        if not active and (exhausted or wind_up.is_set()):  # every row taken, or winding up with none in flight
             return

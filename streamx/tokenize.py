@@ -44,6 +44,7 @@ ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assi
          "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "model": "assistant", "tool": "tool"}
 # message fields besides role and content that chat templates read: passed through as they are
 TEMPLATE_FIELDS = ("reasoning_content", "tool_calls", "tool_call_id", "name")
+THINK_OPEN = "<think>"  # what reasoning models open their reasoning with (Qwen3, DeepSeek-R1)
 
 
 CONTENT_FIELDS = ("input_ids", "messages", "conversations", "text")  # what SampleBuilder builds from, in its order
@@ -205,10 +206,13 @@ class SampleBuilder:
             if start < 0:
                 raise _Rejected("template_mismatch", f"assistant message {i} not found in the rendered chat template")
             cursor = start + len(content)
-            # reasoning the model wrote before its answer is trained on where the template renders it
+            # reasoning the model wrote before its answer (and the <think> tag that opens it) is trained on
+            # where the template renders it
             reasoning = (messages[i].get("reasoning_content") or "").strip()
             thought = text.find(reasoning, turn_start, start) if reasoning else -1
-            start = thought if thought >= 0 else start
+            if thought >= 0:
+                opener = text.rfind(THINK_OPEN, turn_start, thought)
+                start = opener if opener >= 0 and not text[opener + len(THINK_OPEN):thought].strip() else thought
             k = bisect.bisect_right(ends, start)  # first token ending after the content starts
             while k < len(ids) and offsets[k][0] < cursor:
                 mask[k] = 1

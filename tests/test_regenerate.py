@@ -165,12 +165,15 @@ class ScriptedServer:
     """A localhost HTTP server answering chat completions from a script of (status, payload) pairs, for the
     client's own behaviour: retries, refusals, payload shapes. The real server is tested below."""
 
-    def __init__(self, script):
+    def __init__(self, script, drop_idle_connections=False):
         self.script, self.bodies = list(script), []
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn speaks
+
             def do_POST(self):
+                self.close_connection = drop_idle_connections  # closed after the answer, without a header
                 outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 status, payload = outer.script.pop(0) if len(outer.script) > 1 else outer.script[0]
                 data = json.dumps(payload(outer.bodies[-1]) if callable(payload) else payload).encode()
@@ -214,6 +217,31 @@ def test_the_client_retries_overload_and_refuses_bad_rows_with_the_servers_reaso
     dead = Endpoints([server.url], Sampling(max_tokens=8), threading.Event(), timeout=2, retries=1, model="m")
     with pytest.raises(ServerDown, match=r"no answer after 2 tries; the last: http://127.0.0.1:\d+/v1: .*refused"):
         dead.complete(Request([{"role": "user", "content": "hi"}], seed=0))
+
+
+def test_a_server_that_fails_on_a_row_or_refuses_everything_is_told_apart_from_one_that_is_down():
+    ask = Request([{"role": "user", "content": "hi"}], seed=0)
+    for status, error, match, tries in [(500, RowError, "server_error: .*HTTP 500: boom", 2),
+                                        (503, ServerDown, "no answer after 2 tries; .*HTTP 503: boom", 2),
+                                        (404, ServerDown, "HTTP 404: boom .check --model", 1)]:
+        server = ScriptedServer([(status, {"detail": "boom"})])
+        try:
+            client = Endpoints([server.url], Sampling(max_tokens=8), threading.Event(), timeout=5, retries=1, model="m")
+            with pytest.raises(error, match=match):
+                client.complete(ask)
+        finally:
+            server.close()
+        assert len(server.bodies) == tries
+
+
+def test_a_kept_alive_connection_the_server_dropped_is_reopened_without_a_retry():
+    server = ScriptedServer([(200, completion())], drop_idle_connections=True)
+    try:
+        client = Endpoints([server.url], Sampling(max_tokens=8), threading.Event(), timeout=5, retries=0, model="m")
+        for _ in range(3):  # with no retries allowed, a stale connection would be a ServerDown
+            assert client.complete(Request([{"role": "user", "content": "hi"}], seed=0)).content == "fine"
+    finally:
+        server.close()
 
 
 def test_endpoint_urls_and_reply_shapes():
@@ -402,6 +430,20 @@ def test_a_resume_with_other_settings_is_refused_and_the_side_file_is_retried(ti
     assert fresh.rows == 3 and len(read_rows(out)) == 3
 
 
+def test_the_in_process_engine_takes_every_row_when_batches_finish_together(tiny_chat_model_dir, tmp_path):
+    """Single-turn rows finish all at once, step after step: the loop must go on to the next rows (it once
+    stopped after the first batch), and a message's other fields (a timestamp) stay out of the prompt."""
+    data = tmp_path / "single.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?", "timestamp": 1.5},
+                                                     {"role": "assistant", "content": "old"}]}) + "\n"
+                            for i in range(7)))
+    summary = regenerate(settings(data, tmp_path / "o.jsonl", model=tiny_chat_model_dir, max_tokens=3,
+                                  concurrency=2, device="cpu"), progress=False, log=lambda m: None)
+    rows = read_rows(tmp_path / "o.jsonl")
+    assert summary.rows == 7 and [r["source_row"] for r in rows] == list(range(7))
+    assert all("timestamp" not in m for r in rows for m in r["messages"])
+
+
 def test_a_partial_last_line_is_cut_and_a_foreign_file_is_refused(tmp_path):
     path = tmp_path / "o.jsonl"
     path.write_text('{"source_row": 4, "messages": []}\n{"source_row": 5, "mess')
@@ -433,3 +475,40 @@ def test_speculators_regenerated_rows_are_read_by_streamx_run_as_pre_tokenized(t
     for i, row in enumerate(rows):
         sample = store.sample(i)
         assert sample.input_ids.tolist() == row["input_ids"] and sample.loss_mask.tolist() == row["loss_mask"]
+
+
+def test_sigterm_finishes_the_rows_in_flight_and_the_same_command_goes_on(chat_server, conversations, tmp_path):
+    out = tmp_path / "o.jsonl"
+    args = ["--data", str(conversations), "--endpoint", chat_server.url, "--max-tokens", "12", "--temperature", "0",
+            "--concurrency", "2", "--out", str(out)]
+    proc = cli(*args)
+    deadline = time.time() + 300
+    while not (out.exists() and out.read_text().count("\n") >= 1) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    assert "stopped by SIGTERM" in stdout and "SIGTERM: finishing" in stderr
+    first = [r["source_row"] for r in read_rows(out)]
+    assert 1 <= len(first) < 8 and len(first) == len(set(first))
+    again = cli(*args)
+    assert again.wait(600) == 0, again.stderr.read()
+    assert sorted(r["source_row"] for r in read_rows(out)) == [0, 1, 2, 7, 8, 9, 10, 11]
+
+
+def test_progress_shows_rows_tokens_and_the_eta():
+    from streamx.engines import Reply
+    from streamx.regenerate import Regenerated, RegenerateSummary
+    summary = RegenerateSummary("o.jsonl", "m", "e")
+    done, _ = run_conversation(TWO_TURNS, [Reply("a", None, None, "length", 5, 40, None, None),
+                                           Reply("b", None, None, "stop", 9, 60, None, None)],
+                               RegenerateConfig(max_tokens=40))
+    assert isinstance(done, Regenerated)
+    for _ in range(4):
+        summary.add(done)
+    summary.add(RowError("no_prompt", "x"))
+    assert summary.status(total_rows=10, elapsed=2.0) == "2.00 rows/s, 200 gen tok/s, truncated 4, errors 1, ETA 00:02"
+    summary.seconds = 2.0
+    text = "\n".join(summary.lines())
+    assert "wrote 4 rows (8 assistant turns)" in text and "finish reasons: length: 4, stop: 4" in text
+    assert "truncated at --max-tokens: 4 turns kept" in text and "errors: 1 rows (no_prompt: 1)" in text

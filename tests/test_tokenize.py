@@ -323,3 +323,15 @@ def test_content_key_is_what_a_sample_is_built_from():
     passed = Repeats()
     passed.add([content_key(chat), 0])  # keys of rows a resume did not read
     assert passed.of(rows[2:3]) == {2: (content_key(chat), True)}
+
+
+def test_reasoning_is_trained_on_where_the_template_renders_it(qwen):
+    """Qwen3 renders the reasoning of the turns after the last user message only: there it is the model's own
+    output (from <think> on), while an earlier turn's reasoning is not in the text at all."""
+    messages = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1", "reasoning_content": "r1"},
+                {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2", "reasoning_content": "r2"}]
+    sample = SampleBuilder(qwen, max_length=512)(Row(0, {"messages": messages}))
+    assert token_runs(qwen, sample) == [
+        ("<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\n", False), ("A1<|im_end|>", True),
+        ("\n<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n", False),
+        ("<think>\nr2\n</think>\n\nA2<|im_end|>", True), ("\n", False)]
