@@ -512,3 +512,20 @@ def test_progress_shows_rows_tokens_and_the_eta():
     text = "\n".join(summary.lines())
     assert "wrote 4 rows (8 assistant turns)" in text and "finish reasons: length: 4, stop: 4" in text
     assert "truncated at --max-tokens: 4 turns kept" in text and "errors: 1 rows (no_prompt: 1)" in text
+
+
+def test_settings_bind_an_output_only_once_it_holds_rows(tmp_path):
+    """A first run that died before writing a row leaves its settings but no rows: the next run may differ."""
+    from streamx.regenerate import _check_settings
+    out, saved = tmp_path / "o.jsonl", tmp_path / "o.jsonl.settings.json"
+    first = RegenerateConfig(max_tokens=4).to_dict()
+    _check_settings(saved, first, out)
+    out.write_text("")
+    _check_settings(saved, {**first, "max_tokens": 5}, out)  # nothing generated: accepted, and recorded
+    assert json.loads(saved.read_text())["max_tokens"] == 5
+    out.write_text('{"source_row": 0}\n')
+    with pytest.raises(ValueError, match="max_tokens 5 there, 4 here"):
+        _check_settings(saved, first, out)
+    saved.unlink()
+    with pytest.raises(ValueError, match="has no o.jsonl.settings.json"):
+        _check_settings(saved, first, out)
