@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import signal
+import types
 from collections.abc import Callable
 from dataclasses import fields
 from inspect import Parameter, Signature, signature
@@ -29,8 +30,9 @@ ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML file o
 
 
 def _option_type(hint: Any) -> Any:
-    """The type a setting's option parses: Optional[X] -> X (Literal choices are kept, typer lists them)."""
-    if get_origin(hint) is Union:
+    """The type a setting's option parses: Optional[X] or X | None -> X (Literal choices are kept, typer lists
+    them)."""
+    if get_origin(hint) in (Union, types.UnionType):
         return next(t for t in get_args(hint) if t is not type(None))
     return hint
 
@@ -51,7 +53,9 @@ def with_settings(cls: type) -> Callable[[Callable[..., None]], Callable[..., No
             decl = f"{flag}/--no-{flag[2:]}" if kind is bool else flag
             value = defaults[f.name]
             default = "unset" if value is None else str(value).lower() if kind is bool else str(value)
-            option = typer.Option(None, decl, help=f"{f.metadata['help']}  [default: {default}]", show_default=False)
+            repeated = get_origin(kind) is list  # e.g. --endpoint A --endpoint B
+            option = typer.Option(None, decl, help=f"{f.metadata['help']}  [default: {default}]", show_default=False,
+                                  metavar=f"<{get_args(kind)[0].__name__}>..." if repeated else None)
             settings.append(Parameter(f.name, Parameter.KEYWORD_ONLY, default=option, annotation=Optional[kind]))
         config = Parameter("config", Parameter.KEYWORD_ONLY, default=None, annotation=ConfigOpt)
 
