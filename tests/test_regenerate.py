@@ -464,16 +464,21 @@ def test_a_partial_last_line_is_cut_and_a_foreign_file_is_refused(tmp_path):
 
 
 def test_speculators_regenerated_rows_are_read_by_streamx_run_as_pre_tokenized(tiny_chat_model_dir, tmp_path):
-    """speculators' own regenerate output (input_ids + loss_mask rows) goes into a store token for token."""
+    """speculators' own regenerate output goes into a store token for token: its rows (scripts/
+    response_regeneration) carry input_ids + loss_mask, one row per generation, beside a review-only
+    `conversations` twin and metadata; the ids are what is trained on, not the twin re-templated."""
     from helpers import small_config
 
     from streamx.pipeline import run
     tok = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
     rows = []
-    for q, a in [("What is a drafter?", "A small model."), ("Why?", "Speed.")]:
+    for i, (q, a) in enumerate([("What is a drafter?", "A small model."), ("Why?", "Speed.")]):
         prompt = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
         p, c = tok(prompt, add_special_tokens=False)["input_ids"], tok(a + "<|im_end|>")["input_ids"]
-        rows.append({"input_ids": p + c, "loss_mask": [0] * len(p) + [1] * len(c)})
+        twin = [{"role": "user", "content": q}, {"role": "assistant", "content": "not what was generated"}]
+        rows.append({"id": f"c{i}_gen0", "primary_id": f"c{i}", "input_ids": p + c,
+                     "loss_mask": [0] * len(p) + [1] * len(c), "conversations": twin,
+                     "metadata": {"idx": i, "finish_reason": "stop", "is_tool_call": False}})
     data = tmp_path / "spec.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run(small_config(tiny_chat_model_dir, str(data), tmp_path / "s.zarr"), progress=False, log=lambda m: None)
