@@ -137,6 +137,9 @@ class Endpoints:
                 failure = f"{url}: HTTP {status}: {error_message(payload)}"
                 if status in SETUP_STATUS:
                     raise ServerDown(f"{failure} (check --model, --endpoint and the server's key)")
+                if self.return_token_ids and "return_token_ids" in failure:  # every row would be refused alike
+                    raise ServerDown(f"{failure} (this server returns no token ids, vLLM does: drop "
+                                     "--return-token-ids)")
                 if status < 500 and status not in RETRIED_STATUS:  # the server read the request and refused it
                     raise RowError("request_rejected", failure)
             backoff = min(MAX_BACKOFF_S, 0.5 * 2**attempt) * random.uniform(0.5, 1)

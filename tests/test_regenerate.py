@@ -552,6 +552,13 @@ def test_the_request_says_what_the_settings_ask_and_leaves_the_rest_to_the_serve
         assert Endpoints(["http://h:1"], sampling, threading.Event(), model="m").body(ask) == body | more
     with_ids = Endpoints(["http://h:1"], Sampling(8), threading.Event(), return_token_ids=True, model="m")
     assert with_ids.body(ask) == body | {"return_token_ids": True}
+    server = ScriptedServer([(422, {"detail": "Unexpected fields in the request: {'return_token_ids'}"})])
+    try:  # what transformers serve answers: a setup error, not each row's
+        refused = Endpoints([server.url], Sampling(8), threading.Event(), return_token_ids=True, model="m")
+        with pytest.raises(ServerDown, match="drop --return-token-ids"):
+            refused.complete(ask)
+    finally:
+        server.close()
 
 
 def test_thinking_on_or_off_reaches_the_in_process_template(tmp_path):
