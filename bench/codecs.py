@@ -3,7 +3,7 @@
     python bench/codecs.py STORE [--storage bf16|fp8] [--rounds 3] [--json OUT]
 
 Reads every sample of STORE (e.g. the embedded default's, made by `streamx run`) and writes the
-samples again through the real writer (streamx.writer.PartWriter), once per compressor, into a
+samples again through the real writer (streamx.pipeline.writer.PartWriter), once per compressor, into a
 temporary store in STORE's folder; rounds are interleaved so that machine drift hits every codec.
 Each copy is read back and compared bit for bit. Reports the hidden states' bytes on disk, the ratio
 to uncompressed, and the writer's rate in GB/s of uncompressed state bytes (best round; the page
@@ -24,8 +24,8 @@ from typing import get_args
 import torch
 
 from streamx.config import Compressor
+from streamx.pipeline.writer import PartWriter
 from streamx.store import STORAGES, make_layout, open_for_run, open_store, prepare
-from streamx.writer import PartWriter
 
 COMPRESSORS = get_args(Compressor)
 

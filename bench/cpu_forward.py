@@ -27,11 +27,11 @@ import time
 
 import torch
 
-from streamx import models
-from streamx.batching import Batch
-from streamx.bench import forward_only, warm_up
+from streamx.model import load as models
 from streamx.config import load_config
-from streamx.runplan import make_plan
+from streamx.data.batching import Batch
+from streamx.measure.bench import forward_only, warm_up
+from streamx.pipeline.plan import make_plan
 
 
 def load_batches(args, kept: bool):

@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from streamx.ceilings import median_seconds
-from streamx.gather import gather_into_torch
+from streamx.measure.ceilings import median_seconds
+from streamx.model.gather import gather_into_torch
 from streamx_kernels.gather import gather_into_triton
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -16,7 +16,7 @@ import json
 import math
 import random
 
-from streamx.source import open_source
+from streamx.data.source import open_source
 
 
 def main() -> None:

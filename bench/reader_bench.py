@@ -34,10 +34,10 @@ import torch
 from hs_connectors import HiddenStatesBackend
 
 import streamx.speculators_backend  # noqa: F401 - registers the streamx backend
-from streamx.convert import convert
+from streamx.data.tokenize import REJECT_REASONS
+from streamx.pipeline.writer import PartWriter
 from streamx.store import Compat, StoreMetadata, make_layout, open_for_run, prepare
-from streamx.tokenize import REJECT_REASONS
-from streamx.writer import PartWriter
+from streamx.train.convert import convert
 
 
 def synthetic_store(path: Path, samples: int, sample_tokens: int, K: int = 6, H: int = 4096, L: int = 36) -> str:

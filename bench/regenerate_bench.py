@@ -6,7 +6,7 @@ stopped here. The rows are the first --rows conversations of --data; every assis
 with the model's own history, greedy, at most --max-tokens each. Modes, interleaved round by round so that
 drift hits all of them:
 
-    streamx@C   streamx.regenerate.regenerate(..., endpoint=[server], concurrency=C), in this process
+    streamx@C   streamx.regen.runner.regenerate(..., endpoint=[server], concurrency=C), in this process
     openai@C    the same turns through openai.OpenAI().chat.completions.create, C threads (a plain loop at C=1)
 
 Per mode: wall seconds, rows/s, generated tokens/s (the server's usage counts) and the client's CPU seconds
@@ -35,9 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from streamx.config import RegenerateConfig  # noqa: E402
-from streamx.models import EMBEDDED_MODEL, resolve_model_path  # noqa: E402
-from streamx.regenerate import plan_turns, regenerate  # noqa: E402
-from streamx.source import open_source  # noqa: E402
+from streamx.data.source import open_source  # noqa: E402
+from streamx.model.load import EMBEDDED_MODEL, resolve_model_path  # noqa: E402
+from streamx.regen.runner import plan_turns, regenerate  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--model", default=EMBEDDED_MODEL)

@@ -14,7 +14,7 @@ command runs as its own process (`python -m streamx ...`), timed by GNU time (pe
     python bench/scale.py --scratch /tmp/s --sizes 10000 --keep   # one size, keep the stores
 
 Results: --json (rewritten after every command) and a markdown table at the end. The tokenizer comes from
---tokenizer, else the embedded model's converted folder (streamx.models.resolve_model_path).
+--tokenizer, else the embedded model's converted folder (streamx.model.load.resolve_model_path).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ if not (model_dir / "config.json").exists():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from streamx.models import EMBEDDED_MODEL, resolve_model_path
+    from streamx.model.load import EMBEDDED_MODEL, resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model_path(EMBEDDED_MODEL))
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """Sweep token budget, number of captured layers and sequence lengths; write JSON and PNG plots.
 
-Plots need matplotlib (`pip install -e '.[bench]'`). Each point is one `streamx.bench.bench` call (streamx and
+Plots need matplotlib (`pip install -e '.[bench]'`). Each point is one `streamx.measure.bench.bench` call (streamx and
 forward_only interleaved in one
 process), so every figure is a ratio measured under the same machine conditions.
 
@@ -11,8 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-from streamx.bench import bench
 from streamx.config import load_config
+from streamx.measure.bench import bench
 
 BUDGETS = (512, 1024, 2048, 4096, 8192)
 LAYER_SETS = ("30", "2,15,27,30", "2,6,10,14,18,22,26,30", ",".join(str(i) for i in range(0, 31, 2)))

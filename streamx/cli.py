@@ -104,7 +104,7 @@ def run(
 ) -> None:
     """Run the model over the data and write the selected layers' hidden states to a store. Ctrl-C or SIGTERM
     commits what is written and exits 130 / 143; the same command resumes."""
-    from .pipeline import run as run_pipeline
+    from .pipeline.runner import run as run_pipeline
 
     try:
         summary = run_pipeline(cfg, progress=progress, log=_log)
@@ -126,7 +126,7 @@ def regenerate(
     into a .jsonl that `streamx run --data` reads. Re-running resumes (every row exactly once); rows that fail
     go to OUT.errors.jsonl and are tried again by the next run. Ctrl-C or SIGTERM finishes the rows in flight and
     exits 130 / 143."""
-    from .regenerate import regenerate as run_regenerate
+    from .regen.runner import regenerate as run_regenerate
 
     try:
         summary = run_regenerate(cfg, progress=progress, log=_log)
@@ -153,8 +153,8 @@ def plan(
 ) -> None:
     """Say what `streamx run` with the same settings would write, before running it: rows, tokens, the
     store's bytes and files for each storage choice, the free space at --out, and the time."""
-    from .bench import calibrate as calibrate_rate
-    from .estimate import Forecast, estimate
+    from .measure.bench import calibrate as calibrate_rate
+    from .pipeline.estimate import Forecast, estimate
 
     try:
         if sample_rows < 1:
@@ -198,7 +198,7 @@ def verify(
 ) -> None:
     """Check a finished store before training on it: its structure over every sample, and a few samples
     recomputed with the model. Exit code 0 only when every check passes (docs/verify.md)."""
-    from .verify import verify as run_verify
+    from .train.verify import verify as run_verify
 
     try:
         report = run_verify(store, samples=samples, seed=seed, device=device, use_model=model,
@@ -230,7 +230,7 @@ def convert(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Write a store as speculators training data and print the `speculators train` flags to use."""
-    from .convert import convert as run_convert
+    from .train.convert import convert as run_convert
 
     try:
         summary = run_convert(store, out, seed=seed, overwrite=overwrite, workers=workers, progress=progress,
@@ -254,8 +254,8 @@ def bench(
 ) -> None:
     """Measure streamx against the plain forward pass and the naive per-sample approach, in one process.
     Temporary stores go in the folder of --out, whose plain write speed is measured in the same run."""
-    from .bench import MODES, format_report
-    from .bench import bench as run_bench
+    from .measure.bench import MODES, format_report
+    from .measure.bench import bench as run_bench
 
     modes = tuple(m for m in MODES if not (skip_naive and m == "naive"))
     _measure(lambda scratch: run_bench(cfg, rounds=rounds, progress=progress, log=_log if progress else _quiet,
@@ -280,7 +280,7 @@ def bench_writer(
 ) -> None:
     """Measure the store writer on synthetic batches against plain sequential writes of the same bytes, with
     1..N writer processes (as torchrun ranks write their own parts); no model, no data."""
-    from .writebench import WriteWorkload, format_writer_report, writer_bench
+    from .measure.writebench import WriteWorkload, format_writer_report, writer_bench
 
     def measure(scratch: str | None) -> dict[str, Any]:
         counts = tuple(int(p) for p in processes.split(",") if p.strip())

@@ -11,7 +11,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
 
-from streamx.models import EMBEDDED_MODEL, cache_dir, load_model, resolve_model_path
+from streamx.model.load import EMBEDDED_MODEL, cache_dir, load_model, resolve_model_path
 
 # Tests that load the embedded model (directly or through a fixture built on it), build the
 # speculators venv or start an S3 server are integration tests: `pytest -m "not integration"` runs
@@ -69,7 +69,7 @@ def tiny_chat_model_dir(smollm2_dir, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def chat_jsonl(tmp_path_factory) -> str:
     """Real chatterbot conversations as a jsonl file, some joined into longer multi-turn chats."""
-    from streamx.source import open_source
+    from streamx.data.source import open_source
 
     rows = [row.record for row in open_source("chatterbot:english")]
     out, i = [], 0

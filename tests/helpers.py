@@ -12,8 +12,8 @@ import zarr
 from torch import nn
 
 from streamx.config import RunConfig, load_config
+from streamx.pipeline.writer import PartWriter
 from streamx.store import bf16_to_bits, make_layout, open_for_run, open_store, prepare
-from streamx.writer import PartWriter
 
 # small shards and chunks, so that a few dozen chat rows span many shards and commits
 SMALL_RUN = dict(layers="0,2,4", token_budget=512, max_length=256, sort_window=16, chunk_tokens=16, shard_tokens=64)

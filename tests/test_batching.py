@@ -5,8 +5,8 @@ import threading
 import pytest
 import torch
 
-from streamx.batching import iter_batches, make_batch, make_packed_batch
-from streamx.tokenize import Reject, Sample
+from streamx.data.batching import iter_batches, make_batch, make_packed_batch
+from streamx.data.tokenize import Reject, Sample
 
 
 def samples_of(lengths: list[int], seed: int = 0) -> list[Sample]:

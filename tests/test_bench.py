@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from streamx.bench import MODES, bench, bottleneck, format_report
 from streamx.config import load_config
+from streamx.measure.bench import MODES, bench, bottleneck, format_report
+from streamx.measure.writebench import WriteWorkload, format_writer_report, writer_bench
 from streamx.store import open_store
-from streamx.writebench import WriteWorkload, format_writer_report, writer_bench
 
 
 def test_bench_report(tiny_chat_model_dir, chat_jsonl, tmp_path):
@@ -56,7 +56,7 @@ def test_bench_report(tiny_chat_model_dir, chat_jsonl, tmp_path):
 def test_warm_up_visits_every_batch_shape_before_timing(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
     """Kernels compile and autotune per shape: the forward sees each batch shape once before any
     timed round (it used to see two batches), and warm-up rounds are run but not counted."""
-    import streamx.bench as bench_module
+    import streamx.measure.bench as bench_module
 
     calls, logs = [], []
     real_forward_only = bench_module.forward_only
@@ -79,7 +79,7 @@ def test_warm_up_visits_every_batch_shape_before_timing(tiny_chat_model_dir, cha
 
 
 def _stored(cfg, tmp_path):
-    from streamx.pipeline import run
+    from streamx.pipeline.runner import run
 
     run(cfg.replace(out=str(tmp_path / "ref.zarr")), progress=False)
     return list(open_store(str(tmp_path / "ref.zarr")).samples())
@@ -119,9 +119,9 @@ def test_model_flops_are_what_the_forward_executes():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from streamx.batching import make_batch
-    from streamx.bench import warm_up
-    from streamx.tokenize import Sample
+    from streamx.data.batching import make_batch
+    from streamx.data.tokenize import Sample
+    from streamx.measure.bench import warm_up
 
     d, ff, L, nq, nkv, hd = 64, 160, 3, 4, 2, 16
     torch.manual_seed(0)

@@ -9,10 +9,10 @@ from helpers import reference_states
 from tiny_models import tiny_model
 from torch import nn
 
-from streamx.batching import make_batch
-from streamx.capture import LAYER_PATHS, LayerCapture, LayerDiscoveryError, find_decoder, sample_is_finite
-from streamx.gather import gather_into_torch
-from streamx.tokenize import Sample
+from streamx.data.batching import make_batch
+from streamx.data.tokenize import Sample
+from streamx.model.capture import LAYER_PATHS, LayerCapture, LayerDiscoveryError, find_decoder, sample_is_finite
+from streamx.model.gather import gather_into_torch
 
 BF16_ULP = 2.0**-7  # relative spacing of bf16
 
@@ -107,8 +107,8 @@ def test_every_decoder_path_is_found_and_run_by_capture_bench_and_verify(path):
     """Each place find_decoder looks is exercised: a tiny Llama's decoder put there is found with its norm,
     the capture hooks gather through it, bench's plain forward runs it, and verify's reference (every id,
     id L before the norm) equals the one of the unwrapped model."""
-    from streamx.bench import forward_only
-    from streamx.verify import reference_states as verify_reference
+    from streamx.measure.bench import forward_only
+    from streamx.train.verify import reference_states as verify_reference
 
     model = tiny_model("llama", num_layers=4)
     decoder, top = model.model, model.model

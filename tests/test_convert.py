@@ -18,15 +18,15 @@ from helpers import copy_store, small_config
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-import streamx.convert as convert_module
-import streamx.speculators as speculators
+import streamx.train.convert as convert_module
+import streamx.train.speculators as speculators
 from streamx.cli import app
-from streamx.convert import ConvertError, convert
-from streamx.fp8 import quantize_fp8
-from streamx.models import load_model
-from streamx.pipeline import run
-from streamx.runplan import make_plan
+from streamx.store.fp8 import quantize_fp8
+from streamx.model.load import load_model
+from streamx.pipeline.plan import make_plan
+from streamx.pipeline.runner import run
 from streamx.store import open_store
+from streamx.train.convert import ConvertError, convert
 
 LAYERS = [1, 2, 4]  # the tiny model has L = 4
 

@@ -11,9 +11,9 @@ import torch
 from helpers import assert_same_samples, committed_samples, run_args
 
 from streamx.config import load_config
-from streamx.models import load_model
-from streamx.pipeline import run
-from streamx.runplan import make_plan
+from streamx.model.load import load_model
+from streamx.pipeline.plan import make_plan
+from streamx.pipeline.runner import run
 
 
 def streamx_cmd(model_dir, data, out, nproc=None):

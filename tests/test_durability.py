@@ -15,10 +15,10 @@ import pytest
 import torch
 from helpers import assert_same_samples, cli, committed_samples, run_args, small_config
 
-from streamx.convert import convert
-from streamx.locks import Lock, lock_file
-from streamx.pipeline import run
+from streamx.base.locks import Lock, lock_file
+from streamx.pipeline.runner import run
 from streamx.store import open_store
+from streamx.train.convert import convert
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
@@ -218,7 +218,8 @@ def test_a_lock_dies_with_its_process_and_convert_takes_one(tiny_chat_model_dir,
     store = tmp_path / "s.zarr"
     run(small_config(tiny_chat_model_dir, chat_jsonl, store, max_samples=8), progress=False, log=lambda m: None)
     spec = tmp_path / "spec"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from streamx.locks import Lock, lock_file; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; "
+                               "from streamx.base.locks import Lock, lock_file; "
                                f"lock = Lock(lock_file({str(spec)!r}), 'x'); print('held', flush=True); "
                                "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
     try:
@@ -270,7 +271,7 @@ def test_a_filesystem_without_flock_runs_with_a_warning(tmp_path, monkeypatch):
 
 def test_a_signal_after_the_last_batch_changes_nothing(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
     """Ctrl-C while the writer closes a run whose data is all through: the run ends as usual, complete."""
-    from streamx.writer import PartWriter
+    from streamx.pipeline.writer import PartWriter
 
     close = PartWriter.close
 

@@ -10,9 +10,9 @@ from typer.testing import CliRunner
 
 import streamx.store.space as space
 from streamx.cli import app
-from streamx.estimate import estimate, sampled
-from streamx.pipeline import run
-from streamx.source import open_source
+from streamx.data.source import open_source
+from streamx.pipeline.estimate import estimate, sampled
+from streamx.pipeline.runner import run
 from streamx.store import StoreError, open_store
 
 
@@ -57,7 +57,7 @@ def test_run_refuses_to_start_without_room_and_no_weights_are_read(tiny_chat_mod
     def no_weights(*args, **kwargs):
         raise AssertionError("the model was loaded before the space check")
 
-    monkeypatch.setattr("streamx.runplan.load_model", no_weights)
+    monkeypatch.setattr("streamx.pipeline.plan.load_model", no_weights)
     with pytest.raises(StoreError, match=r"has .* MB free and the store needs about .* MB; .*--no-space-check"):
         run(cfg, progress=False, log=lambda m: None)
     with pytest.raises(AssertionError, match="the model was loaded"):  # --no-space-check: on to the weights

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from streamx.config import load_config
-from streamx.fp8 import FP8, dequantize_fp8, quantize_fp8
-from streamx.pipeline import run
+from streamx.store.fp8 import FP8, dequantize_fp8, quantize_fp8
+from streamx.pipeline.runner import run
 from streamx.store import open_store
 
 # In the speculators venv: speculators' quantiser and dequantiser on every tensor of a safetensors file.
@@ -55,7 +55,7 @@ def assert_same(ours: tuple[torch.Tensor, torch.Tensor], theirs: dict, name: str
 def test_quantiser_is_bit_exact_with_speculators(speculators_venv, tmp_path, monkeypatch):
     tensors = edge_cases()
     theirs = speculators_quantised(speculators_venv, tensors, tmp_path)
-    monkeypatch.setattr("streamx.fp8.QUANTIZE_TOKENS", 5)  # several steps, the last one partial
+    monkeypatch.setattr("streamx.store.fp8.QUANTIZE_TOKENS", 5)  # several steps, the last one partial
     for name, x in tensors.items():
         assert_same(quantize_fp8(x), theirs, name)
     assert not torch.isnan(theirs["edge.values"].float()).any()  # no edge case overflowed to NaN

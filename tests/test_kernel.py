@@ -8,10 +8,10 @@ which imports triton). The CUDA tests run the compiled kernel where a GPU is pre
 import pytest
 import torch
 
-import streamx.gather as streamx_gather
+import streamx.model.gather as streamx_gather
 from streamx.config import load_config
-from streamx.gather import select_gather_fn
-from streamx.pipeline import run
+from streamx.model.gather import select_gather_fn
+from streamx.pipeline.runner import run
 from streamx.store import open_store
 from streamx_kernels.gather import gather_into_triton
 

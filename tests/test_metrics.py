@@ -2,7 +2,7 @@
 
 import queue
 
-from streamx.metrics import QueueFill, Throughput
+from streamx.pipeline.metrics import QueueFill, Throughput
 
 
 def test_eta_comes_from_tokens_not_rows():
@@ -30,7 +30,7 @@ def test_progress_redraws_between_batches():
     """A long batch must not freeze the bar: it redraws on its own every `interval` seconds."""
     import time
 
-    from streamx.metrics import Progress
+    from streamx.base.progress import Progress
 
     counts = Throughput()
     with Progress(counts, total_rows=10, desc="test", disable=False, interval=0.02, terminal=True) as progress:
@@ -46,7 +46,7 @@ def test_progress_in_a_log_is_plain_status_lines(capsys):
     returns: instead, a newline-ended status line every interval (30 s by default) and one at the end."""
     import time
 
-    from streamx.metrics import Progress
+    from streamx.base.progress import Progress
 
     counts = Throughput()
     assert Progress(counts, total_rows=10, desc="test", disable=False, terminal=False).interval == 30.0

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from streamx import models
-from streamx.models import (
+from streamx.model import load as models
+from streamx.model.load import (
     EMBEDDED_MODEL,
     ModelNotFoundError,
     cache_dir,
@@ -217,7 +217,7 @@ def test_hub_id_from_offline_cache_records_commit(tiny_llama_dir, tmp_path):
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     # huggingface_hub reads HF_HUB_CACHE at import, so use a fresh interpreter
-    code = ("import dataclasses, json; from streamx.models import load_model; "
+    code = ("import dataclasses, json; from streamx.model.load import load_model; "
             "print(json.dumps(dataclasses.asdict(load_model('streamx-test/tiny-llama', device='cpu')[2])))")
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
@@ -250,7 +250,7 @@ def test_random_weights_from_a_config_file_read_no_weights(tmp_path, smollm2_dir
 
 HEAP_OF_A_FREED_TENSOR = """
 import ctypes, json, sys, torch
-from streamx.models import keep_freed_host_memory
+from streamx.model.load import keep_freed_host_memory
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
                                                "uordblks", "fordblks", "keepcost")]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import assert_same_samples, committed_samples, run_args
 
-from streamx.convert import convert
 from streamx.store import open_store
+from streamx.train.convert import convert
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,13 @@ from tiny_models import tiny_model
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from streamx.batching import make_packed_batch, pack_window
-from streamx.capture import LayerCapture
-from streamx.gather import gather_into_torch
-from streamx.packing import PACKED_SDPA, Packing, configure, enable, probe, sample_wise_layers
-from streamx.pipeline import run
+from streamx.data.batching import make_packed_batch, pack_window
+from streamx.data.tokenize import Sample
+from streamx.model.capture import LayerCapture
+from streamx.model.gather import gather_into_torch
+from streamx.model.packing import PACKED_SDPA, Packing, configure, enable, probe, sample_wise_layers
+from streamx.pipeline.runner import run
 from streamx.store import open_store
-from streamx.tokenize import Sample
 
 BF16_ULP = 2.0**-7
 

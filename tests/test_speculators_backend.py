@@ -13,11 +13,11 @@ import pytest
 import torch
 from helpers import copy_store, small_config
 
-from streamx.convert import convert
-from streamx.dataset import StoreDataset
-from streamx.pipeline import run
+from streamx.pipeline.runner import run
 from streamx.store import StoreError, open_store
-from streamx.verify import verify
+from streamx.train.convert import convert
+from streamx.train.dataset import StoreDataset
+from streamx.train.verify import verify
 
 LAYERS = "1,2,3,4"  # more ids than one drafter uses (L = 4)
 CHECK = str(Path(__file__).with_name("speculators_backend_check.py"))

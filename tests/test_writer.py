@@ -5,7 +5,9 @@ import pytest
 import torch
 import zarr
 
-from streamx.fp8 import quantize_fp8
+from streamx.data.tokenize import REJECT_REASONS, Reject
+from streamx.store.fp8 import quantize_fp8
+from streamx.pipeline.writer import PartWriter
 from streamx.store import (
     FP8_STORAGE,
     Commit,
@@ -20,8 +22,6 @@ from streamx.store import (
     open_for_run,
     prepare,
 )
-from streamx.tokenize import REJECT_REASONS, Reject
-from streamx.writer import PartWriter
 
 K, H = 3, 8
 LAYOUT = make_layout(K, H, chunk_tokens=4, shard_tokens=8)

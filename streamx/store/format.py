@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import zarr
 
-from ..fp8 import FP8, dequantize_fp8, quantize_fp8
+from .fp8 import FP8, dequantize_fp8, quantize_fp8
 
 STORE_FORMAT = "streamx-store/2"
 READABLE_FORMATS = ("streamx-store/1", STORE_FORMAT)

@@ -16,8 +16,8 @@ from pathlib import Path
 import zarr
 from zarr.storage import LocalStore
 
-from ..durable import DurableLocalStore
-from ..locks import Lock, lock_file
+from ..base.durable import DurableLocalStore
+from ..base.locks import Lock, lock_file
 from .format import PARTS, Commit, Layout, StoreError, StoreMetadata, create_part
 from .reader import DoneKeys, RowSet, Store
 

@@ -21,7 +21,7 @@ import torch
 import zarr
 
 from .. import __version__
-from ..metrics import gb
+from ..base.units import gb
 from .format import CONTENT_KEY_ARRAYS, PARTS, READABLE_FORMATS, Commit, StoreError, StoreMetadata
 from .shards import ShardFiles, streamable_dir
 

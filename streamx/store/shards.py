@@ -26,7 +26,7 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from .. import durable
+from ..base import durable
 
 _UNUSED_CHUNK = np.iinfo(np.uint64).max  # index entry of a chunk that holds nothing (reads as fill value)
 _INDEX_ENTRY_BYTES = 2 * 8  # (offset, nbytes) as little-endian uint64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from ..metrics import gb
+from ..base.units import gb
 from .format import TOKEN_ID_ARRAYS, Layout, StoreError, entry_bytes
 
 

@@ -31,8 +31,9 @@ import numpy as np
 import torch
 from safetensors.torch import save
 
-from . import __version__, durable
-from .store import BF16, Storage, Store, StoredSample
+from .. import __version__
+from ..base import durable
+from ..store import BF16, Storage, Store, StoredSample
 
 META = "streamx_meta.json"
 WORK = ".streamx-convert"  # a convert's block files and plan; removed when the conversion completes

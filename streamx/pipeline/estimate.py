@@ -14,13 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from .batching import iter_windows
-from .config import RunConfig, resolve_layer_ids
-from .metrics import gb
-from .models import model_tokenizer, read_text_config, resolve_model_path
-from .source import Source, open_source
-from .store import STORAGES, Layout, free_bytes, make_layout
-from .store.format import (
+from ..base.units import gb
+from ..config import RunConfig, resolve_layer_ids
+from ..data.batching import iter_windows
+from ..data.source import Source, open_source
+from ..data.tokenize import Reject, Repeats, SampleBuilder
+from ..model.load import model_tokenizer, read_text_config, resolve_model_path
+from ..store import STORAGES, Layout, free_bytes, make_layout
+from ..store.format import (
     GROUP_DOCUMENTS,
     INDEX_CHUNK,
     REJECT_ARRAYS,
@@ -28,8 +29,7 @@ from .store.format import (
     TOKEN_ID_ARRAYS,
     entry_bytes,
 )
-from .store.shards import shard_index_bytes
-from .tokenize import Reject, Repeats, SampleBuilder
+from ..store.shards import shard_index_bytes
 
 GROUP_METADATA_BYTES = 4 << 10  # the store's zarr.json (metadata with the config), parts/ and the part (commit)
 ARRAY_METADATA_BYTES = 1 << 10  # each array's zarr.json

@@ -21,16 +21,18 @@ from typing import Any
 import torch
 import transformers
 
-from .capture import LayerCapture, sample_is_finite
-from .config import RunConfig
-from .distributed import init_from_env
-from .gather import select_gather_fn
-from .metrics import Progress, QueueFill, StageTimes, Throughput, gb
-from .runplan import RunPlan, make_plan
-from .store import DoneKeys, SpaceGuard, lock_part, open_for_run, prepare
-from .threads import SignalStop, Stopped, Worker, first_error, get, put
-from .tokenize import Reject
-from .transfer import HostTransfer
+from ..base.progress import Progress
+from ..base.threads import SignalStop, Stopped, Worker, first_error, get, put
+from ..base.units import gb
+from ..config import RunConfig
+from ..data.tokenize import Reject
+from ..model.capture import LayerCapture, sample_is_finite
+from ..model.gather import select_gather_fn
+from ..model.transfer import HostTransfer
+from ..store import DoneKeys, SpaceGuard, lock_part, open_for_run, prepare
+from .metrics import QueueFill, StageTimes, Throughput
+from .plan import RunPlan, make_plan
+from .ranks import init_from_env
 from .writer import CapturedBatch, PartWriter, RejectRate, WriterStage
 
 

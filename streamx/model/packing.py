@@ -32,9 +32,9 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .batching import make_packed_batch
+from ..data.batching import make_packed_batch
+from ..data.tokenize import Sample
 from .capture import find_decoder
-from .tokenize import Sample
 
 PACKED_SDPA = "streamx_packed_sdpa"
 NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")  # transformers' own packed (varlen) paths

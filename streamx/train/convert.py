@@ -31,12 +31,12 @@ from safetensors import safe_open
 from safetensors.torch import save
 from tqdm import tqdm
 
+from ..base.durable import write_file
+from ..base.locks import Lock, lock_file
+from ..config import check_layer_ids, resolve_layer_ids
+from ..store import STORAGES, Storage, Store, StoredSample, open_store
 from . import speculators
-from .config import check_layer_ids, resolve_layer_ids
-from .durable import write_file
-from .locks import Lock, lock_file
 from .speculators import FROM_STORE, HS_DIR, META, STORE_ROWS, WORK
-from .store import STORAGES, Storage, Store, StoredSample, open_store
 
 FORMATS = ("speculators",)
 BLOCK_ROWS = 1024  # resume granularity: an interrupted convert re-reads at most this many rows

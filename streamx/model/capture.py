@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .batching import Batch
-from .config import check_layer_ids
+from ..config import check_layer_ids
+from ..data.batching import Batch
 from .gather import GatherFn
 
 # Where decoder stacks live across transformers architectures (first match wins); each is tested

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .threads import get
+from ..base.threads import get
 
 
 @dataclass

@@ -26,15 +26,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import durable
-from .config import RegenerateConfig
+from ..base import durable
+from ..base.locks import Lock, lock_file
+from ..base.progress import Progress
+from ..base.threads import SignalStop, Stopped, Worker, first_error, get, put
+from ..config import RegenerateConfig
+from ..data.source import Row, open_source
+from ..data.tokenize import CONTENT_FIELDS, ROLES, TEMPLATE_FIELDS
+from ..model.load import EMBEDDED_MODEL
 from .engines import Endpoints, LocalEngine, Reply, Request, RowError, Sampling
-from .locks import Lock, lock_file
-from .metrics import Progress
-from .models import EMBEDDED_MODEL
-from .source import Row, open_source
-from .threads import SignalStop, Stopped, Worker, first_error, get, put
-from .tokenize import CONTENT_FIELDS, ROLES, TEMPLATE_FIELDS
 
 # what a resume must find unchanged: the settings that decide what is generated
 COMPAT_SETTINGS = ("data", "split", "model", "max_tokens", "temperature", "top_p", "seed", "thinking", "reasoning",

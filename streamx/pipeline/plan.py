@@ -24,13 +24,13 @@ import transformers
 import zarr
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from . import __version__
-from .batching import Batch, iter_batches, iter_windows
-from .config import RunConfig, resolve_layer_ids
-from .distributed import Rank, init_from_env
-from .estimate import estimate
-from .metrics import StageTimes, gb
-from .models import (
+from .. import __version__
+from ..base.units import gb
+from ..config import RunConfig, resolve_layer_ids
+from ..data.batching import Batch, iter_batches, iter_windows
+from ..data.source import Row, Source, open_source
+from ..data.tokenize import REJECT_REASONS, Reject, Repeats, Sample, SampleBuilder
+from ..model.load import (
     ModelInfo,
     load_model,
     read_text_config,
@@ -38,11 +38,12 @@ from .models import (
     resolve_dtype,
     resolve_model_path,
 )
-from .packing import Packing
-from .packing import configure as configure_packing
-from .source import Row, Source, open_source
-from .store import Compat, DoneKeys, Layout, Output, StoreError, StoreMetadata, free_bytes, make_layout
-from .tokenize import REJECT_REASONS, Reject, Repeats, Sample, SampleBuilder
+from ..model.packing import Packing
+from ..model.packing import configure as configure_packing
+from ..store import Compat, DoneKeys, Layout, Output, StoreError, StoreMetadata, free_bytes, make_layout
+from .estimate import estimate
+from .metrics import StageTimes
+from .ranks import Rank, init_from_env
 
 
 @dataclass

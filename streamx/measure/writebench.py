@@ -32,12 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .metrics import QueueFill, StageTimes
-from .store import Compat, Store, StoreMetadata, make_layout, open_for_run, prepare
-from .threads import Worker, put
-from .tokenize import REJECT_REASONS, Sample
-from .transfer import HostBatch
-from .writer import CapturedBatch, PartWriter, RejectRate, WriterStage
+from ..base.threads import Worker, put
+from ..data.tokenize import REJECT_REASONS, Sample
+from ..model.transfer import HostBatch
+from ..pipeline.metrics import QueueFill, StageTimes
+from ..pipeline.writer import CapturedBatch, PartWriter, RejectRate, WriterStage
+from ..store import Compat, Store, StoreMetadata, make_layout, open_for_run, prepare
 
 MODES = ("plain", "writer")
 

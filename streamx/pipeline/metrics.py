@@ -1,5 +1,5 @@
 """What a run measures about itself, so that it (and `streamx bench`) can name its bottleneck:
-busy time per stage and how full the hand-off queues are; and the progress it shows.
+busy time per stage, how full the hand-off queues are, and the rows and tokens through it.
 
 CPU stages use perf_counter. Device stages use CUDA events, resolved only when totals are
 read, so timing never synchronises the device mid-run."""
@@ -7,14 +7,11 @@ read, so timing never synchronises the device mid-run."""
 from __future__ import annotations
 
 import queue
-import sys
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from tqdm import tqdm
@@ -62,14 +59,6 @@ class QueueFill:
         return self.total / max(self.reads, 1) / self.q.maxsize
 
 
-class Counts(Protocol):
-    """What a Progress shows: rows done so far, and a status line of rates and an ETA."""
-
-    rows: int
-
-    def status(self, total_rows: int | None, elapsed: float) -> str: ...
-
-
 @dataclass
 class Throughput:
     """Rows and tokens through a run: tokenized (the producer runs ahead) and through the forward pass."""
@@ -102,54 +91,3 @@ class Throughput:
             return None
         expected = self.tokenized_tokens / self.tokenized_rows * total_rows
         return max(0.0, expected - self.real_tokens) / (self.real_tokens / elapsed)
-
-
-class Progress:
-    """Rows done and the counts' own status (`Counts.status`: rates, an ETA), redrawn every `interval` seconds
-    even while a long batch runs: a live bar on a terminal; elsewhere (Slurm, nohup, CI logs) one plain,
-    newline-ended status line every `interval` seconds (default 30), so a log file gets readable lines."""
-
-    def __init__(self, counts: Counts, total_rows: int | None, desc: str, disable: bool,
-                 interval: float | None = None, terminal: bool | None = None):
-        self.counts, self.total_rows, self.desc, self.disable = counts, total_rows, desc, disable
-        self.terminal = sys.stderr.isatty() if terminal is None else terminal
-        self.interval = interval if interval is not None else 1.0 if self.terminal else 30.0
-        self.started = time.perf_counter()
-        self.bar = tqdm(total=total_rows, unit="row", desc=desc, disable=disable or not self.terminal,
-                        dynamic_ncols=True,
-                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rows [{elapsed}{postfix}]")
-        self._stop = threading.Event()
-        self._ticker = threading.Thread(target=self._tick, name="streamx-progress", daemon=True)
-
-    def __enter__(self) -> Progress:
-        if not self.disable:
-            self._ticker.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if not self.disable:
-            self.draw()
-        self.bar.close()
-
-    def status(self) -> str:
-        return self.counts.status(self.total_rows, max(time.perf_counter() - self.started, 1e-9))
-
-    def draw(self) -> None:
-        if self.terminal:
-            self.bar.n = self.counts.rows
-            self.bar.set_postfix_str(self.status())  # and redraws
-            return
-        total = f"/{self.total_rows:,}" if self.total_rows is not None else ""
-        elapsed = tqdm.format_interval(time.perf_counter() - self.started)
-        print(f"{self.desc}: {self.counts.rows:,}{total} rows [{elapsed}, {self.status()}]", file=sys.stderr,
-              flush=True)
-
-    def _tick(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.draw()
-
-
-def gb(n: float) -> str:
-    """Bytes for people: GB from 0.1 GB up, else MB."""
-    return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"

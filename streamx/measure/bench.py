@@ -28,14 +28,14 @@ import transformers
 from safetensors.torch import save_file
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from .batching import Batch
-from .capture import find_decoder
+from ..config import RunConfig
+from ..data.batching import Batch
+from ..data.tokenize import Sample
+from ..model.capture import find_decoder
+from ..model.packing import padded_attention
+from ..pipeline.plan import RunPlan, make_plan
+from ..pipeline.runner import run
 from .ceilings import host_copy_gb_per_s, matmul_peak_tflops
-from .config import RunConfig
-from .packing import padded_attention
-from .pipeline import run
-from .runplan import RunPlan, make_plan
-from .tokenize import Sample
 from .writebench import write_ceiling
 
 MODES = ("forward_only", "forward_padded", "streamx", "naive")  # forward_padded: only when the run packs

@@ -28,13 +28,13 @@ from datetime import datetime, timezone
 import numpy as np
 import zarr
 
+from ..base.threads import get
+from ..data.tokenize import REJECT_REASONS, Reject, Sample
+from ..model.transfer import HostBatch
+from ..store import Commit, SpaceGuard
+from ..store.format import REJECT_ARRAYS, SAMPLE_ARRAYS, part_storage
+from ..store.shards import ShardSink, shard_sink
 from .metrics import QueueFill, StageTimes
-from .store import Commit, SpaceGuard
-from .store.format import REJECT_ARRAYS, SAMPLE_ARRAYS, part_storage
-from .store.shards import ShardSink, shard_sink
-from .threads import get
-from .tokenize import REJECT_REASONS, Reject, Sample
-from .transfer import HostBatch
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import jinja2
 import torch
 
-from .threads import Stopped
+from ..base.threads import Stopped
 
 RETRIED_STATUS = frozenset({408, 429})  # and every 5xx: timeouts, rate limits, overloaded or restarting
 UNAVAILABLE_STATUS = frozenset({408, 429, 502, 503, 504})  # still so after the retries: the server is down
@@ -223,7 +223,7 @@ class LocalEngine:
     --endpoint). The prompt is the chat template's rendering, so the token ids are exact."""
 
     def __init__(self, model: str, sampling: Sampling, device: str = "auto", dtype: str = "auto"):
-        from .models import load_model
+        from ..model.load import load_model
         self.lm, self.tokenizer, self.info = load_model(model, dtype=dtype, device=device)
         if self.tokenizer.chat_template is None:
             raise ValueError(f"{model} has no chat template: regenerate needs one to prompt it")

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .capture import find_decoder
-from .models import load_model, read_text_config
+from ..model.capture import find_decoder
+from ..model.load import load_model, read_text_config
+from ..store import BF16, STORAGES, Store, StoreError, open_store
 from .speculators import FROM_STORE, HS_DIR, META, STORE_ROWS
-from .store import BF16, STORAGES, Store, StoreError, open_store
 
 READ_BYTES = 256 << 20  # float32 states per read in the structural pass (its temporaries take ~3x this)
 

@@ -21,7 +21,7 @@ import jinja2
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from streamx.source import Row
+from streamx.data.source import Row
 
 REJECT_REASONS = (
     "malformed_json",  # a jsonl line that does not parse

@@ -4,7 +4,7 @@ ids, loss mask and hidden states of the layer ids you choose, bf16 (an fp8 store
 speculators' fp8 loader does).
 
     from torch.utils.data import DataLoader
-    from streamx.dataset import StoreDataset
+    from streamx.train.dataset import StoreDataset
 
     data = StoreDataset("out.zarr", layer_ids=[2, 18, 33, 36])     # any subset of the store's ids
     for item in DataLoader(data, batch_size=None, shuffle=True, num_workers=4):
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .store import Store, StoreError, open_store
+from ..store import Store, StoreError, open_store
 
 
 class StoreDataset(Dataset):
