@@ -27,10 +27,10 @@ import time
 
 import torch
 
-from streamx.model import load as models
 from streamx.config import load_config
 from streamx.data.batching import Batch
 from streamx.measure.bench import forward_only, warm_up
+from streamx.model import load as models
 from streamx.pipeline.plan import make_plan
 
 

@@ -37,7 +37,8 @@ sys.path.insert(0, str(REPO))
 from streamx.config import RegenerateConfig  # noqa: E402
 from streamx.data.source import open_source  # noqa: E402
 from streamx.model.load import EMBEDDED_MODEL, resolve_model_path  # noqa: E402
-from streamx.regen.runner import plan_turns, regenerate  # noqa: E402
+from streamx.regen import regenerate  # noqa: E402
+from streamx.regen.conversation import plan_turns  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--model", default=EMBEDDED_MODEL)

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origi
 
 import typer
 
+from .base.location import local_path
 from .config import RegenerateConfig, RunConfig, StorageName, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -296,7 +297,8 @@ def bench_writer(
 def _measure(measure: Callable[[str | None], dict[str, Any]], render: Callable[[dict[str, Any]], str], out: str,
              json_out: Path | None) -> None:
     """Run a benchmark in the folder of `out` (its scratch files go there), save and print its report."""
-    scratch = str(Path(out).parent) if "://" not in out else None
+    local = local_path(out)
+    scratch = str(local.parent) if local is not None else None
     try:
         if scratch:
             Path(scratch).mkdir(parents=True, exist_ok=True)

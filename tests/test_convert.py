@@ -21,11 +21,11 @@ from typer.testing import CliRunner
 import streamx.train.convert as convert_module
 import streamx.train.speculators as speculators
 from streamx.cli import app
-from streamx.store.fp8 import quantize_fp8
 from streamx.model.load import load_model
 from streamx.pipeline.plan import make_plan
 from streamx.pipeline.runner import run
 from streamx.store import open_store
+from streamx.store.fp8 import quantize_fp8
 from streamx.train.convert import ConvertError, convert
 
 LAYERS = [1, 2, 4]  # the tiny model has L = 4

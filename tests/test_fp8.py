@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from streamx.config import load_config
-from streamx.store.fp8 import FP8, dequantize_fp8, quantize_fp8
 from streamx.pipeline.runner import run
 from streamx.store import open_store
+from streamx.store.fp8 import FP8, dequantize_fp8, quantize_fp8
 
 # In the speculators venv: speculators' quantiser and dequantiser on every tensor of a safetensors file.
 HS_CONNECTORS = """

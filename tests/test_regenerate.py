@@ -22,8 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from streamx.config import RegenerateConfig, load_config
 from streamx.data.source import Row, open_source
 from streamx.data.tokenize import SampleBuilder
+from streamx.regen import regenerate
+from streamx.regen.conversation import conversation, exact_tokens, plan_turns
 from streamx.regen.engines import Endpoints, Request, RowError, Sampling, ServerDown, api_base, parse_reply
-from streamx.regen.runner import RowFile, conversation, exact_tokens, plan_turns, regenerate, side_files
+from streamx.regen.files import RowFile, side_files
 from streamx.store import open_store
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -203,7 +205,7 @@ def test_the_client_retries_overload_and_refuses_bad_rows_with_the_servers_reaso
     server = ScriptedServer([(503, {"error": {"message": "overloaded"}}), (429, {"detail": "slow down"}),
                              (200, completion()), (400, {"error": {"message": "context too long"}})])
     try:
-        client = Endpoints([server.url], Sampling(max_tokens=8, temperature=0.0), threading.Event(), timeout=5,
+        client = Endpoints([server.url], Sampling(max_tokens=8, temperature=0.0), timeout=5,
                            retries=3, model="m")
         assert client.complete(Request([{"role": "user", "content": "hi"}], seed=3)).content == "fine"
         assert len(server.bodies) == 3  # two refusals retried
@@ -214,7 +216,7 @@ def test_the_client_retries_overload_and_refuses_bad_rows_with_the_servers_reaso
         assert err.value.reason == "request_rejected" and len(server.bodies) == 4  # not retried
     finally:
         server.close()
-    dead = Endpoints([server.url], Sampling(max_tokens=8), threading.Event(), timeout=2, retries=1, model="m")
+    dead = Endpoints([server.url], Sampling(max_tokens=8), timeout=2, retries=1, model="m")
     with pytest.raises(ServerDown, match=r"no answer after 2 tries; the last: http://127.0.0.1:\d+/v1: .*refused"):
         dead.complete(Request([{"role": "user", "content": "hi"}], seed=0))
 
@@ -226,7 +228,7 @@ def test_a_server_that_fails_on_a_row_or_refuses_everything_is_told_apart_from_o
                                         (404, ServerDown, "HTTP 404: boom .check --model", 1)]:
         server = ScriptedServer([(status, {"detail": "boom"})])
         try:
-            client = Endpoints([server.url], Sampling(max_tokens=8), threading.Event(), timeout=5, retries=1, model="m")
+            client = Endpoints([server.url], Sampling(max_tokens=8), timeout=5, retries=1, model="m")
             with pytest.raises(error, match=match):
                 client.complete(ask)
         finally:
@@ -237,7 +239,7 @@ def test_a_server_that_fails_on_a_row_or_refuses_everything_is_told_apart_from_o
 def test_a_kept_alive_connection_the_server_dropped_is_reopened_without_a_retry():
     server = ScriptedServer([(200, completion())], drop_idle_connections=True)
     try:
-        client = Endpoints([server.url], Sampling(max_tokens=8), threading.Event(), timeout=5, retries=0, model="m")
+        client = Endpoints([server.url], Sampling(max_tokens=8), timeout=5, retries=0, model="m")
         for _ in range(3):  # with no retries allowed, a stale connection would be a ServerDown
             assert client.complete(Request([{"role": "user", "content": "hi"}], seed=0)).content == "fine"
     finally:
@@ -508,8 +510,9 @@ def test_sigterm_finishes_the_rows_in_flight_and_the_same_command_goes_on(chat_s
 
 
 def test_progress_shows_rows_tokens_and_the_eta():
+    from streamx.regen import RegenerateSummary
+    from streamx.regen.conversation import Regenerated
     from streamx.regen.engines import Reply
-    from streamx.regen.runner import Regenerated, RegenerateSummary
     summary = RegenerateSummary("o.jsonl", "m", "e")
     done, _ = run_conversation(TWO_TURNS, [Reply("a", None, None, "length", 5, 40, None, None),
                                            Reply("b", None, None, "stop", 9, 60, None, None)],
@@ -527,19 +530,19 @@ def test_progress_shows_rows_tokens_and_the_eta():
 
 def test_settings_bind_an_output_only_once_it_holds_rows(tmp_path):
     """A first run that died before writing a row leaves its settings but no rows: the next run may differ."""
-    from streamx.regen.runner import _check_settings
+    from streamx.regen.files import check_settings
     out, saved = tmp_path / "o.jsonl", tmp_path / "o.jsonl.settings.json"
     first = RegenerateConfig(max_tokens=4).to_dict()
-    _check_settings(saved, first, out)
+    check_settings(saved, first, out)
     out.write_text("")
-    _check_settings(saved, {**first, "max_tokens": 5}, out)  # nothing generated: accepted, and recorded
+    check_settings(saved, {**first, "max_tokens": 5}, out)  # nothing generated: accepted, and recorded
     assert json.loads(saved.read_text())["max_tokens"] == 5
     out.write_text('{"source_row": 0}\n')
     with pytest.raises(ValueError, match="max_tokens 5 there, 4 here"):
-        _check_settings(saved, first, out)
+        check_settings(saved, first, out)
     saved.unlink()
     with pytest.raises(ValueError, match="has no o.jsonl.settings.json"):
-        _check_settings(saved, first, out)
+        check_settings(saved, first, out)
 
 
 def test_the_request_says_what_the_settings_ask_and_leaves_the_rest_to_the_server():
@@ -549,12 +552,12 @@ def test_the_request_says_what_the_settings_ask_and_leaves_the_rest_to_the_serve
                            (Sampling(8, 0.7, 0.9, "off"), {"temperature": 0.7, "top_p": 0.9,
                                                            "chat_template_kwargs": {"enable_thinking": False}}),
                            (Sampling(8, thinking="on"), {"chat_template_kwargs": {"enable_thinking": True}})]:
-        assert Endpoints(["http://h:1"], sampling, threading.Event(), model="m").body(ask) == body | more
-    with_ids = Endpoints(["http://h:1"], Sampling(8), threading.Event(), return_token_ids=True, model="m")
+        assert Endpoints(["http://h:1"], sampling, model="m").body(ask) == body | more
+    with_ids = Endpoints(["http://h:1"], Sampling(8), return_token_ids=True, model="m")
     assert with_ids.body(ask) == body | {"return_token_ids": True}
     server = ScriptedServer([(422, {"detail": "Unexpected fields in the request: {'return_token_ids'}"})])
     try:  # what transformers serve answers: a setup error, not each row's
-        refused = Endpoints([server.url], Sampling(8), threading.Event(), return_token_ids=True, model="m")
+        refused = Endpoints([server.url], Sampling(8), return_token_ids=True, model="m")
         with pytest.raises(ServerDown, match="drop --return-token-ids"):
             refused.complete(ask)
     finally:

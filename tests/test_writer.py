@@ -6,7 +6,6 @@ import torch
 import zarr
 
 from streamx.data.tokenize import REJECT_REASONS, Reject
-from streamx.store.fp8 import quantize_fp8
 from streamx.pipeline.writer import PartWriter
 from streamx.store import (
     FP8_STORAGE,
@@ -22,6 +21,7 @@ from streamx.store import (
     open_for_run,
     prepare,
 )
+from streamx.store.fp8 import quantize_fp8
 
 K, H = 3, 8
 LAYOUT = make_layout(K, H, chunk_tokens=4, shard_tokens=8)

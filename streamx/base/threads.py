@@ -1,10 +1,18 @@
 """Threads that stop together: a worker whose error reaches the main thread, queue hand-offs that
-give up when the run stops, and the signals that ask a run to wind up.
+give up when the run fails, and the signals that ask a run to wind up.
+
+A run's threads share two events, each named for who sets it, and a third for what came of the second:
+
+    failed     set by the first thread that fails (Worker), or by the main thread on its way out:
+               every stage gives up at once (a waiting thread raises `Stopped`)
+    signalled  set by SIGINT / SIGTERM (SignalStop): the run winds up, taking no new work and finishing
+               and committing what it holds
+    rows_left  set by a stage that, winding up, left rows for the resume (not when the data ran out first)
 
 Every stage waits on a bounded queue (or the pinned-buffer ring) with a short timeout and looks at
-the run's `stop` event in between, so that no thread blocks forever once another has failed. A
-thread that finds the run stopped raises `Stopped`: it did nothing wrong, and the error to report
-is the one that set `stop`.
+`failed` in between, so that no thread blocks forever once another has failed. A thread that finds
+the run failed raises `Stopped`: it did nothing wrong, and the error to report is the one that set
+`failed`.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-POLL_SECONDS = 0.1  # how often a waiting thread looks at the stop event
+POLL_SECONDS = 0.1  # how often a waiting thread looks at the failed event
 
 
 class Stopped(Exception):
@@ -23,12 +31,12 @@ class Stopped(Exception):
 
 
 class Worker(threading.Thread):
-    """A daemon thread that keeps its exception for the main thread and then sets `stop`; a thread
+    """A daemon thread that keeps its exception for the main thread and then sets `failed`; a thread
     that ends with `Stopped` ends cleanly."""
 
-    def __init__(self, name: str, target: Callable[[], None], stop: threading.Event):
+    def __init__(self, name: str, target: Callable[[], None], failed: threading.Event):
         super().__init__(name=name, daemon=True)
-        self._target_fn, self.stop, self.error = target, stop, None
+        self._target_fn, self.failed, self.error = target, failed, None
 
     def run(self) -> None:
         try:
@@ -37,12 +45,12 @@ class Worker(threading.Thread):
             pass
         except BaseException as err:  # noqa: BLE001 - handed to the main thread
             self.error = err
-            self.stop.set()
+            self.failed.set()
 
 
-def put(q: queue.Queue, item: Any, stop: threading.Event) -> None:
-    """Put, waiting for room; raises Stopped if the run stops first."""
-    while not stop.is_set():
+def put(q: queue.Queue, item: Any, failed: threading.Event) -> None:
+    """Put, waiting for room; raises Stopped if the run fails first."""
+    while not failed.is_set():
         try:
             q.put(item, timeout=POLL_SECONDS)
             return
@@ -51,14 +59,14 @@ def put(q: queue.Queue, item: Any, stop: threading.Event) -> None:
     raise Stopped
 
 
-def get(q: queue.Queue, stop: threading.Event, *also: threading.Event) -> Any:
-    """Get, waiting for an item; raises Stopped if the run stops (or one of `also` is set) while the queue is
+def get(q: queue.Queue, failed: threading.Event, *also: threading.Event) -> Any:
+    """Get, waiting for an item; raises Stopped if the run fails (or one of `also` is set) while the queue is
     empty."""
     while True:
         try:
             return q.get(timeout=POLL_SECONDS)
         except queue.Empty:
-            if stop.is_set() or any(e.is_set() for e in also):
+            if failed.is_set() or any(e.is_set() for e in also):
                 raise Stopped from None
 
 
@@ -69,15 +77,15 @@ def first_error(workers: list[Worker]) -> BaseException:
 
 
 class SignalStop:
-    """SIGINT (Ctrl-C) and SIGTERM (Slurm, preemption, `kill`) ask a run to wind up: `requested` is set, the
-    stages stop taking new batches and the writer commits what it holds. A second signal stops at once
-    (KeyboardInterrupt; what was committed stays). Python delivers signals to the main thread, so the
-    handlers are installed only there, and the previous ones are put back on exit."""
+    """SIGINT (Ctrl-C) and SIGTERM (Slurm, preemption, `kill`) ask a run to wind up: `signalled` is set, the
+    stages stop taking new work and finish and commit what they hold; `signal` says which came. A second
+    signal stops at once (KeyboardInterrupt; what was committed stays). Python delivers signals to the main
+    thread, so the handlers are installed only there, and the previous ones are put back on exit."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, requested: threading.Event, log: Callable[[str], None], enabled: bool = True):
-        self.requested, self.log, self.enabled = requested, log, enabled
+    def __init__(self, signalled: threading.Event, log: Callable[[str], None], enabled: bool = True):
+        self.signalled, self.log, self.enabled = signalled, log, enabled
         self.signal: signal.Signals | None = None
         self._previous: dict[int, Any] = {}
 
@@ -92,9 +100,9 @@ class SignalStop:
                 signal.signal(s, handler)
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.requested.is_set():
+        if self.signalled.is_set():
             raise KeyboardInterrupt
         self.signal = signal.Signals(signum)
-        self.requested.set()
+        self.signalled.set()
         self.log(f"{self.signal.name}: finishing the batch in hand and committing what is written "
                  "(send it again to stop at once)")

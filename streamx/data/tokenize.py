@@ -21,7 +21,8 @@ import jinja2
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from streamx.data.source import Row
+from .messages import BadRow, conversation_of, normalize
+from .source import Row
 
 REJECT_REASONS = (
     "malformed_json",  # a jsonl line that does not parse
@@ -39,11 +40,6 @@ REJECT_REASONS = (
     "duplicate_content",  # --skip-duplicates: the same content as an earlier row (last: stored codes index this)
 )
 
-# OpenAI `messages` roles and ShareGPT `conversations` speakers, to chat-template roles
-ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
-         "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "model": "assistant", "tool": "tool"}
-# message fields besides role and content that chat templates read: passed through as they are
-TEMPLATE_FIELDS = ("reasoning_content", "tool_calls", "tool_call_id", "name")
 THINK_OPEN = "<think>"  # what reasoning models open their reasoning with (Qwen3, DeepSeek-R1)
 
 
@@ -114,12 +110,6 @@ class Reject:
             raise ValueError(f"unknown reject reason {self.reason!r}")
 
 
-class _Rejected(Exception):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(reason, detail)
-        self.reason, self.detail = reason, detail
-
-
 class SampleBuilder:
     """Turns a Row into a Sample or a Reject. Holds no mutable state: safe to call from a thread."""
 
@@ -139,47 +129,46 @@ class SampleBuilder:
     def __call__(self, row: Row) -> Sample | Reject:
         try:
             if row.error is not None:
-                raise _Rejected(*row.error)
+                raise BadRow(*row.error)
             ids, mask = self._encode(row.record)
             if len(ids) > self.max_length:
                 if self.truncation == "skip":
-                    raise _Rejected("too_long", f"{len(ids)} tokens > max_length {self.max_length}")
+                    raise BadRow("too_long", f"{len(ids)} tokens > max_length {self.max_length}")
                 ids, mask = ids[: self.max_length], mask[: self.max_length]
             if not any(mask):
-                raise _Rejected("no_assistant_tokens", f"loss mask is all zero over {len(ids)} tokens")
-        except _Rejected as r:
+                raise BadRow("no_assistant_tokens", f"loss mask is all zero over {len(ids)} tokens")
+        except BadRow as r:
             return Reject(row.row_id, r.reason, r.detail)
         return Sample(row.row_id, torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64))
 
     def _encode(self, record: dict | None) -> tuple[list[int], list[int]]:
         if not isinstance(record, dict):
-            raise _Rejected("unrecognised_row", f"expected an object, got {type(record).__name__}")
+            raise BadRow("unrecognised_row", f"expected an object, got {type(record).__name__}")
         # Arrow-backed datasets fill absent columns with None, so test values, not keys
         if record.get("input_ids") is not None:
             return self._pretokenized(record["input_ids"], record.get("loss_mask"))
-        for key in ("messages", "conversations"):
-            if record.get(key) is not None:
-                return self._chat(_messages(record[key]))
+        if conversation_of(record) is not None:
+            return self._chat(normalize(conversation_of(record)))
         if record.get("text") is not None:
             return self._text(record["text"])
-        raise _Rejected("unrecognised_row", f"no messages/conversations/text/input_ids field in {sorted(record)}")
+        raise BadRow("unrecognised_row", f"no messages/conversations/text/input_ids field in {sorted(record)}")
 
     def _pretokenized(self, ids, mask) -> tuple[list[int], list[int]]:
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-            raise _Rejected("invalid_input_ids", "input_ids must be a non-empty list of ints")
+            raise BadRow("invalid_input_ids", "input_ids must be a non-empty list of ints")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise _Rejected("invalid_input_ids", f"ids must be in [0, {self.vocab_size}), got [{min(ids)}, {max(ids)}]")
+            raise BadRow("invalid_input_ids", f"ids must be in [0, {self.vocab_size}), got [{min(ids)}, {max(ids)}]")
         if mask is None:
             return ids, [1] * len(ids)
         if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
-            raise _Rejected("invalid_input_ids", f"loss_mask must be {len(ids)} values of 0/1")
+            raise BadRow("invalid_input_ids", f"loss_mask must be {len(ids)} values of 0/1")
         return ids, [int(m) for m in mask]
 
     def _text(self, text) -> tuple[list[int], list[int]]:
         if not isinstance(text, str):
-            raise _Rejected("non_string_content", f"text is {type(text).__name__}")
+            raise BadRow("non_string_content", f"text is {type(text).__name__}")
         if not text.strip():
-            raise _Rejected("empty_text", "text is empty or whitespace")
+            raise BadRow("empty_text", "text is empty or whitespace")
         ids = self.tokenizer(text)["input_ids"]  # special tokens as the tokenizer adds them to plain text
         return ids, [1] * len(ids)
 
@@ -189,11 +178,11 @@ class SampleBuilder:
                                       "set tokenizer.chat_template or use text / input_ids rows")
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m["content"].strip()]
         if not turns:
-            raise _Rejected("no_assistant_tokens", "no assistant message with content")
+            raise BadRow("no_assistant_tokens", "no assistant message with content")
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False)
         except jinja2.TemplateError as e:
-            raise _Rejected("template_error", str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+            raise BadRow("template_error", str(e).splitlines()[0] if str(e) else type(e).__name__) from None
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
         ends = [e for _, e in offsets]
@@ -204,7 +193,7 @@ class SampleBuilder:
             turn_start = max(cursor, self._turn_start(messages, i, text))
             start = text.find(content, turn_start)
             if start < 0:
-                raise _Rejected("template_mismatch", f"assistant message {i} not found in the rendered chat template")
+                raise BadRow("template_mismatch", f"assistant message {i} not found in the rendered chat template")
             cursor = start + len(content)
             # reasoning the model wrote before its answer (and the <think> tag that opens it) is trained on
             # where the template renders it
@@ -235,31 +224,6 @@ class SampleBuilder:
         except jinja2.TemplateError:
             return 0
         return len(prompt) if text.startswith(prompt) else 0  # else fall back to the running cursor
-
-
-def _messages(turns) -> list[dict]:
-    """OpenAI `messages` or ShareGPT `conversations` -> [{"role", "content"}], validated."""
-    if not isinstance(turns, list):
-        raise _Rejected("unrecognised_row", f"conversation is {type(turns).__name__}, not a list")
-    if not turns:
-        raise _Rejected("empty_conversation", "conversation has no messages")
-    out = []
-    for i, t in enumerate(turns):
-        if not isinstance(t, dict):
-            raise _Rejected("unrecognised_row", f"message {i} is {type(t).__name__}, not an object")
-        role = t.get("role") if t.get("role") is not None else t.get("from")
-        content = t.get("content") if t.get("content") is not None else t.get("value")
-        if not isinstance(role, str) or role.lower() not in ROLES:
-            raise _Rejected("unknown_role", f"message {i} has role {role!r}")
-        if content is None and t.get("tool_calls"):  # an assistant turn that only calls tools
-            content = ""
-        if not isinstance(content, str):
-            raise _Rejected("non_string_content", f"message {i} ({role}) content is {type(content).__name__}")
-        extra = {k: t[k] for k in TEMPLATE_FIELDS if t.get(k) is not None}
-        if not isinstance(extra.get("reasoning_content", ""), str):
-            raise _Rejected("non_string_content", f"message {i} ({role}) reasoning_content is not a string")
-        out.append({"role": ROLES[role.lower()], "content": content, **extra})
-    return out
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase, max_length: int, truncation: str) -> str:

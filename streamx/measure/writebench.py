@@ -115,12 +115,12 @@ def _writer_pass(writer: PartWriter, batches: list[CapturedBatch]) -> float:
     """The batches through the writer thread, as `streamx run` hands them over, up to the closed
     part; returns the writer's busy seconds."""
     items: queue.Queue = queue.Queue(maxsize=4)
-    times, stop = StageTimes(), threading.Event()
+    times, failed = StageTimes(), threading.Event()
     stage = WriterStage(writer, set(), RejectRate(1.0), times)
-    thread = Worker("streamx-writer", lambda: stage.run(items, stop, QueueFill(items)), stop)
+    thread = Worker("streamx-writer", lambda: stage.run(items, failed, QueueFill(items)), failed)
     thread.start()
     for item in [*batches, None]:
-        put(items, item, stop)
+        put(items, item, failed)
     thread.join()
     if thread.error is not None:
         raise thread.error

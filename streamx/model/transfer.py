@@ -34,8 +34,8 @@ class HostBatch:
 
 class HostTransfer:
     def __init__(self, device: torch.device, max_tokens: int, num_slots: int, hidden_size: int, num_buffers: int,
-                 stop: threading.Event, hidden_dtype: torch.dtype = torch.bfloat16):
-        self.device, self.stop = device, stop
+                 failed: threading.Event, hidden_dtype: torch.dtype = torch.bfloat16):
+        self.device, self.failed = device, failed
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
@@ -48,7 +48,7 @@ class HostTransfer:
         """Start copying a packed batch (and its fp8 scales) to the host."""
         if not self.cuda:
             return HostBatch(packed, finite, scales)
-        buffers = get(self.free, self.stop)  # Stopped when the writer fails meanwhile
+        buffers = get(self.free, self.failed)  # Stopped when the writer fails meanwhile
         host = buffers[0][: packed.numel()].view(packed.shape)
         scales_host = None if scales is None else buffers[1][: scales.numel()]
         finite_host = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)

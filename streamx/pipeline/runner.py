@@ -5,7 +5,7 @@
     writer thread     host hand-off -> store part (its committer thread commits shards)
 
 Queues are bounded (`queue_batches`), so host memory does not grow with the dataset. The
-first exception in any thread sets `stop`, every stage winds down (streamx.threads), and the
+first exception in any thread sets `failed`, every stage gives up (streamx.base.threads), and the
 main thread raises it; whatever was committed stays committed and a re-run resumes from it.
 """
 
@@ -95,9 +95,9 @@ class Pipeline:
     def __init__(self, plan: RunPlan, writer: PartWriter, done: Collection[int], done_keys: DoneKeys | None = None):
         self.plan, self.writer, self.done, self.done_keys = plan, writer, done, done_keys
         cfg = plan.config
-        self.stop = threading.Event()  # a stage failed: every stage gives up
-        self.wind_up = threading.Event()  # asked to end early (SIGINT/SIGTERM): no new batches, commit the rest
-        self.cut_short = threading.Event()  # a stage did stop early for it (not set when the data ran out first)
+        self.failed = threading.Event()  # a stage failed: every stage gives up
+        self.signalled = threading.Event()  # SIGINT/SIGTERM: no new batches, commit the rest
+        self.rows_left = threading.Event()  # a stage wound up early for it (not set when the data ran out first)
         self.batches: queue.Queue = queue.Queue(maxsize=cfg.queue_batches)
         self.to_write: queue.Queue = queue.Queue(maxsize=cfg.queue_batches)
         self.times = StageTimes()
@@ -108,8 +108,8 @@ class Pipeline:
         """Producer thread: this rank's batches (RunPlan.batch_stream), pinned on CUDA."""
         pin = self.plan.device.type == "cuda"  # pinned batches: host-to-device copies run async
         for item in self.plan.batch_stream(self.done, times=self.times, done_keys=self.done_keys):
-            if self.wind_up.is_set():
-                self.cut_short.set()
+            if self.signalled.is_set():
+                self.rows_left.set()
                 break
             if isinstance(item, Reject):
                 self.counts.tokenized(rows=1, tokens=0)
@@ -117,15 +117,15 @@ class Pipeline:
                 self.counts.tokenized(rows=len(item.samples), tokens=item.num_tokens)
                 if pin:
                     item.pin_memory()
-            put(self.batches, item, self.stop)
-        put(self.batches, None, self.stop)
+            put(self.batches, item, self.failed)
+        put(self.batches, None, self.failed)
 
     def compute(self) -> None:
         """Main thread: each batch through the model with the capture hooks, handed to the writer."""
         plan, device = self.plan, self.plan.device
         K, H, storage = len(plan.layer_ids), plan.info.hidden_size, plan.layout.storage
         transfer = HostTransfer(device, plan.config.token_budget, K, H, num_buffers=plan.config.queue_batches + 2,
-                                stop=self.stop, hidden_dtype=storage.dtype)
+                                failed=self.failed, hidden_dtype=storage.dtype)
         gather = select_gather_fn(plan.config.kernel, device)
 
         def timed_gather(states: torch.Tensor, slot: int, hidden: torch.Tensor, token_index: torch.Tensor) -> None:
@@ -136,7 +136,7 @@ class Pipeline:
             while (item := self.next_batch()) is not None:
                 self.fill["batches"].record()
                 if isinstance(item, Reject):
-                    put(self.to_write, item, self.stop)
+                    put(self.to_write, item, self.failed)
                     self.counts.rows += 1
                     continue
                 states = torch.empty((item.num_tokens, K, H), dtype=torch.bfloat16, device=device)
@@ -149,30 +149,30 @@ class Pipeline:
                         states, scales = storage.encode(states)
                 with self.times.measure("d2h", device):
                     host = transfer.start(states, finite, scales)
-                put(self.to_write, CapturedBatch(item.samples, host), self.stop)
+                put(self.to_write, CapturedBatch(item.samples, host), self.failed)
                 self.counts.rows += len(item.samples)
                 self.counts.real_tokens += item.num_tokens
                 self.counts.padded_tokens += item.padded_tokens
-        put(self.to_write, None, self.stop)
+        put(self.to_write, None, self.failed)
 
     def next_batch(self) -> Any:
         """The producer's next item; None at the end of the data, or at once when asked to wind up."""
         try:
-            item = get(self.batches, self.stop, self.wind_up)
+            item = get(self.batches, self.failed, self.signalled)
         except Stopped:
-            if self.stop.is_set():
+            if self.failed.is_set():
                 raise
         else:
-            if item is None or not self.wind_up.is_set():
+            if item is None or not self.signalled.is_set():
                 return item
-        self.cut_short.set()  # winding up: this batch and the rest are left for the resume
+        self.rows_left.set()  # winding up: this batch and the rest are left for the resume
         return None
 
     def run(self) -> None:
         stage = WriterStage(self.writer, self.done, RejectRate(self.plan.config.max_reject_fraction), self.times)
-        producer = Worker("streamx-producer", self.produce, self.stop)
-        writer = Worker("streamx-writer", lambda: stage.run(self.to_write, self.stop, self.fill["to_write"],
-                                                            self.cut_short), self.stop)
+        producer = Worker("streamx-producer", self.produce, self.failed)
+        writer = Worker("streamx-writer", lambda: stage.run(self.to_write, self.failed, self.fill["to_write"],
+                                                            self.rows_left), self.failed)
         producer.start()
         writer.start()
         finished = False
@@ -183,7 +183,7 @@ class Pipeline:
         except Stopped:  # another thread failed: its error is raised below
             pass
         finally:
-            self.stop.set()  # no-op after a clean finish; otherwise winds the threads down
+            self.failed.set()  # no-op after a clean finish; otherwise winds the threads down
             producer.join(timeout=5)
             writer.join(timeout=30)
         if not finished:
@@ -228,7 +228,7 @@ def _run(plan: RunPlan, started: float, progress: bool, log: Callable[[str], Non
         total = -(-total // rank.world_size)  # about this rank's share
     desc = "streamx run" if rank.world_size == 1 else f"streamx run [rank {rank.rank}]"
     with Progress(pipeline.counts, total, desc, disable=not progress), \
-            SignalStop(pipeline.wind_up, log, enabled=signals) as stop:
+            SignalStop(pipeline.signalled, log, enabled=signals) as signals_in:
         pipeline.run()
     rank.barrier()  # the store is complete when every rank has closed its part
     written = writer.this_run()
@@ -243,5 +243,5 @@ def _run(plan: RunPlan, started: float, progress: bool, log: Callable[[str], Non
         seconds=time.perf_counter() - started, stage_seconds=pipeline.stage_seconds(),
         queue_fill={name: fill.mean for name, fill in pipeline.fill.items()},
         store_samples=store_samples, store_tokens=store_tokens, rank=rank.rank,
-        stopped_by=stop.signal.name if stop.signal and pipeline.cut_short.is_set() else None,
+        stopped_by=signals_in.signal.name if signals_in.signal and pipeline.rows_left.is_set() else None,
     )

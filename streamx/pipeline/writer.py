@@ -227,16 +227,16 @@ class WriterStage:
     def __init__(self, writer: PartWriter, done: Collection[int], rate: RejectRate, times: StageTimes):
         self.writer, self.done, self.rate, self.times = writer, done, rate, times
 
-    def run(self, items: queue.Queue, stop: threading.Event, fill: QueueFill | None = None,
-            cut_short: threading.Event | None = None) -> None:
-        """`cut_short` set when the sentinel comes: the run stopped before the end of its data."""
+    def run(self, items: queue.Queue, failed: threading.Event, fill: QueueFill | None = None,
+            rows_left: threading.Event | None = None) -> None:
+        """`rows_left` set when the sentinel comes: the run wound up before the end of its data."""
         while True:
-            item = get(items, stop)
+            item = get(items, failed)
             if fill is not None:
                 fill.record()
             if item is None:
                 with self.times.measure("write"):
-                    self.writer.close(complete=cut_short is None or not cut_short.is_set())
+                    self.writer.close(complete=rows_left is None or not rows_left.is_set())
                 return
             if isinstance(item, Reject):
                 self.reject(item)

@@ -89,13 +89,14 @@ def api_base(url: str) -> str:
 
 class Endpoints:
     """One or more servers sharing the load: requests go round the endpoints, a failed one is retried on the
-    next with exponential backoff until `give_up` is set. Each thread keeps one keep-alive connection per
-    endpoint."""
+    next with exponential backoff, until `cancel()` (a run winding up) ends the retries. Each thread keeps one
+    keep-alive connection per endpoint."""
 
-    def __init__(self, urls: list[str], sampling: Sampling, give_up: threading.Event, timeout: float = 600.0,
-                 retries: int = 5, return_token_ids: bool = False, model: str | None = None):
+    def __init__(self, urls: list[str], sampling: Sampling, timeout: float = 600.0, retries: int = 5,
+                 return_token_ids: bool = False, model: str | None = None):
         self.urls = [api_base(u) for u in urls]
-        self.sampling, self.give_up, self.timeout, self.retries = sampling, give_up, timeout, retries
+        self.sampling, self.timeout, self.retries = sampling, timeout, retries
+        self._cancelled = threading.Event()
         self.return_token_ids = return_token_ids
         self._turn = itertools.count()  # which endpoint a request starts at
         self._local = threading.local()
@@ -143,11 +144,15 @@ class Endpoints:
                 if status < 500 and status not in RETRIED_STATUS:  # the server read the request and refused it
                     raise RowError("request_rejected", failure)
             backoff = min(MAX_BACKOFF_S, 0.5 * 2**attempt) * random.uniform(0.5, 1)
-            if attempt < self.retries and self.give_up.wait(backoff):
+            if attempt < self.retries and self._cancelled.wait(backoff):
                 raise Stopped
         if status is not None and status not in UNAVAILABLE_STATUS:  # the server answers, but fails on this row
             raise RowError("server_error", f"{failure} ({self.retries + 1} tries)")
         raise ServerDown(f"no answer after {self.retries + 1} tries; the last: {failure}")
+
+    def cancel(self) -> None:
+        """Requests waiting to retry, now and from now on, raise Stopped instead."""
+        self._cancelled.set()
 
     def _post(self, url: str, body: bytes) -> tuple[int, object]:
         return self._call(url, "POST", "/chat/completions", body)

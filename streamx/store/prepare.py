@@ -17,6 +17,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from ..base.durable import DurableLocalStore
+from ..base.location import local_path, zarr_path
 from ..base.locks import Lock, lock_file
 from .format import PARTS, Commit, Layout, StoreError, StoreMetadata, create_part
 from .reader import DoneKeys, RowSet, Store
@@ -24,13 +25,14 @@ from .reader import DoneKeys, RowSet, Store
 
 def _writable(path: str) -> str | DurableLocalStore:
     """What zarr writes a store through: a local one durably (streamx.durable), an object store as it is."""
-    return path if "://" in path else DurableLocalStore(path)
+    local = local_path(path)
+    return path if local is None else DurableLocalStore(local)
 
 
 def _open_group(path: str, mode: str) -> zarr.Group | None:
     """The streamx store's root group at `path`, or None when there is none."""
     try:
-        root = zarr.open_group(path if mode == "r" else _writable(path), mode=mode)
+        root = zarr.open_group(zarr_path(path) if mode == "r" else _writable(path), mode=mode)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError, ValueError, KeyError):
         return None
     return root if "streamx" in root.attrs else None
@@ -71,17 +73,17 @@ class Output:
     def check(self, overwrite: bool = False) -> None:
         """Fail early (before a model is loaded) when the path cannot become or continue a store: a local
         folder holding other files, or a place this process may not write."""
-        if "://" in self.path:
+        target = local_path(self.path)
+        if target is None:
             return  # object stores: credentials and buckets are checked when the store is created
-        _check_location(self.path)
-        target = Path(self.path)
+        _check_location(target)
         if target.exists() and not overwrite and not self.is_store and any(target.iterdir()):
             raise StoreError(f"{self.path} exists and is not a streamx store; choose another --out or pass --overwrite")
 
 
-def _check_location(path: str) -> None:
+def _check_location(path: Path) -> None:
     """A local store's path is, or can become, a folder this process may write."""
-    existing = next(p for p in (Path(path), *Path(path).parents) if p.exists())
+    existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         raise StoreError(f"cannot write the store at {path}: {existing} is not a folder")
     if not os.access(existing, os.W_OK):
@@ -91,10 +93,11 @@ def _check_location(path: str) -> None:
 def lock_part(path: str, part: str) -> Lock | contextlib.nullcontext:
     """This process's hold on `part` of the store at `path`, for the whole run (streamx.locks); object stores
     have no lock."""
-    if "://" in path:
+    local = local_path(path)
+    if local is None:
         return contextlib.nullcontext()
-    _check_location(path)
-    return Lock(lock_file(path, part), f"{part} of {path}")
+    _check_location(local)
+    return Lock(lock_file(local, part), f"{part} of {path}")
 
 
 def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> zarr.Group:
@@ -105,8 +108,9 @@ def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> zarr
     if root is None:
         Output.read(path).check(overwrite)
         try:
-            if "://" not in path:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            local = local_path(path)
+            if local is not None:
+                local.parent.mkdir(parents=True, exist_ok=True)
             root = zarr.open_group(_writable(path), mode="w")
             root.attrs["streamx"] = metadata.to_json()
             root.create_group(PARTS)

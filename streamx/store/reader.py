@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +20,7 @@ import torch
 import zarr
 
 from .. import __version__
+from ..base.location import local_path, zarr_path
 from ..base.units import gb
 from .format import CONTENT_KEY_ARRAYS, PARTS, READABLE_FORMATS, Commit, StoreError, StoreMetadata
 from .shards import ShardFiles, streamable_dir
@@ -96,10 +96,11 @@ class Store:
 
     def __init__(self, path: str, root: zarr.Group | None = None):
         if root is None:
-            if "://" not in path and not Path(path).exists():
+            local = local_path(path)
+            if local is not None and not local.exists():
                 raise StoreError(f"{path} does not exist")
             try:
-                root = zarr.open_group(path, mode="r")
+                root = zarr.open_group(zarr_path(path), mode="r")
             except (FileNotFoundError, zarr.errors.GroupNotFoundError):
                 raise StoreError(f"{path} is not a streamx store") from None
         if "streamx" not in root.attrs:

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
+from ..base.location import local_path
 from ..base.units import gb
 from .format import TOKEN_ID_ARRAYS, Layout, StoreError, entry_bytes
 
 
 def free_bytes(path: str) -> int | None:
     """Free bytes on the filesystem that holds (or will hold) `path`; None for object stores."""
-    if "://" in path:
+    local = local_path(path)
+    if local is None:
         return None
-    target = Path(path).expanduser().absolute()
+    target = local.expanduser().absolute()
     existing = next(p for p in (target, *target.parents) if p.exists())
     return shutil.disk_usage(existing).free
 

@@ -32,6 +32,7 @@ from safetensors.torch import save
 from tqdm import tqdm
 
 from ..base.durable import write_file
+from ..base.location import local_path
 from ..base.locks import Lock, lock_file
 from ..config import check_layer_ids, resolve_layer_ids
 from ..store import STORAGES, Storage, Store, StoredSample, open_store
@@ -135,7 +136,8 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
 def _convert(store_path: str, out: str, seed: int, overwrite: bool, workers: int, block_rows: int, progress: bool,
              log: Callable[[str], None], allow_random_weights: bool, hidden_states: str | None) -> ConvertSummary:
     started = time.perf_counter()
-    if "://" not in store_path and Path(store_path).resolve().is_relative_to(Path(out).resolve()):
+    local = local_path(store_path)
+    if local is not None and local.resolve().is_relative_to(Path(out).resolve()):
         raise ConvertError(f"--out {out} holds the store {store_path} itself; choose another folder")
     store = open_store(store_path)
     aux = check_store(store)

@@ -33,6 +33,7 @@ from safetensors.torch import save
 
 from .. import __version__
 from ..base import durable
+from ..base.location import local_path
 from ..store import BF16, Storage, Store, StoredSample
 
 META = "streamx_meta.json"
@@ -239,4 +240,5 @@ def meta(store: Store, identity: dict[str, Any], aux: list[int], totals: dict[st
 
 def store_location(path: str) -> str:
     """Where a converted folder's store is: an absolute local path, or the object store URL as given."""
-    return path if "://" in path else str(Path(path).resolve())
+    local = local_path(path)
+    return path if local is None else str(local.resolve())

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..base.location import local_path
 from ..model.capture import find_decoder
 from ..model.load import load_model, read_text_config
 from ..store import BF16, STORAGES, Store, StoreError, open_store
@@ -352,7 +353,8 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
     from, then that store (docs/verify.md says what each failure means)."""
     if (Path(path) / META).exists():
         source = json.loads((Path(path) / META).read_text())["source"]["store"]
-        if "://" not in source and not Path(source).exists():
+        local = local_path(source)
+        if local is not None and not local.exists():
             raise StoreError(f"{path} was converted from {source}, which is not there: verify needs that store")
         store_report = verify(source, samples, seed, device, use_model, log)
         return Report(path, [check_files(Path(path), open_store(source)), *store_report.checks])
