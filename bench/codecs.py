@@ -25,7 +25,7 @@ import torch
 
 from streamx.config import Compressor
 from streamx.pipeline.writer import PartWriter
-from streamx.store import STORAGES, make_layout, open_for_run, open_store, prepare
+from streamx.store import STORAGES, OwnedPart, make_layout, open_for_run, open_store, prepare
 
 COMPRESSORS = get_args(Compressor)
 
@@ -68,7 +68,7 @@ def main() -> None:
             prepare(str(out), m, overwrite=True)
             layout = make_layout(meta.num_slots, meta.hidden_size, meta.chunk_tokens, meta.shard_tokens, codec,
                                  opts.storage)
-            writer = PartWriter(open_for_run(str(out), m).part("part-00000", layout))
+            writer = PartWriter(OwnedPart(str(out), "part-00000").open(open_for_run(str(out), m), layout))
             started = time.perf_counter()
             for row, ids, mask, bits, scales in samples:
                 writer.append(row, ids, mask, bits, scales)

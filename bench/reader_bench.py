@@ -36,7 +36,7 @@ from hs_connectors import HiddenStatesBackend
 import streamx.speculators_backend  # noqa: F401 - registers the streamx backend
 from streamx.data.tokenize import REJECT_REASONS
 from streamx.pipeline.writer import PartWriter
-from streamx.store import Compat, StoreMetadata, make_layout, open_for_run, prepare
+from streamx.store import Compat, OwnedPart, StoreMetadata, make_layout, open_for_run, prepare
 from streamx.train.convert import convert
 
 
@@ -53,7 +53,7 @@ def synthetic_store(path: Path, samples: int, sample_tokens: int, K: int = 6, H:
                          compat=Compat(model="synthetic", compute_dtype="bfloat16", layer_ids=ids, tokenization="",
                                        data="synthetic", split=""))
     root = prepare(str(path), meta, overwrite=True)
-    writer = PartWriter(open_for_run(str(path), meta, root).part("part-00000", layout))
+    writer = PartWriter(OwnedPart(str(path), "part-00000").open(open_for_run(str(path), meta, root), layout))
     g = torch.Generator().manual_seed(0)
     pool = torch.randn(3 * sample_tokens // 2, K, H, generator=g).to(torch.bfloat16)
     rng = np.random.default_rng(0)

@@ -13,7 +13,7 @@ from torch import nn
 
 from streamx.config import RunConfig, load_config
 from streamx.pipeline.writer import PartWriter
-from streamx.store import bf16_to_bits, make_layout, open_for_run, open_store, prepare
+from streamx.store import OwnedPart, bf16_to_bits, make_layout, open_for_run, open_store, prepare
 
 # small shards and chunks, so that a few dozen chat rows span many shards and commits
 SMALL_RUN = dict(layers="0,2,4", token_budget=512, max_length=256, sort_window=16, chunk_tokens=16, shard_tokens=64)
@@ -36,7 +36,7 @@ def copy_store(src, dst, parts):
     prepare(str(dst), meta)
     layout = make_layout(meta.num_slots, meta.hidden_size, 16, 64)
     for k, samples in enumerate(parts):
-        writer = PartWriter(open_for_run(str(dst), meta).part(f"part-{k:05d}", layout))
+        writer = PartWriter(OwnedPart(str(dst), f"part-{k:05d}").open(open_for_run(str(dst), meta), layout))
         for row, ids, mask, hidden in samples:
             writer.append(row, ids.numpy(), mask.numpy().astype(np.uint8), bf16_to_bits(hidden))
         writer.close()

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 import streamx.train.convert as convert_module
-import streamx.train.speculators as speculators
+import streamx.train.files as files_module
 from streamx.cli import app
 from streamx.model.load import load_model
 from streamx.pipeline.plan import make_plan
@@ -143,7 +143,7 @@ def test_interrupted_convert_resumes_to_identical_output(tiny_store, tmp_path, m
     shutil.rmtree(out)
 
     writes = []
-    real_write = speculators.write_hs
+    real_write = files_module.write_hs
 
     def crash_after_ten(path, sample):
         if len(writes) == 10:
@@ -151,7 +151,7 @@ def test_interrupted_convert_resumes_to_identical_output(tiny_store, tmp_path, m
         writes.append(path)
         real_write(path, sample)
 
-    monkeypatch.setattr(speculators, "write_hs", crash_after_ten)
+    monkeypatch.setattr(files_module, "write_hs", crash_after_ten)
     with pytest.raises(OSError, match="simulated crash"):
         convert(tiny_store, str(out), seed=3, block_rows=4, progress=False, workers=1)
     monkeypatch.undo()
@@ -179,7 +179,7 @@ def test_interrupted_convert_resumes_to_identical_output(tiny_store, tmp_path, m
 def test_samples_in_flight_are_bounded(tiny_store, tmp_path, monkeypatch):
     """Memory does not grow with the store: reads run at most a few samples ahead of slow writes."""
     live, peak, lock = [0], [0], threading.Lock()
-    real_load, real_write = convert_module.training_sample, speculators.write_hs
+    real_load, real_write = convert_module.training_sample, files_module.write_hs
 
     def load(*args):
         with lock:
@@ -194,7 +194,7 @@ def test_samples_in_flight_are_bounded(tiny_store, tmp_path, monkeypatch):
             live[0] -= 1
 
     monkeypatch.setattr(convert_module, "training_sample", load)
-    monkeypatch.setattr(speculators, "write_hs", slow_write)
+    monkeypatch.setattr(files_module, "write_hs", slow_write)
     summary = convert(tiny_store, str(tmp_path / "spec"), workers=2, block_rows=1000, progress=False)
     depth = 2 * 2  # convert's samples in flight per stage for 2 workers
     assert summary.rows > 4 * depth and peak[0] <= 2 * depth + 2

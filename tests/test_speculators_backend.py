@@ -17,6 +17,7 @@ from streamx.pipeline.runner import run
 from streamx.store import StoreError, open_store
 from streamx.train.convert import convert
 from streamx.train.dataset import StoreDataset
+from streamx.train.meta import backend_layer_ids
 from streamx.train.verify import verify
 
 LAYERS = "1,2,3,4"  # more ids than one drafter uses (L = 4)
@@ -103,6 +104,7 @@ def test_the_backend_refuses_a_store_it_cannot_serve(tiny_chat_model_dir, chat_j
     shutil.move(moved, tmp_path / "elsewhere.zarr")
     files_dir = str(tmp_path / "grown" / "files")
     proc = speculators_venv(CHECK, "--refuse", f"missing_id={moved_dir}={tmp_path / 'elsewhere.zarr'}=0,2",
+                            "--refuse", f"unsorted={moved_dir}={tmp_path / 'elsewhere.zarr'}=3,1",
                             "--refuse", f"grown={grown_dir}", "--refuse", f"other={other_dir}",
                             "--refuse", f"moved={moved_dir}", "--refuse", f"moved_found={moved_dir}="
                             f"{tmp_path / 'elsewhere.zarr'}", "--refuse", f"files={files_dir}")
@@ -110,6 +112,7 @@ def test_the_backend_refuses_a_store_it_cannot_serve(tiny_chat_model_dir, chat_j
     said = json.loads(proc.stdout)["refusals"]
     assert said["missing_id"] == (f"StoreError: {tmp_path / 'elsewhere.zarr'} holds layer ids [1, 2, 3, 4], not "
                                   "[0]; extract them with `streamx run --layers ...` or choose among [1, 2, 3, 4]")
+    assert said["unsorted"].startswith("ValueError: --target-layer-ids 3 1 must be ascending and distinct")
     assert said["grown"].startswith(f"ValueError: {grown} is not the store this folder was converted from: its "
                                     "committed rows changed (14 samples now, 10 when converted)")
     # (its creation time has one-second resolution: "it was created anew" may or may not be said as well)
@@ -136,3 +139,16 @@ def test_store_dataset_serves_any_trainer(stores, tmp_path):
     assert copy._store is None and torch.equal(copy[3]["hidden_states"], data[3]["hidden_states"])
     with pytest.raises(StoreError, match=r"holds layer ids \[1, 2, 3, 4\], not \[0\]"):
         StoreDataset(stores["fp8"], layer_ids=[0, 4])
+
+
+def test_the_backend_contract_names_its_slots():
+    """Which slots the backend returns: the target ids as given when ascending, then L; speculators' default
+    without them; refused (one line naming the fix) when they would need reordering, are empty, repeat or hold L."""
+    assert backend_layer_ids([2, 15, 27], 30) == [2, 15, 27, 30]
+    assert backend_layer_ids(None, 30) == [2, 15, 27, 30]
+    assert backend_layer_ids([5], 30) == [5, 30]
+    for ids, said in (([15, 2, 27], "must be ascending and distinct, as vLLM captures them and speculators' file "
+                                    "backend returns them: 2 15 27"),
+                      ([2, 2], "must be ascending and distinct"), ([], "is empty"), ([2, 30], "holds 30, the last")):
+        with pytest.raises(ValueError, match=said):
+            backend_layer_ids(ids, 30)

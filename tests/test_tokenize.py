@@ -335,3 +335,36 @@ def test_reasoning_is_trained_on_where_the_template_renders_it(qwen):
         ("<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\n", False), ("A1<|im_end|>", True),
         ("\n<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n", False),
         ("<think>\nr2\n</think>\n\nA2<|im_end|>", True), ("\n", False)]
+
+
+@pytest.mark.parametrize("messages, reason", [
+    ("not a list", "unrecognised_row"), ([], "empty_conversation"), (["x"], "unrecognised_row"),
+    ([{"role": "critic", "content": "?"}], "unknown_role"), ([{"from": "human", "value": 3}], "non_string_content"),
+    ([{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A", "reasoning_content": ["r"],
+                                         "tool_calls": [{"id": "a", "type": "function"}]},
+      {"role": "tool", "content": "1"}], "non_string_content"),  # a turn regenerate keeps: its reasoning is read
+])
+def test_run_and_regenerate_read_messages_alike(chatml, messages, reason):
+    """One normalisation (streamx.data.messages) for both commands: a row `streamx run` rejects for its messages,
+    `streamx regenerate` refuses for the same reason, and the same messages come out of both."""
+    from streamx.regen.conversation import plan_turns
+    from streamx.regen.engines import RowError
+
+    rejected = SampleBuilder(chatml, 64)(Row(0, {"messages": messages}))
+    assert isinstance(rejected, Reject) and rejected.reason == reason
+    with pytest.raises(RowError) as err:
+        plan_turns({"messages": messages})
+    assert err.value.reason == reason
+
+
+def test_a_tool_call_turn_reads_the_same_in_both_commands():
+    from streamx.data.messages import normalize
+    from streamx.regen.conversation import plan_turns
+
+    calls = [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    sharegpt = [{"from": "human", "value": "Q"}, {"from": "gpt", "value": None, "tool_calls": calls},
+                {"from": "tool", "value": "1", "tool_call_id": "a"}, {"from": "gpt", "value": "A"}]
+    ran = normalize(sharegpt)
+    assert ran[1] == {"role": "assistant", "content": "", "tool_calls": calls}  # "", never a rendered "None"
+    items, _ = plan_turns({"conversations": sharegpt})
+    assert items[:3] == ran[:3] and items[3] is None  # kept alike; the answer is regenerated

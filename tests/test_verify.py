@@ -16,7 +16,7 @@ from streamx.config import load_config
 from streamx.data.tokenize import Reject
 from streamx.pipeline.runner import run
 from streamx.pipeline.writer import PartWriter
-from streamx.store import bf16_to_bits, make_layout, open_for_run, open_store, prepare
+from streamx.store import OwnedPart, bf16_to_bits, make_layout, open_for_run, open_store, prepare
 from streamx.train.verify import verify
 
 CLAIMED = [1, 2, 4]  # the ids the test stores say they hold (L = 4)
@@ -50,7 +50,7 @@ def write_store(full: str, out: Path, fill, slots=(1, 2, 4), parts=1) -> str:
     layout = make_layout(len(CLAIMED), meta.hidden_size, 16, 64)
     samples = [source.at(i) for i in range(len(source))]
     for k in range(parts):
-        writer = PartWriter(open_for_run(str(out), meta).part(f"part-{k:05d}", layout))
+        writer = PartWriter(OwnedPart(str(out), f"part-{k:05d}").open(open_for_run(str(out), meta), layout))
         for s in samples if k == 0 else samples[:1]:
             states = fill(s, s.hidden_states[:, list(slots)].float()).to(torch.bfloat16)
             writer.append(s.row_id, s.input_ids.numpy(), s.loss_mask.numpy().astype(np.uint8), bf16_to_bits(states))
@@ -146,7 +146,8 @@ def test_a_row_both_sample_and_reject_is_named(full_store, tmp_path):
     out = write_store(full_store, tmp_path / "s.zarr", lambda s, x: x)
     row = int(open_store(out).index.rows[2])
     meta = open_store(out).metadata
-    writer = PartWriter(open_for_run(out, meta).part("part-00001", make_layout(len(CLAIMED), meta.hidden_size, 16, 64)))
+    layout = make_layout(len(CLAIMED), meta.hidden_size, 16, 64)
+    writer = PartWriter(OwnedPart(out, "part-00001").open(open_for_run(out, meta), layout))
     writer.reject(Reject(row, "too_long", "x"))
     writer.close()
     assert failures(verify(out, use_model=False))["rows"] == [f"row {row} is both a sample and a reject"]

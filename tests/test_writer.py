@@ -1,5 +1,7 @@
 """The commit protocol: samples are committed whole or absent, and a resumed writer continues exactly."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from streamx.store import (
     Commit,
     Compat,
     Output,
+    OwnedPart,
     Store,
     StoreError,
     StoreMetadata,
@@ -44,7 +47,7 @@ def meta(storage="bf16", **compat) -> StoreMetadata:
 def open_writer(path, layout=LAYOUT, metadata=None, overwrite=False) -> PartWriter:
     metadata = metadata or meta(layout.storage.name)
     prepare(str(path), metadata, overwrite)
-    return PartWriter(open_for_run(str(path), metadata).part("part-00000", layout))
+    return PartWriter(OwnedPart(str(path), "part-00000").open(open_for_run(str(path), metadata), layout))
 
 
 def random_sample(row_id: int, length: int, g: torch.Generator):
@@ -363,3 +366,29 @@ def test_shard_files_read_from_many_threads(tmp_path, samples):
         got = list(pool.map(lambda r: files.read(*r).copy(), ranges))
     assert all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True))
     assert files._mapped == sum(len(m) for m, _ in files._maps.values())
+
+
+def test_a_file_url_is_a_local_store(tmp_path, samples):
+    """file://PATH is the local folder PATH (streamx.base.location), not an object store: zarr writes it
+    durably, its part is locked, and its samples are read straight from the shard files."""
+    from streamx.base.durable import DurableLocalStore
+    from streamx.base.location import local_path
+    from streamx.base.locks import LockedError
+    from streamx.store.shards import streamable_dir
+
+    assert local_path("s3://bucket/s.zarr") is None and local_path("rel/s.zarr") == Path("rel/s.zarr")
+    url = f"file://{tmp_path / 's.zarr'}"
+    assert local_path(url) == tmp_path / "s.zarr"
+    root = prepare(url, meta())
+    assert isinstance(root.store, DurableLocalStore) and (tmp_path / "s.zarr" / "zarr.json").exists()
+    with OwnedPart(url, "part-00000") as owned:
+        with pytest.raises(LockedError):
+            OwnedPart(str(tmp_path / "s.zarr"), "part-00000")  # the same part by its plain path: held
+        writer = PartWriter(owned.open(open_for_run(url, meta()), LAYOUT))
+        for s in samples:
+            append(writer, s)
+        writer.close()
+    store = Store(url)
+    streamed = streamable_dir(store.parts["part-00000"]["hidden_states"])
+    assert streamed == tmp_path / "s.zarr/parts/part-00000/hidden_states"
+    assert_stored(url, samples)

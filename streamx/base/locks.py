@@ -33,10 +33,10 @@ class Lock:
     block, or when this process ends."""
 
     def __init__(self, path: Path, what: str):
-        self.path = path
+        self.path, self.fd = path, None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
             raise OSError(f"cannot lock {what} ({path}): {err.strerror or err}") from None
         try:
@@ -62,6 +62,9 @@ class Lock:
         if self.fd is not None:
             os.close(self.fd)  # closing the last descriptor drops the flock
             self.fd = None
+
+    def __del__(self) -> None:  # a lock no one holds any more is given back, as its process's end would
+        self.release()
 
     def __enter__(self) -> Lock:
         return self

@@ -37,7 +37,7 @@ from ..data.tokenize import REJECT_REASONS, Sample
 from ..model.transfer import HostBatch
 from ..pipeline.metrics import QueueFill, StageTimes
 from ..pipeline.writer import CapturedBatch, PartWriter, RejectRate, WriterStage
-from ..store import Compat, Store, StoreMetadata, make_layout, open_for_run, prepare
+from ..store import Compat, OwnedPart, Store, StoreMetadata, make_layout, open_for_run, prepare
 
 MODES = ("plain", "writer")
 
@@ -108,7 +108,7 @@ def _open_writer(path: Path, w: WriteWorkload) -> PartWriter:
         compat=Compat(model="synthetic", compute_dtype="bfloat16", layer_ids=list(range(w.num_slots)),
                       tokenization="", data="synthetic", split=""))
     root = prepare(str(path), metadata)
-    return PartWriter(open_for_run(str(path), metadata, root).part("part-00000", layout))
+    return PartWriter(OwnedPart(str(path), "part-00000").open(open_for_run(str(path), metadata, root), layout))
 
 
 def _writer_pass(writer: PartWriter, batches: list[CapturedBatch]) -> float:

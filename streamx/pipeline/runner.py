@@ -29,7 +29,7 @@ from ..data.tokenize import Reject
 from ..model.capture import LayerCapture, sample_is_finite
 from ..model.gather import select_gather_fn
 from ..model.transfer import HostTransfer
-from ..store import DoneKeys, SpaceGuard, lock_part, open_for_run, prepare
+from ..store import DoneKeys, OwnedPart, SpaceGuard, open_for_run, prepare
 from .metrics import QueueFill, StageTimes, Throughput
 from .plan import RunPlan, make_plan
 from .ranks import init_from_env
@@ -205,12 +205,13 @@ def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str],
     if not progress:
         transformers.utils.logging.disable_progress_bar()  # its weight-loading bar too
     cfg, rank = (config.config, config.rank) if isinstance(config, RunPlan) else (config, init_from_env())
-    with lock_part(cfg.out, rank.part_name):
+    with OwnedPart(cfg.out, rank.part_name) as part:
         plan = config if isinstance(config, RunPlan) else make_plan(config, log=log)
-        return _run(plan, started, progress, log, wind_up_on_signals)
+        return _run(plan, part, started, progress, log, wind_up_on_signals)
 
 
-def _run(plan: RunPlan, started: float, progress: bool, log: Callable[[str], None], signals: bool) -> RunSummary:
+def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Callable[[str], None],
+         signals: bool) -> RunSummary:
     cfg, rank = plan.config, plan.rank
     # rank 0 creates (or checks and reopens) the store before any other rank opens it
     root = prepare(cfg.out, plan.metadata, cfg.overwrite) if rank.is_main else None
@@ -220,7 +221,7 @@ def _run(plan: RunPlan, started: float, progress: bool, log: Callable[[str], Non
     if target.done_rows and rank.is_main:
         log(f"resuming {cfg.out}: {len(target.done_rows)} rows already committed")
     space = SpaceGuard.for_layout(cfg.out, plan.layout) if cfg.space_check else None
-    writer = PartWriter(target.part(rank.part_name, plan.layout), space)
+    writer = PartWriter(part.open(target, plan.layout), space)
     pipeline = Pipeline(plan, writer, target.done_rows, target.done_keys)
 
     total = None if plan.source.num_rows is None else max(0, plan.source.num_rows - len(target.done_rows))

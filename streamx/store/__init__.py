@@ -1,6 +1,6 @@
-"""The streamx store, in three rooms: what a store is (`format`), how a shard file is laid out and
-filled (`shards`), and how to read one (`reader`); beside them, how a run opens it (`prepare`) and the
-free-space guard (`space`). docs/store.md describes the format.
+"""The store: what a store is (`format`, with the fp8 encoding in `fp8`), how a shard file is laid out and
+filled (`shards`), and how to read one (`reader`); beside them, how a run opens a store and owns its part
+(`prepare`), and the free-space guard (`space`). docs/store.md describes the format.
 
     import streamx
     store = streamx.open_store("out.zarr")
@@ -23,13 +23,13 @@ from .format import (
     make_layout,
     storage_named,
 )
-from .prepare import Output, RunStore, lock_part, open_for_run, prepare
+from .prepare import Output, OwnedPart, RunStore, open_for_run, prepare
 from .reader import DoneKeys, RowSet, SampleIndex, Store, StoredSample, open_store, to_json
 from .space import SpaceGuard, free_bytes
 
 __all__ = [
-    "BF16", "FP8_STORAGE", "PARTS", "STORAGES", "Commit", "Compat", "DoneKeys", "Layout", "Output", "RowSet",
-    "RunStore", "SampleIndex",
-    "SpaceGuard", "Storage", "Store", "StoreError", "StoreMetadata", "StoredSample", "bf16_to_bits", "create_part",
-    "free_bytes", "lock_part", "make_layout", "open_for_run", "open_store", "prepare", "storage_named", "to_json",
+    "BF16", "FP8_STORAGE", "PARTS", "STORAGES", "Commit", "Compat", "DoneKeys", "Layout", "Output", "OwnedPart",
+    "RowSet", "RunStore", "SampleIndex", "SpaceGuard", "Storage", "Store", "StoreError", "StoreMetadata",
+    "StoredSample", "bf16_to_bits", "create_part", "free_bytes", "make_layout", "open_for_run", "open_store",
+    "prepare", "storage_named", "to_json",
 ]

@@ -8,7 +8,6 @@ banner, the output check and the free-space check), and once when it opens the s
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,16 +89,6 @@ def _check_location(path: Path) -> None:
         raise StoreError(f"cannot write the store at {path}: {existing} is not writable")
 
 
-def lock_part(path: str, part: str) -> Lock | contextlib.nullcontext:
-    """This process's hold on `part` of the store at `path`, for the whole run (streamx.locks); object stores
-    have no lock."""
-    local = local_path(path)
-    if local is None:
-        return contextlib.nullcontext()
-    _check_location(local)
-    return Lock(lock_file(local, part), f"{part} of {path}")
-
-
 def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> zarr.Group:
     """Create the store, or check that an existing one may be resumed by this run (its compat record
     matches) and refresh its metadata; returns its root group. One process (rank 0) calls this before
@@ -137,23 +126,12 @@ def _check_compatible(root: zarr.Group, path: str, metadata: StoreMetadata) -> N
 class RunStore:
     """A prepared store opened by one writer process (a torchrun rank): the source rows some part has
     already committed, as a sample or a reject, which the run must skip; the commit records it opened
-    with; and the way to its own part."""
+    with. The process's own part is `OwnedPart.open`'s."""
 
     root: zarr.Group
     done_rows: RowSet
     commits: dict[str, Commit]  # each part's record when opened
     done_keys: DoneKeys | None  # the done rows' content keys (None: a part from before streamx recorded them)
-
-    def part(self, name: str, layout: Layout) -> zarr.Group:
-        """This process's part, created when new. Under torchrun, call it only once every rank has read
-        `done_rows`: a part being created is not yet readable."""
-        parts = self.root.require_group(PARTS)
-        store = self.root.store
-        if name in parts and isinstance(store, LocalStore):  # a killed writer's temporary files (we hold the part)
-            folder = Path(store.root) / PARTS / name
-            for stale in folder.rglob(".*.tmp-*"):
-                stale.unlink()
-        return parts[name] if name in parts else create_part(self.root, name, layout)
 
     def totals(self, part: str, commit: Commit, others_wrote: bool) -> tuple[int, int]:
         """(samples, tokens) of the whole store once `part` has committed `commit`: from the records held,
@@ -170,3 +148,38 @@ def open_for_run(path: str, metadata: StoreMetadata, root: zarr.Group | None = N
         _check_compatible(root, path, metadata)
     store = Store(path, root)
     return RunStore(root, store.done_row_ids(), dict(store.commits), store.done_keys())
+
+
+class OwnedPart:
+    """The part of the store at `path` that this process writes, and everything that makes it this process's
+    alone: the lock, taken at once (streamx.base.locks; before a run loads its model) and held until `release`;
+    then the part itself, opened once the store is prepared, with a killed writer's temporary files removed,
+    created when new. Object stores have no lock: one writer per part is the launcher's to keep."""
+
+    def __init__(self, path: str, name: str):
+        self.path, self.name = path, name
+        local = local_path(path)
+        if local is not None:
+            _check_location(local)
+        self.lock = Lock(lock_file(local, name), f"{name} of {path}") if local is not None else None
+
+    def open(self, target: RunStore, layout: Layout) -> zarr.Group:
+        """The part, created when new. Under torchrun, call it only once every rank has read `done_rows`: a
+        part being created is not yet readable."""
+        parts = target.root.require_group(PARTS)
+        store = target.root.store
+        if self.name in parts and isinstance(store, LocalStore):  # a killed writer's temporary files
+            folder = Path(store.root) / PARTS / self.name
+            for stale in folder.rglob(".*.tmp-*"):
+                stale.unlink()
+        return parts[self.name] if self.name in parts else create_part(target.root, self.name, layout)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+    def __enter__(self) -> OwnedPart:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

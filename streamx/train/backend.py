@@ -8,13 +8,20 @@
 arguments, the same config resolution) with this backend registered first: speculators finds hidden
 states backends in `hs_connectors.HiddenStatesBackend.registry` and collects their flags when it
 resolves its config, so the backend must be imported before that. Importing this module registers it.
+It runs in speculators' own environment (docs/speculators.md says how to install streamx there).
 
-For dataset row i the backend returns what `streamx convert` would have written in hs_{i}.safetensors,
-bit for bit (an fp8 store's states dequantised as speculators' fp8 backend does), but only the slots of
---target-layer-ids and then id L: one extraction serves every drafter whose ids the store holds. It
-checks at start that the store is the one converted (its creation, compat record and committed rows)
-and that it holds the ids; `--streamx-store PATH` points at a store that moved since. It runs in
-speculators' own environment (docs/speculators.md says how to install streamx there).
+The contract, checked when the backend starts (`StoreTransfer`):
+- Which slots, in which order: the --target-layer-ids, ascending (refused otherwise, and when empty, repeated
+  or holding L: streamx.train.meta.backend_layer_ids), then id L, the last layer's output before the final
+  norm. Without --target-layer-ids, speculators' own default 2, L//2, L-3. Every id must be in the store.
+- What row i is: `get_cached(i)` returns {"hidden_states": bf16 [T, len(ids) + 1, H], "token_ids": int64
+  [T]} for the store sample of source row store_rows.npy[i]; bit for bit what `streamx convert` with the same
+  store and seed writes in hs_{i}.safetensors, restricted to those slots (an fp8 store's states dequantised
+  as speculators' fp8 backend does). A subset of the stored ids serves any drafter whose ids the store holds.
+- Beyond the folder's rows, `get_cached` returns None (as a missing hs file: speculators' --on-missing
+  decides); `get_generated` returns None (nothing is generated: there is no vLLM server).
+- The store must be the one converted (its creation, compat record and committed rows), else the backend
+  refuses to start; `--streamx-store PATH` points at a store that moved since.
 """
 
 from __future__ import annotations
@@ -32,11 +39,13 @@ from hs_connectors.transfer import HiddenStatesTransfer
 
 from ..store import open_store
 from .dataset import StoreDataset
-from .speculators import BACKEND, FROM_STORE, META, STORE_ROWS
+from .folder import FROM_STORE, META, STORE_ROWS
+from .meta import BACKEND, backend_layer_ids
 
 
 class StoreTransfer(HiddenStatesTransfer):
-    """Dataset row i -> {"hidden_states": bf16 [T, K'+1, H], "token_ids": int64 [T]}, read from the store."""
+    """Dataset row i -> {"hidden_states": bf16 [T, K'+1, H], "token_ids": int64 [T]}, read from the store (the
+    module's contract)."""
 
     def __init__(self, data_path: str, store_path: str | None = None, target_layer_ids: list[int] | None = None):
         meta_path = Path(data_path) / META
@@ -50,10 +59,9 @@ class StoreTransfer(HiddenStatesTransfer):
         self.store_path = store_path or meta["source"]["store"]
         store = open_store(self.store_path)
         _check_unchanged(store, meta, self.store_path)
-        L = store.metadata.num_layers
-        aux = list(target_layer_ids) if target_layer_ids else [2, L // 2, L - 3]  # speculators' own default
+        layer_ids = backend_layer_ids(target_layer_ids, store.metadata.num_layers)
         rows = np.load(Path(data_path) / STORE_ROWS)
-        self.dataset = StoreDataset(self.store_path, layer_ids=[*aux, L], rows=rows, store=store)  # opened once
+        self.dataset = StoreDataset(self.store_path, layer_ids=layer_ids, rows=rows, store=store)  # opened once
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
         if not 0 <= file_idx < len(self.dataset):

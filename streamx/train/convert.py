@@ -1,14 +1,13 @@
 """`streamx convert`: a store -> the folder `speculators train --data-path DIR` reads (docs/speculators.md).
 
-The store's committed samples are read in training order (a seeded shuffle), validated, and
-written as one hs file each (streamx.speculators lays out the folder); with `--hidden-states store`
-no hs file is written: the folder holds the token columns and which store sample each training row
-is (store_rows.npy), and speculators reads the states from the store through
-streamx.speculators_backend. Rows go in blocks; a
-finished block leaves its token columns in a work file (DIR/.streamx-convert/), so an
-interrupted convert re-reads at most one block and keeps the hs files already there (atomic, so
-present means complete). The dataset, token_freq.pt and the meta are written last, from the
-block files, and the work folder is then removed.
+The store's committed samples are read in training order (a seeded shuffle), validated, and written as
+one hs file each (streamx.train.folder lays out the folder, streamx.train.files writes its files,
+streamx.train.meta its meta). With `--hidden-states store` no hs file is written: the folder holds the
+token columns and which store sample each training row is (store_rows.npy), and speculators reads the
+states from the store through streamx.speculators_backend. Rows go in blocks; a finished block leaves its
+token columns in a work file (DIR/.streamx-convert/), so an interrupted convert re-reads at most one
+block and keeps the hs files already there (atomic, so present means complete). The dataset,
+token_freq.pt and the meta are written last, from the block files, and the work folder is then removed.
 """
 
 from __future__ import annotations
@@ -36,8 +35,9 @@ from ..base.location import local_path
 from ..base.locks import Lock, lock_file
 from ..config import check_layer_ids, resolve_layer_ids
 from ..store import STORAGES, Storage, Store, StoredSample, open_store
-from . import speculators
-from .speculators import FROM_STORE, HS_DIR, META, STORE_ROWS, WORK
+from . import files, folder
+from .folder import FROM_STORE, HS_DIR, META, STORE_ROWS, WORK
+from .meta import folder_meta, train_commands
 
 FORMATS = ("speculators",)
 BLOCK_ROWS = 1024  # resume granularity: an interrupted convert re-reads at most this many rows
@@ -136,6 +136,29 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
 def _convert(store_path: str, out: str, seed: int, overwrite: bool, workers: int, block_rows: int, progress: bool,
              log: Callable[[str], None], allow_random_weights: bool, hidden_states: str | None) -> ConvertSummary:
     started = time.perf_counter()
+    store, aux, files_as = _open_source(store_path, out, hidden_states, allow_random_weights)
+    all_rows = store.row_ids()
+    order = training_order(all_rows, seed)
+    identity = _identity(store, order, seed, block_rows, files_as)
+    out_dir = Path(out)
+    try:
+        complete = folder.prepare(out_dir, identity, order.size, overwrite, hs_files=files_as is not None)
+    except FileExistsError as err:
+        raise ConvertError(str(err)) from None
+    if complete is not None:
+        log(f"{out} already holds this conversion; nothing to do")
+        return _summary(complete, out, 0, time.perf_counter() - started, already_complete=True)
+    blocks, kept = _write_blocks(store, order, out_dir, files_as, workers, block_rows, progress)
+    meta, skipped = _finish(store, out_dir, blocks, all_rows, identity, aux, files_as, progress)
+    if skipped:
+        log(f"skipped {len(skipped)} rows: {_reasons(skipped)} (listed in {META})")
+    return _summary(meta, out, kept, time.perf_counter() - started)
+
+
+def _open_source(store_path: str, out: str, hidden_states: str | None, allow_random_weights: bool
+                 ) -> tuple[Store, list[int], Storage | None]:
+    """The store, the --target-layer-ids it serves (all but L), and the hs files' storage (None: no files, the
+    store is read in training); raises ConvertError for what convert refuses."""
     local = local_path(store_path)
     if local is not None and local.resolve().is_relative_to(Path(out).resolve()):
         raise ConvertError(f"--out {out} holds the store {store_path} itself; choose another folder")
@@ -144,24 +167,18 @@ def _convert(store_path: str, out: str, seed: int, overwrite: bool, workers: int
     name = hidden_states or store.metadata.storage
     if name not in (*STORAGES, FROM_STORE):
         raise ConvertError(f"--hidden-states must be one of {', '.join((*STORAGES, FROM_STORE))}; got {name!r}")
-    files = None if name == FROM_STORE else STORAGES[name]  # the hs files' states, or no files
     if store.metadata.random_weights and not allow_random_weights:
         raise ConvertError(f"{store_path} was made with --random-weights: its states train nothing; "
                            "pass --allow-random-weights to convert it anyway")
-    all_rows = store.row_ids()
-    order = training_order(all_rows, seed)
-    if not order.size:
+    if not len(store):
         raise ConvertError(f"{store_path} has no committed samples")
-    identity = _identity(store, order, seed, block_rows, files)
-    out_dir = Path(out)
-    try:
-        complete = speculators.prepare(out_dir, identity, order.size, overwrite, hs_files=files is not None)
-    except FileExistsError as err:
-        raise ConvertError(str(err)) from None
-    if complete is not None:
-        log(f"{out} already holds this conversion; nothing to do")
-        return _summary(complete, out, 0, time.perf_counter() - started, already_complete=True)
+    return store, aux, None if name == FROM_STORE else STORAGES[name]
 
+
+def _write_blocks(store: Store, order: np.ndarray, out_dir: Path, files_as: Storage | None, workers: int,
+                  block_rows: int, progress: bool) -> tuple[list[Path], int]:
+    """Every block of the training order: its hs files (unless `files_as` is None) and its block file, which
+    a resumed convert reads instead of the store. Returns the block files and the hs files found written."""
     work, hs_dir = out_dir / WORK, out_dir / HS_DIR
     K, H = store.metadata.num_slots, store.metadata.hidden_size
     depth = 2 * max(1, workers)  # samples in flight per stage: bounds memory whatever the store's size
@@ -172,44 +189,57 @@ def _convert(store_path: str, out: str, seed: int, overwrite: bool, workers: int
             rows = order[first : first + block_rows]
             path = work / f"block-{b:06d}.safetensors"
             block = _read_block(path) if path.exists() else None
-            if block is not None and (files is None or _all_written(hs_dir, block)):
+            if block is not None and (files_as is None or _all_written(hs_dir, block)):
                 bar.update(rows.size)
             else:  # not done, or hs files were deleted since
-                if files is None:
+                if files_as is None:
                     block, n_kept = _token_block(store, rows, start, bar.update), 0
                 else:
-                    block, n_kept = _convert_block(store, rows, start, K, H, files, hs_dir, pool, depth, bar.update)
+                    block, n_kept = _convert_block(store, rows, start, K, H, files_as, hs_dir, pool, depth,
+                                                   bar.update)
                 write_file(path, lambda tmp, blk=block: _write_block(tmp, blk))
                 kept += n_kept
             blocks.append(path)
             start += block.seq_len.size
+    return blocks, kept
 
+
+def _skipped(blocks: list[Path], all_rows: np.ndarray) -> list[tuple[int, str]]:
+    """The rows left out, with their reasons: those that failed validation, and repeats of a committed row."""
     skipped = [s for path in blocks for s in _read_block(path).skipped]
     rows_sorted = np.sort(all_rows)
-    skipped += [(int(r), "duplicate_row") for r in rows_sorted[1:][rows_sorted[1:] == rows_sorted[:-1]]]
-    if not start:
-        raise ConvertError(f"every sample of {store_path} failed validation ({_reasons(skipped)}); nothing to train on")
+    return skipped + [(int(r), "duplicate_row") for r in rows_sorted[1:][rows_sorted[1:] == rows_sorted[:-1]]]
+
+
+def _finish(store: Store, out_dir: Path, blocks: list[Path], all_rows: np.ndarray, identity: dict[str, Any],
+            aux: list[int], files_as: Storage | None, progress: bool) -> tuple[dict[str, Any], list[tuple[int, str]]]:
+    """The files written from the block files once every block is: the dataset, token_freq.pt, store_rows.npy
+    and, last, the meta that says the folder is complete; then the work folder goes. Returns the meta and the
+    rows left out."""
+    skipped = _skipped(blocks, all_rows)
     read_blocks = lambda: (_read_block(path) for path in blocks)  # noqa: E731 - read twice, one block at a time
-    totals = speculators.write_dataset(out_dir, read_blocks(), identity["order_sha256"], progress)
-    write_file(out_dir / "token_freq.pt", lambda tmp: tmp.write_bytes(speculators.token_freq(read_blocks())))
+    if not sum(b.seq_len.size for b in read_blocks()):
+        raise ConvertError(f"every sample of {store.path} failed validation ({_reasons(skipped)}); nothing to train "
+                           "on")
+    totals = files.write_dataset(out_dir, read_blocks(), identity["order_sha256"], progress)
+    write_file(out_dir / "token_freq.pt", lambda tmp: tmp.write_bytes(files.token_freq(read_blocks())))
     rows = np.concatenate([b.rows for b in read_blocks()])  # which store sample each training row is
     write_file(out_dir / STORE_ROWS, lambda tmp: _save_npy(tmp, rows.astype("<i8")))
-    commands = speculators.train_commands(str(out_dir.resolve()), store.metadata.model["path"], aux, files)
-    meta = speculators.meta(store, identity, aux, totals, skipped, commands)
+    commands = train_commands(str(out_dir.resolve()), store.metadata.model["path"], aux, files_as)
+    meta = folder_meta(store, identity, aux, totals, skipped, commands)
     write_file(out_dir / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
-    shutil.rmtree(work)
-    if skipped:
-        log(f"skipped {len(skipped)} rows: {_reasons(skipped)} (listed in {META})")
-    return _summary(meta, out, kept, time.perf_counter() - started)
+    shutil.rmtree(out_dir / WORK)
+    return meta, skipped
 
 
-def _identity(store: Store, order: np.ndarray, seed: int, block_rows: int, files: Storage | None) -> dict[str, Any]:
+def _identity(store: Store, order: np.ndarray, seed: int, block_rows: int, files_as: Storage | None
+              ) -> dict[str, Any]:
     """What a resumed convert must match (and the streamx backend checks the store against): the store (its
     creation and compat record), the training order, the block size (block files cover fixed ranges of it)
     and the files' dtype (or `store`: no files)."""
     return {"store_created": store.metadata.created, "store_compat": asdict(store.metadata.compat),
             "layer_ids": store.layer_ids, "seed": seed, "rows": int(order.size), "block_rows": block_rows,
-            "order_sha256": order_sha256(order), "hidden_states": FROM_STORE if files is None else files.name}
+            "order_sha256": order_sha256(order), "hidden_states": FROM_STORE if files_as is None else files_as.name}
 
 
 def order_sha256(order: np.ndarray) -> str:
@@ -244,12 +274,12 @@ def token_problem(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> str | Non
     return None
 
 
-def training_sample(store: Store, K: int, H: int, files: Storage, row: int) -> tuple[int, StoredSample, str | None]:
+def training_sample(store: Store, K: int, H: int, files_as: Storage, row: int) -> tuple[int, StoredSample, str | None]:
     """Read one sample with its states as the files hold them (bf16, or fp8 values and scales), and say what,
     if anything, makes it unusable for training."""
-    s = store.sample(row, raw=files.scaled)  # an fp8 store's own bytes, never quantised twice
-    if files.scaled and s.hidden_states_scales is None:  # from a bf16 store
-        s.hidden_states, s.hidden_states_scales = files.encode(s.hidden_states)
+    s = store.sample(row, raw=files_as.scaled)  # an fp8 store's own bytes, never quantised twice
+    if files_as.scaled and s.hidden_states_scales is None:  # from a bf16 store
+        s.hidden_states, s.hidden_states_scales = files_as.encode(s.hidden_states)
     problem = token_problem(s.input_ids, s.loss_mask)
     if problem is None and s.hidden_states.shape[0] != s.input_ids.numel():
         problem = "length_mismatch"
@@ -284,13 +314,13 @@ def _block(start: int, ids: list[np.ndarray], masks: list[np.ndarray], rows: lis
                   np.array(rows, dtype=np.int64), skipped)
 
 
-def _convert_block(store: Store, rows: np.ndarray, start: int, K: int, H: int, files: Storage, hs_dir: Path,
+def _convert_block(store: Store, rows: np.ndarray, start: int, K: int, H: int, files_as: Storage, hs_dir: Path,
                    pool: ThreadPoolExecutor, depth: int, tick: Callable[[int], Any]) -> tuple[_Block, int]:
     """Training indices are given in order to the rows that pass validation, so they are the same on every run."""
     ids, masks, kept_rows, skipped = [], [], [], []
     writes: deque[Future] = deque()
     index, kept = start, 0
-    read = lambda r: training_sample(store, K, H, files, int(r))  # noqa: E731 - one line, used once
+    read = lambda r: training_sample(store, K, H, files_as, int(r))  # noqa: E731 - one line, used once
     for row, s, problem in _prefetch(pool, read, rows, depth):
         tick(1)
         if problem:
@@ -300,7 +330,7 @@ def _convert_block(store: Store, rows: np.ndarray, start: int, K: int, H: int, f
         if path.exists():
             kept += 1  # written by an interrupted run (atomic: present means complete)
         else:
-            writes.append(pool.submit(speculators.write_hs, path, s))
+            writes.append(pool.submit(files.write_hs, path, s))
         ids.append(s.input_ids.numpy())
         masks.append(s.loss_mask.numpy().astype(np.uint8))
         kept_rows.append(row)

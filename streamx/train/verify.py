@@ -27,7 +27,7 @@ from ..base.location import local_path
 from ..model.capture import find_decoder
 from ..model.load import load_model, read_text_config
 from ..store import BF16, STORAGES, Store, StoreError, open_store
-from .speculators import FROM_STORE, HS_DIR, META, STORE_ROWS
+from .folder import FROM_STORE, HS_DIR, META, STORE_ROWS
 
 READ_BYTES = 256 << 20  # float32 states per read in the structural pass (its temporaries take ~3x this)
 
