@@ -133,7 +133,7 @@ class RunConfig:
 
 @dataclass
 class RegenerateConfig:
-    """The settings of `streamx regenerate` (streamx.regenerate): the target model answers the prompts of a
+    """The settings of `streamx regenerate` (streamx.regen): the target model answers the prompts of a
     chat dataset, turn by turn, and the rows it writes are what `streamx run --data` reads."""
 
     # what to run

@@ -1,6 +1,6 @@
 """Batches under a token budget, from a window of source rows.
 
-Packed (the default where the model allows it, streamx.packing): the samples' real tokens side by
+Packed (the default where the model allows it, streamx.model.packing): the samples' real tokens side by
 side in one row, position ids restarting at each sample, boundaries in `cu_seq_lens`; a window's
 samples are bin-packed longest first (first fit) so that each batch holds up to `token_budget` real
 tokens and nothing is padding.

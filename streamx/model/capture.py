@@ -5,7 +5,7 @@ Layer ids follow the speculators convention (docs/layers.md), for a decoder of L
   id k, 1..L  the residual stream leaving layers[k-1]            (forward hook on layers[k-1])
 so id L is the last layer's output *before* the final norm (HF's hidden_states[L] is after it).
 Only the decoder stack runs (never the lm_head), and it stops right after the deepest hook. Each
-hook gathers its layer's real tokens into one slot of the [N, K, H] states buffer (streamx.gather).
+hook gathers its layer's real tokens into one slot of the [N, K, H] states buffer (streamx.model.gather).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class RunPlan:
     rank: Rank  # this process under torchrun (rank 0 of 1 otherwise)
     source: Source
     layer_ids: list[int]  # speculators convention, ascending (docs/layers.md)
-    packing: Packing  # packed or padded batches (streamx.packing.configure)
+    packing: Packing  # packed or padded batches (streamx.model.packing.configure)
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     info: ModelInfo
@@ -172,7 +172,7 @@ def announce(config: RunConfig, source: Source, output: Output, device: str, log
 
 
 def check_space(config: RunConfig, source: Source, output: Output, log: Callable[[str], None]) -> None:
-    """Size the store from the tokenized rows (streamx.estimate) and refuse to start when the output
+    """Size the store from the tokenized rows (streamx.pipeline.estimate) and refuse to start when the output
     filesystem cannot hold what is left to write."""
     free = free_bytes(config.out)
     if free is None or source.num_rows is None:

@@ -198,7 +198,7 @@ class Pipeline:
 def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str], None] = print,
         wind_up_on_signals: bool = True) -> RunSummary:
     """Run the pipeline into config.out: a RunConfig is planned first (model loaded); a RunPlan is used as is.
-    The process holds its part of the store for the whole run (streamx.locks), taken before the model
+    The process holds its part of the store for the whole run (streamx.base.locks), taken before the model
     loads. SIGINT and SIGTERM end it early with what was written committed (`RunSummary.stopped_by`), unless
     `wind_up_on_signals` is off (a caller that runs many short runs, as bench, lets Ctrl-C stop it at once)."""
     started = time.perf_counter()

@@ -3,7 +3,7 @@
     OUT.zarr/                      attrs["streamx"]: StoreMetadata (docs/store.md)
       parts/part-00000/            one append-only part per writer; attrs["commit"]: a Commit, what is valid
         hidden_states  uint16 [T, K, H]   bf16 bit patterns (uint8: fp8 e4m3fn, --storage fp8); sharded along tokens
-        hidden_states_scales float32 [T]  fp8 storage only: dequantised = fp8 * scale (streamx.fp8)
+        hidden_states_scales float32 [T]  fp8 storage only: dequantised = fp8 * scale (streamx.store.fp8)
         input_ids      int64  [T]
         loss_mask      uint8  [T]
         sample_row_id  int64  [N]         source row of each sample

@@ -23,7 +23,7 @@ from .reader import DoneKeys, RowSet, Store
 
 
 def _writable(path: str) -> str | DurableLocalStore:
-    """What zarr writes a store through: a local one durably (streamx.durable), an object store as it is."""
+    """What zarr writes a store through: a local one durably (streamx.base.durable), an object store as it is."""
     local = local_path(path)
     return path if local is None else DurableLocalStore(local)
 

@@ -194,7 +194,7 @@ class StreamedShards:
         return lambda: self.finish(fd, tmp, start, tokens)
 
     def finish(self, fd: int, tmp: Path, start: int, tokens: int) -> None:
-        """Pad the last chunk, append the shard index, and put the file in place durably (streamx.durable)."""
+        """Pad the last chunk, append the shard index, and put the file in place durably (streamx.base.durable)."""
         chunks = -(-tokens // self.chunk_tokens)
         padding = (chunks * self.chunk_tokens - tokens) * self.token_nbytes  # a partial last chunk is stored whole
         _write_all(fd, memoryview(bytes(padding)))

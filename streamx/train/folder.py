@@ -13,8 +13,8 @@
     DIR/.streamx-convert/                            a convert's partial state (removed when complete)
 
 Every file is written under a temporary name in its folder, fsynced and renamed into place
-(streamx.durable; speculators' own resume trusts file names), so a file that is present is complete,
-after a power loss too. One convert at a time writes a folder (streamx.locks).
+(streamx.base.durable; speculators' own resume trusts file names), so a file that is present is complete,
+after a power loss too. One convert at a time writes a folder (streamx.base.locks).
 """
 
 from __future__ import annotations
