@@ -129,14 +129,19 @@ def test_uncommitted_tail_is_absent_then_resumed(tmp_path, samples, layout):
 @pytest.mark.parametrize("layout", [LAYOUT, FP8_LAYOUT], ids=["bf16", "fp8"])
 def test_streamed_shards_are_the_bytes_zarr_writes(tmp_path, samples, layout):
     """The shard files the writer streams are byte for byte what zarr-python itself writes for the
-    same values (full shards and the partial last one), so any Zarr v3 reader reads them."""
+    same values (full shards and the partial last one), so any Zarr v3 reader reads them. zarr leaves out
+    chunks that hold only the fill value unless told to keep them, and the writer keeps them: the first shard
+    of loss_mask is all zero (a prompt), and zarr is told to keep empty chunks."""
     path = tmp_path / "s.zarr"
     writer = open_writer(path, layout)
+    samples = [(r, ids, np.zeros_like(mask) if i < 2 else mask, h) for i, (r, ids, mask, h) in enumerate(samples)]
+    assert sum(len(s[1]) for s in samples[:2]) == LAYOUT.shard_tokens  # tokens 0..7: a whole shard of zeros
     for s in samples:
         append(writer, s)
     writer.close()
     ours = zarr.open_group(str(path), mode="r")["parts/part-00000"]
-    reference = create_part(zarr.open_group(str(tmp_path / "ref.zarr"), mode="w"), "part-00000", layout)
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        reference = create_part(zarr.open_group(str(tmp_path / "ref.zarr"), mode="w"), "part-00000", layout)
     hidden = torch.cat([s[3] for s in samples])
     values = {"input_ids": np.concatenate([s[1] for s in samples]),
               "loss_mask": np.concatenate([s[2] for s in samples])}
@@ -149,7 +154,8 @@ def test_streamed_shards_are_the_bytes_zarr_writes(tmp_path, samples, layout):
     assert n % LAYOUT.shard_tokens and n % LAYOUT.chunk_tokens  # the last shard and its last chunk are partial
     for name, v in values.items():
         reference[name].resize(v.shape)
-        reference[name][:] = v  # zarr-python's own encoding
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            reference[name][:] = v  # zarr-python's own encoding
         assert np.array_equal(ours[name][:], v)
         shards = sorted((path / "parts/part-00000" / name / "c").rglob("*"))
         shards = [f for f in shards if f.is_file()]
@@ -318,7 +324,7 @@ def test_shard_files_read_what_zarr_reads(tmp_path, samples, layout):
     """The reader's direct path (a view of the mapped shard files at the offsets the shard index gives) returns
     what zarr-python's own read returns, for every sample, ranges across shards, and the partial last shard;
     a shard whose index does not match its checksum is refused."""
-    from streamx.store.shards import ShardFiles, shard_key
+    from streamx.store.shards import ShardFiles, ShardMaps, shard_key
 
     path = tmp_path / "s.zarr"
     writer = open_writer(path, layout)
@@ -329,13 +335,14 @@ def test_shard_files_read_what_zarr_reads(tmp_path, samples, layout):
     part = store.parts["part-00000"]
     n = store.num_tokens
     for name in layout.storage.token_arrays:
-        arr, files, few = part[name], ShardFiles(part[name]), ShardFiles(part[name])
-        few.MAP_BYTES = 2 * (tmp_path / "s.zarr/parts/part-00000" / name / shard_key(arr, 0)).stat().st_size
+        shard_bytes = (tmp_path / "s.zarr/parts/part-00000" / name / shard_key(part[name], 0)).stat().st_size
+        few_maps = ShardMaps(max_bytes=2 * shard_bytes)
+        arr, files, few = part[name], ShardFiles(part[name]), ShardFiles(part[name], few_maps)
         for a, b in [(0, n), (7, 9), (5, 21), (n - 3, n), *((int(o), int(o + k)) for o, k in
                                                                zip(store.index.offsets, store.index.lengths,
                                                                    strict=True))]:
             assert np.array_equal(files.read(a, b), arr[a:b]), (name, a, b)
-            assert np.array_equal(few.read(b - 1, b), arr[b - 1 : b]) and len(few._maps) <= 2  # maps dropped
+            assert np.array_equal(few.read(b - 1, b), arr[b - 1 : b]) and len(few_maps.maps) <= 2  # dropped
     got = store.sample(samples[3][0])  # the read API goes the direct way on this local, uncompressed store
     assert torch.equal(got.input_ids, torch.from_numpy(samples[3][1]))
     shard = path / "parts/part-00000/hidden_states" / shard_key(part["hidden_states"], 0)
@@ -350,7 +357,7 @@ def test_shard_files_read_from_many_threads(tmp_path, samples):
     """convert's threads share one store's maps: every read right, the mapped bytes counted right."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from streamx.store.shards import ShardFiles
+    from streamx.store.shards import ShardFiles, ShardMaps
 
     path = tmp_path / "s.zarr"
     writer = open_writer(path, LAYOUT)
@@ -358,14 +365,14 @@ def test_shard_files_read_from_many_threads(tmp_path, samples):
         append(writer, s)
     writer.close()
     arr = Store(str(path)).parts["part-00000"]["hidden_states"]
-    files, n = ShardFiles(arr), arr.shape[0]
-    files.MAP_BYTES = 3 * 2 ** 12  # a few maps: constant eviction
+    maps = ShardMaps(max_bytes=3 * 2 ** 12)  # a few maps: constant eviction
+    files, n = ShardFiles(arr, maps), arr.shape[0]
     ranges = [(a, min(n, a + 5)) for a in np.random.default_rng(0).integers(0, n - 1, 400).tolist()]
     expected = [arr[a:b] for a, b in ranges]
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda r: files.read(*r).copy(), ranges))
     assert all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True))
-    assert files._mapped == sum(len(m) for m, _ in files._maps.values())
+    assert maps.mapped == sum(len(m) for m, _ in maps.maps.values())
 
 
 def test_a_file_url_is_a_local_store(tmp_path, samples):
@@ -392,3 +399,51 @@ def test_a_file_url_is_a_local_store(tmp_path, samples):
     streamed = streamable_dir(store.parts["part-00000"]["hidden_states"])
     assert streamed == tmp_path / "s.zarr/parts/part-00000/hidden_states"
     assert_stored(url, samples)
+
+
+@pytest.mark.parametrize("mask, what", [([0] * 8 + [1] * 4, "a whole shard"), ([1] * 4 + [0] * 4 + [1] * 4, "a chunk")])
+def test_shards_zarr_wrote_read_with_what_they_leave_out(tmp_path, mask, what):
+    """Shards that zarr wrote itself (an object-store run copied to a local disk) leave out the chunks, and whole
+    shards, that hold only the fill value (zarr's write_empty_chunks=False): the shard reader reads them as the
+    fill value, through the read API, convert and verify alike."""
+    from unittest import mock
+
+    from streamx.store.shards import ShardFiles, shard_key
+
+    path = tmp_path / "s.zarr"
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(12, K, H, generator=g).to(torch.bfloat16)
+    with mock.patch("streamx.store.shards.streamable_dir", lambda arr: None):  # as on s3: zarr writes the shards
+        writer = open_writer(path)
+        assert type(writer.sinks["loss_mask"]).__name__ == "BufferedShards"
+        writer.append(7, np.arange(1, 13), np.array(mask, np.uint8), bf16_to_bits(hidden))
+        writer.close()
+    arr = zarr.open_group(str(path), mode="r")["parts/part-00000/loss_mask"]
+    first = path / "parts/part-00000/loss_mask" / shard_key(arr, 0)
+    assert first.exists() == (what == "a chunk")  # zarr left the all-zero shard out
+    store = Store(str(path))
+    assert store.sample(7).loss_mask.tolist() == mask
+    assert torch.equal(store.sample(7).hidden_states.view(torch.int16), hidden.view(torch.int16))
+    assert np.array_equal(ShardFiles(arr).read(2, 10), arr[2:10])
+
+
+def test_one_map_budget_for_the_whole_process(tmp_path, samples):
+    """The shard maps of every array, part and store a process reads share one budget (one per DataLoader worker
+    process, not one per array per part): a reader of each of a store's token arrays, and a second store, stay
+    within it together."""
+    from streamx.store.shards import PROCESS_MAPS, ShardFiles, ShardMaps
+
+    maps, readers = ShardMaps(max_maps=3), []
+    for name in ("a.zarr", "b.zarr"):
+        writer = open_writer(tmp_path / name, LAYOUT)
+        for s in samples:
+            append(writer, s)
+        writer.close()
+        part = Store(str(tmp_path / name)).parts["part-00000"]
+        readers += [ShardFiles(part[array], maps) for array in LAYOUT.storage.token_arrays]
+    n = readers[0].arr.shape[0]
+    for reader in readers:
+        for a in range(0, n, LAYOUT.shard_tokens):
+            assert np.array_equal(reader.read(a, a + 1), reader.arr[a : a + 1])
+            assert len(maps.maps) <= 3
+    assert ShardFiles(readers[0].arr).maps is PROCESS_MAPS  # the default: the process's one budget

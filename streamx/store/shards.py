@@ -11,6 +11,7 @@ stores) is collected in host memory and written through zarr (`BufferedShards`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import mmap
 import os
@@ -69,32 +70,78 @@ def shard_index(filled_chunks: int, chunks_per_shard: int, chunk_nbytes: int) ->
     return index.tobytes() + np.uint32(google_crc32c.value(index.tobytes())).astype("<u4").tobytes()
 
 
+class ShardMaps:
+    """The shard files this process keeps mapped, least recently used first, under one budget for the whole
+    process (every store, array and part it reads; each DataLoader worker is a process of its own): at most
+    `max_maps` files and `max_bytes` mapped. A map costs no descriptor and its pages are read on use, but the
+    pages read count in the process's RSS (page cache, reclaimable) until it is unmapped. Small shards get many
+    maps for shuffled reads (64 remapped 97% of reads over 2k shards, bench/RESULTS.md "Flat costs at scale");
+    256 MiB shards a few, where one remap is small beside one sample's read. A returned view keeps its own
+    map alive. Thread-safe (convert's threads read one store at once)."""
+
+    def __init__(self, max_maps: int = 4096, max_bytes: int = 1 << 30):
+        self.max_maps, self.max_bytes = max_maps, max_bytes
+        self.maps: OrderedDict[tuple[int, int], tuple[mmap.mmap | None, np.ndarray]] = OrderedDict()  # -> (map, index)
+        self.mapped = 0  # bytes
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()  # a fork while another thread held it would leave it held forever
+
+    def get(self, key: tuple[int, int], path: Path, chunks: int) -> tuple[mmap.mmap | None, np.ndarray]:
+        """The map of the shard file at `path` and its index of `chunks` (offset, nbytes) entries, its checksum
+        checked, kept under `key` (a reader's own number and the shard's: a reader opened later maps the files
+        anew, as they are then); a file that is not there (zarr leaves out a shard that is all fill value) maps
+        to None with every chunk unused."""
+        with self._lock:
+            if key in self.maps:
+                self.maps.move_to_end(key)
+                return self.maps[key]
+            entry = self.maps[key] = _map_shard(path, chunks)
+            self.mapped += len(entry[0]) if entry[0] is not None else 0
+            while len(self.maps) > 1 and (len(self.maps) > self.max_maps or self.mapped > self.max_bytes):
+                dropped = self.maps.popitem(last=False)[1][0]
+                self.mapped -= len(dropped) if dropped is not None else 0
+            return entry
+
+
+PROCESS_MAPS = ShardMaps()  # the one budget of this process
+_READERS = itertools.count()
+
+
+def _map_shard(path: Path, chunks: int) -> tuple[mmap.mmap | None, np.ndarray]:
+    try:
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable views, never written
+    except FileNotFoundError:
+        return None, np.full((chunks, 2), _UNUSED_CHUNK, dtype="<u8")
+    size = shard_index_bytes(chunks)
+    raw = mapped[len(mapped) - size :] if len(mapped) >= size else b""
+    table, checksum = raw[:-_CHECKSUM_BYTES], raw[-_CHECKSUM_BYTES:]
+    if len(raw) != size or np.frombuffer(checksum, "<u4")[0] != google_crc32c.value(table):
+        raise OSError(f"{path}: the shard index does not match its checksum")
+    return mapped, np.frombuffer(table, "<u8").reshape(chunks, 2)
+
+
 class ShardFiles:
     """Token ranges of an uncompressed local array read straight from its shard files: each file is mapped
-    into memory once (mmap) and a range comes back as a view of it at the offsets the shard's index gives,
-    so no byte is copied or even read until it is used, as with safetensors' own files (zarr's read path
-    copies and decodes every chunk). A range across two shards is joined (a copy). The index of a shard is
-    read once and its checksum checked. For arrays `streamable_dir` accepts only."""
+    into memory once (mmap, within the process's ShardMaps budget) and a range comes back as a view of it at
+    the offsets the shard's index gives, so no byte is copied or even read until it is used, as with
+    safetensors' own files (zarr's read path copies and decodes every chunk). A range across two shards, or
+    over a chunk or shard that zarr left out because it held only the fill value, is joined (a copy). The
+    index of a shard is read once and its checksum checked. For arrays `streamable_dir` accepts only."""
 
-    # shard files kept mapped, up to MAPS files and MAP_BYTES: a map costs no descriptor and its pages are read on
-    # use, but the pages read count in the process's RSS (page cache, reclaimable) until it is unmapped. Small
-    # shards get many maps for shuffled reads (64 remapped 97% of reads over 2k shards, bench/RESULTS.md "Flat
-    # costs at scale"); 256 MiB shards a few, where one remap is small beside one sample's read. A returned view
-    # keeps its own map alive.
-    MAPS = 4096
-    MAP_BYTES = 1 << 30
-
-    def __init__(self, arr: zarr.Array):
+    def __init__(self, arr: zarr.Array, maps: ShardMaps = PROCESS_MAPS):
         directory = streamable_dir(arr)
         if directory is None:
             raise ValueError(f"{arr.path}: not an uncompressed local array")
-        self.arr, self.dir = arr, directory
+        self.arr, self.dir, self.maps = arr, directory, maps
         self.chunk_tokens, self.shard_tokens = arr.chunks[0], arr.shards[0]
         self.token_shape, self.dtype = tuple(arr.shape[1:]), np.dtype(arr.dtype)
         self.token_nbytes = int(np.prod(self.token_shape, dtype=np.int64)) * self.dtype.itemsize
-        self._maps: OrderedDict[int, tuple[mmap.mmap, np.ndarray]] = OrderedDict()  # shard -> (map, index)
-        self._mapped = 0  # bytes
-        self._lock = threading.Lock()  # convert's threads read one store at once
+        self.fill = np.asarray(arr.metadata.fill_value, dtype=self.dtype)
+        self.number = next(_READERS)  # this reader's maps in the process's ShardMaps
 
     def read(self, a: int, b: int) -> np.ndarray:
         """Tokens a..b (within what the commit covers), as a view of the shard files where they lie in one."""
@@ -102,9 +149,13 @@ class ShardFiles:
         while token < b:
             shard = token // self.shard_tokens
             stop = min(b, (shard + 1) * self.shard_tokens)
-            mapped, index = self._map(shard)
+            mapped, index = self.maps.get((self.number, shard), self.dir / shard_key(self.arr, shard),
+                                          self.shard_tokens // self.chunk_tokens)
             for offset, start, end in self._runs(index, token - shard * self.shard_tokens,
                                                  stop - shard * self.shard_tokens):
+                if offset is None:  # left out by zarr: the fill value
+                    pieces.append(np.full((end - start, *self.token_shape), self.fill, dtype=self.dtype))
+                    continue
                 count = (end - start) * self.token_nbytes // self.dtype.itemsize
                 pieces.append(np.frombuffer(mapped, self.dtype, count, offset).reshape(end - start, *self.token_shape))
             token = stop
@@ -112,42 +163,22 @@ class ShardFiles:
             return np.empty((0, *self.token_shape), dtype=self.dtype)
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
-    def _map(self, shard: int) -> tuple[mmap.mmap, np.ndarray]:
-        with self._lock:
-            return self._mapped_shard(shard)
-
-    def _mapped_shard(self, shard: int) -> tuple[mmap.mmap, np.ndarray]:
-        if shard in self._maps:
-            self._maps.move_to_end(shard)
-            return self._maps[shard]
-        path = self.dir / shard_key(self.arr, shard)
-        with open(path, "rb") as f:
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable views, never written
-        chunks = self.shard_tokens // self.chunk_tokens
-        size = shard_index_bytes(chunks)
-        raw = mapped[len(mapped) - size :] if len(mapped) >= size else b""
-        table, checksum = raw[:-_CHECKSUM_BYTES], raw[-_CHECKSUM_BYTES:]
-        if len(raw) != size or np.frombuffer(checksum, "<u4")[0] != google_crc32c.value(table):
-            raise OSError(f"{path}: the shard index does not match its checksum")
-        entry = self._maps[shard] = (mapped, np.frombuffer(table, "<u8").reshape(chunks, 2))
-        self._mapped += len(mapped)
-        while len(self._maps) > 1 and (len(self._maps) > self.MAPS or self._mapped > self.MAP_BYTES):
-            self._mapped -= len(self._maps.popitem(last=False)[1][0])
-        return entry
-
-    def _runs(self, index: np.ndarray, a: int, b: int) -> list[tuple[int, int, int]]:
+    def _runs(self, index: np.ndarray, a: int, b: int) -> list[tuple[int | None, int, int]]:
         """(file offset, first token, end token) of the reads covering tokens a..b of a shard (tokens relative
-        to the shard's first, the first token relative to a), adjacent chunks merged into one read."""
-        runs: list[tuple[int, int, int]] = []
+        to the shard's first, the first token relative to a), adjacent chunks merged into one read; the
+        offset is None for chunks the shard leaves out (the fill value)."""
+        runs: list[tuple[int | None, int, int]] = []
         c = self.chunk_tokens
         for chunk in range(a // c, -(-b // c)):
-            offset, nbytes = (int(v) for v in index[chunk])
-            if offset == _UNUSED_CHUNK:
-                raise OSError(f"{self.arr.path}: chunk {chunk} of a shard holds no data inside the committed tokens")
+            offset, _ = (int(v) for v in index[chunk])
             lo, hi = max(a, chunk * c), min(b, (chunk + 1) * c)
-            start = offset + (lo - chunk * c) * self.token_nbytes
-            if runs and runs[-1][0] + (runs[-1][2] - runs[-1][1]) * self.token_nbytes == start:
-                runs[-1] = (runs[-1][0], runs[-1][1], hi - a)
+            start = None if offset == _UNUSED_CHUNK else offset + (lo - chunk * c) * self.token_nbytes
+            last = runs[-1] if runs else None
+            if last is not None and start is None and last[0] is None:
+                runs[-1] = (None, last[1], hi - a)
+            elif last is not None and start is not None and last[0] is not None \
+                    and last[0] + (last[2] - last[1]) * self.token_nbytes == start:
+                runs[-1] = (last[0], last[1], hi - a)
             else:
                 runs.append((start, lo - a, hi - a))
         return runs
