@@ -447,3 +447,37 @@ def test_one_map_budget_for_the_whole_process(tmp_path, samples):
             assert np.array_equal(reader.read(a, a + 1), reader.arr[a : a + 1])
             assert len(maps.maps) <= 3
     assert ShardFiles(readers[0].arr).maps is PROCESS_MAPS  # the default: the process's one budget
+
+
+def test_a_part_half_created_by_a_killed_writer_is_passed_over_then_made_anew(tmp_path, samples, monkeypatch):
+    """A writer killed while creating its part (the group there, its arrays not all) leaves no commit record:
+    readers pass the part over, a resume opens the store and creates the part anew, and inspect says so."""
+    path = str(tmp_path / "s.zarr")
+    writer = open_writer(path)
+    for s in samples[:4]:
+        append(writer, s)
+    writer.close()
+    real = zarr.Group.create_array
+
+    def killed_after_two(self, name, **kw):  # the kill lands between two arrays
+        if name == "input_ids":
+            raise KeyboardInterrupt("killed")
+        return real(self, name, **kw)
+
+    monkeypatch.setattr(zarr.Group, "create_array", killed_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        OwnedPart(path, "part-00001").open(open_for_run(path, meta()), LAYOUT)
+    monkeypatch.setattr(zarr.Group, "create_array", real)
+    assert "part-00001" in zarr.open_group(path, mode="r")["parts"]  # half there
+    store = Store(path)
+    assert list(store.parts) == ["part-00000"] and store.incomplete_parts == ["part-00001"]
+    assert_stored(path, samples[:4])
+    assert store.summary()["incomplete_parts"] == ["part-00001"]
+    target = open_for_run(path, meta())  # the resume
+    assert sorted(target.done_rows) == [s[0] for s in samples[:4]]
+    writer = PartWriter(OwnedPart(path, "part-00001").open(target, LAYOUT))
+    for s in samples[4:]:
+        append(writer, s)
+    writer.close()
+    assert Store(path).incomplete_parts == []
+    assert_stored(path, samples)

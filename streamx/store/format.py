@@ -300,7 +300,9 @@ def codecs(compressor: str) -> Any:
 
 
 def create_part(root: zarr.Group, name: str, layout: Layout) -> zarr.Group:
-    part = root.require_group(PARTS).create_group(name, attributes={"commit": Commit().to_json()})
+    """A new, empty part. Its commit record is written last, once every array is there: a part without one
+    was being created when its writer was killed, and readers pass it over (`committed_parts`)."""
+    part = root.require_group(PARTS).create_group(name)
     K, H, c, s = layout.num_slots, layout.hidden_size, layout.chunk_tokens, layout.shard_tokens
     part.create_array("hidden_states", shape=(0, K, H), dtype=layout.storage.zarr_dtype, chunks=(c, K, H),
                       shards=(s, K, H), compressors=codecs(layout.compressor), fill_value=0)
@@ -312,4 +314,13 @@ def create_part(root: zarr.Group, name: str, layout: Layout) -> zarr.Group:
     for array, dtype in {**SAMPLE_ARRAYS, **REJECT_ARRAYS}.items():
         part.create_array(array, shape=(0,), dtype=dtype, chunks=(INDEX_CHUNK,), compressors=codecs("zstd"),
                           fill_value=0)
+    part.attrs["commit"] = Commit().to_json()
     return part
+
+
+def committed_parts(root: zarr.Group) -> tuple[dict[str, zarr.Group], list[str]]:
+    """The parts that have a commit record, by name, and the names of those that have none yet (being created,
+    or left half-created by a killed writer: nothing in them is committed, and a resume creates them anew)."""
+    parts = dict(sorted(root[PARTS].groups()))
+    committed = {name: part for name, part in parts.items() if "commit" in part.attrs}
+    return committed, [name for name in parts if name not in committed]

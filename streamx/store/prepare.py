@@ -18,7 +18,7 @@ from zarr.storage import LocalStore
 from ..base.durable import DurableLocalStore
 from ..base.location import local_path, zarr_path
 from ..base.locks import Lock, lock_file
-from .format import PARTS, Commit, Layout, StoreError, StoreMetadata, create_part
+from .format import PARTS, Commit, Layout, StoreError, StoreMetadata, committed_parts, create_part
 from .reader import DoneKeys, RowSet, Store
 
 
@@ -39,7 +39,7 @@ def _open_group(path: str, mode: str) -> zarr.Group | None:
 
 def part_commits(root: zarr.Group) -> dict[str, Commit]:
     """Each part's commit record, read afresh."""
-    return {name: Commit.from_json(part.attrs["commit"]) for name, part in sorted(root[PARTS].groups())}
+    return {name: Commit.from_json(part.attrs["commit"]) for name, part in committed_parts(root)[0].items()}
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,8 @@ class OwnedPart:
         """The part, created when new. Under torchrun, call it only once every rank has read `done_rows`: a
         part being created is not yet readable."""
         parts = target.root.require_group(PARTS)
+        if self.name in parts and "commit" not in parts[self.name].attrs:  # left half-created by a killed writer
+            del parts[self.name]
         store = target.root.store
         if self.name in parts and isinstance(store, LocalStore):  # a killed writer's temporary files
             folder = Path(store.root) / PARTS / self.name

@@ -22,7 +22,7 @@ import zarr
 from .. import __version__
 from ..base.location import local_path, zarr_path
 from ..base.units import gb
-from .format import CONTENT_KEY_ARRAYS, PARTS, READABLE_FORMATS, Commit, StoreError, StoreMetadata
+from .format import CONTENT_KEY_ARRAYS, READABLE_FORMATS, Commit, StoreError, StoreMetadata, committed_parts
 from .shards import ShardFiles, streamable_dir
 
 
@@ -112,7 +112,7 @@ class Store:
                              f"cannot read ({', '.join(READABLE_FORMATS)}); upgrade streamx")
         self.metadata = StoreMetadata.from_json(record)
         self.storage = self.metadata.layout.storage
-        self.parts: dict[str, zarr.Group] = dict(sorted(root[PARTS].groups()))
+        self.parts, self.incomplete_parts = committed_parts(root)
         self.commits = {name: Commit.from_json(part.attrs["commit"]) for name, part in self.parts.items()}
         rows, offsets, lengths, part_ids = [], [], [], []
         for i, (name, part) in enumerate(self.parts.items()):
@@ -242,6 +242,7 @@ class Store:
             "reject_examples": examples,
             "duplicate_rows": int(self.index.rows.size - np.unique(self.index.rows).size),
             "hidden_state_bytes": self.num_tokens * self.metadata.bytes_per_token,
+            "incomplete_parts": self.incomplete_parts,  # no commit record yet: nothing in them is committed
             "parts": {name: {"samples": c.samples, "tokens": c.tokens, "rejects": c.rejects, "closed": c.closed}
                       for name, c in self.commits.items()},
             "metadata": self.metadata.to_json(),
@@ -275,6 +276,9 @@ class Store:
         for name, part in summary["parts"].items():
             state = "complete" if part["closed"] else "interrupted (re-run the same command to resume)"
             lines.append(f"part         {name}: {part['samples']:,} samples, {part['tokens']:,} tokens, {state}")
+        for name in self.incomplete_parts:
+            lines.append(f"part         {name}: being created, or left half-created by a killed run (nothing in it "
+                         "is committed; re-run the same command to resume)")
         return lines
 
 
