@@ -1,6 +1,6 @@
 """What several test modules share: small run settings (as a RunConfig and as `streamx run` flags), the
-CLI in a subprocess, a part's commit record, the bit-for-bit store comparison, and the independent
-reference (an unbatched HF forward)."""
+CLI in a subprocess, a part's commit record, the bit-for-bit store comparison, a tiny store written without a
+model, and the independent reference (an unbatched HF forward)."""
 
 import os
 import subprocess
@@ -12,8 +12,18 @@ import zarr
 from torch import nn
 
 from streamx.config import RunConfig, load_config
+from streamx.data.tokenize import REJECT_REASONS
 from streamx.pipeline.writer import PartWriter
-from streamx.store import OwnedPart, bf16_to_bits, make_layout, open_for_run, open_store, prepare
+from streamx.store import (
+    Compat,
+    OwnedPart,
+    StoreMetadata,
+    bf16_to_bits,
+    make_layout,
+    open_for_run,
+    open_store,
+    prepare,
+)
 
 # small shards and chunks, so that a few dozen chat rows span many shards and commits
 SMALL_RUN = dict(layers="0,2,4", token_budget=512, max_length=256, sort_window=16, chunk_tokens=16, shard_tokens=64)
@@ -41,6 +51,32 @@ def copy_store(src, dst, parts):
             writer.append(row, ids.numpy(), mask.numpy().astype(np.uint8), bf16_to_bits(hidden))
         writer.close()
     return str(dst)
+
+
+def tiny_metadata(storage="bf16", hidden_size=8, **compat) -> StoreMetadata:
+    """A store's metadata for layer ids 1..3 of a 3-layer model, hidden size 8, 4-token chunks in 8-token shards."""
+    return StoreMetadata(
+        layer_ids=[1, 2, 3], num_layers=3, hidden_size=hidden_size, chunk_tokens=4, shard_tokens=8,
+        compressor="none", model={"model": "m"}, tokenizer={}, max_length=64, truncation="truncate", config={},
+        versions={}, reject_reasons=list(REJECT_REASONS), storage=storage,
+        compat=Compat(**{"model": "m", "compute_dtype": "float32", "layer_ids": [1, 2, 3], "tokenization": "t",
+                         "data": "d", "split": "train", "storage": storage, **compat}))
+
+
+def write_tiny_store(path: str, rows: int = 6, seed: int = 0) -> str:
+    """A tiny_metadata store at `path` (local or s3://) of `rows` random samples (random ids, masks, states)."""
+    meta = tiny_metadata()
+    prepare(path, meta)
+    layout = make_layout(meta.num_slots, meta.hidden_size, meta.chunk_tokens, meta.shard_tokens)
+    writer = PartWriter(OwnedPart(path, "part-00000").open(open_for_run(path, meta), layout))
+    g = torch.Generator().manual_seed(seed)
+    for row in range(rows):
+        n = 3 + row
+        hidden = torch.randn(n, meta.num_slots, meta.hidden_size, generator=g).to(torch.bfloat16)
+        mask = (torch.rand(n, generator=g) > 0.3).to(torch.uint8).numpy()
+        writer.append(row, torch.randint(0, 1000, (n,), generator=g).numpy(), mask, bf16_to_bits(hidden))
+    writer.close()
+    return path
 
 
 def cli(*args, env=None, **kw) -> subprocess.CompletedProcess:

@@ -104,3 +104,52 @@ def test_speculators_reads_an_s3_store_through_the_streamx_backend(tiny_chat_mod
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout)["pairs"][f"{files}={nocopy}"]
     assert r["rows"] == len(open_store(remote)) and r["equal"] == r["rows"] == r["in_workers_equal"]
+
+
+def test_overwrite_never_deletes_a_prefix_that_is_not_a_store(s3_env, tmp_path):
+    """`--overwrite --out s3://...` replaces a streamx store, never a prefix holding other objects; the same for
+    a local folder."""
+    import s3fs
+    from helpers import tiny_metadata
+
+    from streamx.store import StoreError, prepare
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.pipe("streamx-test/notes/precious.txt", b"a month of work")
+    local = tmp_path / "experiments"
+    (local / "sub").mkdir(parents=True)
+    (local / "sub" / "precious.txt").write_text("a month of work")
+    for out in ("s3://streamx-test/notes", str(local)):
+        for overwrite in (False, True):
+            with pytest.raises(StoreError, match=r"exists and is not a streamx store; choose an empty or new --out "
+                                                 r"\(--overwrite replaces only a streamx store\)"):
+                prepare(out, tiny_metadata(), overwrite=overwrite)
+    fs.invalidate_cache()
+    assert fs.cat("streamx-test/notes/precious.txt") == b"a month of work"
+    assert (local / "sub" / "precious.txt").read_text() == "a month of work"
+    prepare("s3://streamx-test/fresh", tiny_metadata())  # a new prefix, then a store there: replaced
+    prepare("s3://streamx-test/fresh", tiny_metadata(), overwrite=True)
+    assert open_store("s3://streamx-test/fresh").metadata.layer_ids == [1, 2, 3]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_store_dataset_in_forked_and_spawned_workers(s3_env, tmp_path, where):
+    """StoreDataset in DataLoader workers, forked (torch's default on Linux: the workers inherit the parent's
+    opened store, and an s3 session bound to the parent's event loop) and spawned: every item equals the
+    parent's read."""
+    import torch
+    from helpers import write_tiny_store
+
+    from streamx.train.dataset import StoreDataset
+
+    path = write_tiny_store("s3://streamx-test/fork.zarr" if where == "s3" else str(tmp_path / "fork.zarr"))
+    data = StoreDataset(path)
+    expected = [data[i] for i in range(len(data))]  # the parent has opened and read the store
+    for context in ("fork", "spawn"):
+        loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=2, multiprocessing_context=context,
+                                             timeout=120)
+        got = list(loader)
+        assert len(got) == len(expected), context
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+            assert torch.equal(a["hidden_states"].view(torch.int16), b["hidden_states"].view(torch.int16)), context

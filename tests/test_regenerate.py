@@ -528,6 +528,22 @@ def test_progress_shows_rows_tokens_and_the_eta():
     assert "truncated at --max-tokens: 4 turns kept" in text and "errors: 1 rows (no_prompt: 1)" in text
 
 
+def test_the_data_and_files_streamx_did_not_write_are_never_replaced(tmp_path):
+    """--out naming the --data file is refused, with or without --overwrite, and --overwrite replaces only an
+    output of streamx regenerate (its settings file beside it), never another file: nothing is deleted, before
+    any model loads."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    other = tmp_path / "notes.jsonl"
+    other.write_text('{"mine": 1}\n')
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match="is the --data file itself; name another file"):
+            regenerate(settings(data, data, model="no/such-model", overwrite=overwrite), progress=False)
+    with pytest.raises(ValueError, match="--overwrite replaces only an output of streamx regenerate"):
+        regenerate(settings(data, other, model="no/such-model", overwrite=True), progress=False)
+    assert data.read_text().startswith('{"messages"') and other.read_text() == '{"mine": 1}\n'
+
+
 def test_settings_bind_an_output_only_once_it_holds_rows(tmp_path):
     """A first run that died before writing a row leaves its settings but no rows: the next run may differ."""
     from streamx.regen.files import check_settings

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from helpers import tiny_metadata
 
-from streamx.data.tokenize import REJECT_REASONS, Reject
+from streamx.data.tokenize import Reject
 from streamx.pipeline.writer import PartWriter
 from streamx.store import (
     FP8_STORAGE,
     Commit,
-    Compat,
     Output,
     OwnedPart,
     Store,
@@ -36,12 +36,7 @@ LAYOUTS = pytest.mark.parametrize("layout", [LAYOUT, ZSTD_LAYOUT, FP8_LAYOUT, BL
 
 
 def meta(storage="bf16", **compat) -> StoreMetadata:
-    return StoreMetadata(
-        layer_ids=[1, 2, 3], num_layers=3, hidden_size=H, chunk_tokens=4, shard_tokens=8, compressor="none",
-        model={"model": "m"}, tokenizer={}, max_length=64, truncation="truncate", config={}, versions={},
-        reject_reasons=list(REJECT_REASONS), storage=storage,
-        compat=Compat(**{"model": "m", "compute_dtype": "float32", "layer_ids": [1, 2, 3], "tokenization": "t",
-                         "data": "d", "split": "train", "storage": storage, **compat}))
+    return tiny_metadata(storage, H, **compat)
 
 
 def open_writer(path, layout=LAYOUT, metadata=None, overwrite=False) -> PartWriter:

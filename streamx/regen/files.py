@@ -45,7 +45,7 @@ class RowFile:
                     done.add(int(json.loads(line)["source_row"]))
                 except (ValueError, KeyError, TypeError):
                     raise ValueError(f"{self.path} line {lineno} is not a regenerated row; it is not a file "
-                                     "streamx regenerate wrote (--overwrite starts over)") from None
+                                     "streamx regenerate wrote: choose another --out") from None
                 good += len(line)
         if good < self.path.stat().st_size:
             os.truncate(self.path, good)
@@ -96,8 +96,8 @@ def check_settings(path: Path, settings: dict, out: Path) -> None:
     wanted = {k: settings[k] for k in COMPAT_SETTINGS}
     has_rows = out.exists() and out.stat().st_size > 0
     if not path.exists() and has_rows:
-        raise ValueError(f"{out} exists but has no {path.name}: it was not written by streamx regenerate "
-                         "(--overwrite starts over)")
+        raise ValueError(f"{out} exists but has no {path.name}: it was not written by streamx regenerate; choose "
+                         "another --out (--overwrite replaces only an output of streamx regenerate)")
     if not has_rows:  # nothing generated yet: these settings are the run's
         durable.write_file(path, lambda tmp: tmp.write_text(json.dumps(settings, indent=2)))
         return
@@ -106,3 +106,14 @@ def check_settings(path: Path, settings: dict, out: Path) -> None:
     if changed:
         raise ValueError(f"{out} was generated with other settings ({'; '.join(changed)}): use the same ones to "
                          "resume it, or --overwrite to start over")
+
+
+def replace_output(out: Path) -> None:
+    """--overwrite: remove an output of streamx regenerate (its settings file beside it says so) and its side
+    files; a file that holds anything else is refused, never removed."""
+    errors, settings = side_files(out)
+    if out.exists() and out.stat().st_size and not settings.exists():
+        raise ValueError(f"{out} exists but has no {settings.name}: it was not written by streamx regenerate, and "
+                         "--overwrite replaces only an output of streamx regenerate; choose another --out")
+    for path in (out, errors, settings):
+        path.unlink(missing_ok=True)

@@ -34,7 +34,7 @@ from ..data.source import open_source
 from ..model.load import EMBEDDED_MODEL
 from .conversation import Regenerated
 from .engines import Endpoints, LocalEngine, RowError, Sampling
-from .files import ErrorFile, RowFile, check_settings, side_files
+from .files import ErrorFile, RowFile, check_settings, replace_output, side_files
 from .scheduler import BatchSteps, Steps, ThreadSteps, schedule
 
 
@@ -126,16 +126,17 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True, log: Callable[[str]
     out = Path(cfg.out)
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory; name a .jsonl file")
+    if Path(cfg.data).exists() and out.resolve() == Path(cfg.data).resolve():
+        raise ValueError(f"--out {out} is the --data file itself; name another file for the output")
     errors_path, settings_path = side_files(out)
     durable.make_dirs(out.parent)
     with Lock(lock_file(out), "regenerate output"):
+        if cfg.overwrite:
+            replace_output(out)
         signalled = threading.Event()
         engine, where = open_engine(cfg)
         data = str(Path(cfg.data).resolve()) if Path(cfg.data).exists() else cfg.data  # however a path is spelled
         settings = cfg.to_dict() | {"model": engine.model, "data": data}
-        if cfg.overwrite:
-            for path in (out, errors_path, settings_path):
-                path.unlink(missing_ok=True)
         check_settings(settings_path, settings, out)
         rows = RowFile(out)
         if rows.done:

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import fsspec
 import zarr
 from zarr.storage import LocalStore
 
@@ -70,14 +71,27 @@ class Output:
         return f"resuming: {samples:,} samples already committed in {len(self.commits)} part(s)"
 
     def check(self, overwrite: bool = False) -> None:
-        """Fail early (before a model is loaded) when the path cannot become or continue a store: a local
-        folder holding other files, or a place this process may not write."""
+        """Fail early (before a model is loaded) when the path cannot become or continue a store: a place this
+        process may not write, or a folder or object-store prefix that holds anything but a streamx store.
+        --overwrite replaces a store, never other files (a home folder, a bucket's other data)."""
         target = local_path(self.path)
-        if target is None:
-            return  # object stores: credentials and buckets are checked when the store is created
-        _check_location(target)
-        if target.exists() and not overwrite and not self.is_store and any(target.iterdir()):
-            raise StoreError(f"{self.path} exists and is not a streamx store; choose another --out or pass --overwrite")
+        if target is not None:
+            _check_location(target)
+        if not self.is_store and _holds_anything(self.path):
+            raise StoreError(f"{self.path} exists and is not a streamx store; choose an empty or new --out "
+                             "(--overwrite replaces only a streamx store)")
+
+
+def _holds_anything(path: str) -> bool:
+    """Whether the local folder, or the object-store prefix, at `path` holds any file."""
+    target = local_path(path)
+    if target is not None:
+        return target.exists() and any(target.iterdir())
+    fs, root = fsspec.core.url_to_fs(path)
+    try:
+        return bool(fs.ls(root, detail=False))
+    except FileNotFoundError:
+        return False
 
 
 def _check_location(path: Path) -> None:

@@ -10,12 +10,15 @@ speculators' fp8 loader does).
     for item in DataLoader(data, batch_size=None, shuffle=True, num_workers=4):
         item["input_ids"], item["loss_mask"], item["hidden_states"]   # [T], [T], [T, 4, H]
 
-The store is opened lazily in each process (DataLoader workers get the dataset pickled without it),
-and a sample's tokens are read in as few reads as the layout allows (store.shards.ShardFiles).
+The store is opened once in each process: DataLoader workers that are spawned get the dataset pickled
+without it, and workers that are forked (torch's default on Linux) open it again rather than use the
+parent's (an object store's session belongs to the process, and its event loop, that opened it). A sample's
+tokens are read in as few reads as the layout allows (store.shards.ShardFiles).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,11 +46,12 @@ class StoreDataset(Dataset):
         self.slots = [stored.index(i) for i in self.layer_ids]
         self.rows = np.asarray(store.row_ids() if rows is None else rows, dtype=np.int64)
         self._store: Store | None = store
+        self._opened_in = os.getpid()
 
     @property
     def store(self) -> Store:
-        if self._store is None:  # in a DataLoader worker: open it there
-            self._store = open_store(self.path)
+        if self._store is None or self._opened_in != os.getpid():  # in a DataLoader worker: open it there
+            self._store, self._opened_in = open_store(self.path), os.getpid()
         return self._store
 
     def __len__(self) -> int:
