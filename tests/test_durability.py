@@ -87,9 +87,10 @@ def test_every_commit_names_only_what_is_on_disk(tiny_chat_model_dir, chat_jsonl
     """For every commit record of a run: each shard file it covers, and every other file of the store written
     before it (zarr's array shapes and index chunks), was fsynced before its rename, its rename made durable by an
     fsync of its folder, and only then the commit record written, the same way. A power loss can then lose only
-    what no commit names. The same for convert's files before its completion record (the meta)."""
+    what no commit names. The same for convert's files before its completion record (the meta). Both go into
+    folders that do not exist yet, each of which must be made durable in its parent too."""
     tmp_path = Path(os.path.realpath(tmp_path))
-    out = tmp_path / "s.zarr"
+    out = tmp_path / "new" / "deeper" / "s.zarr"
     existed = {str(p) for p in (tmp_path, *tmp_path.parents)}
     calls = FileCalls(tmp_path, monkeypatch)
     run(small_config(tiny_chat_model_dir, chat_jsonl, out, max_samples=24), progress=False, log=lambda m: None)
@@ -108,7 +109,7 @@ def test_every_commit_names_only_what_is_on_disk(tiny_chat_model_dir, chat_jsonl
     assert open_store(str(out)).summary()["samples"] == 24
 
     calls.events.clear()
-    spec = tmp_path / "spec"
+    spec = tmp_path / "converted" / "spec"
     convert(str(out), str(spec), progress=False, allow_random_weights=True, block_rows=8)
     replaces = calls.replaces()
     meta = [i for i, e in replaces if Path(e[2]).name == "streamx_meta.json"]
@@ -116,9 +117,9 @@ def test_every_commit_names_only_what_is_on_disk(tiny_chat_model_dir, chat_jsonl
     hs = [e for _, e in replaces if e[2].endswith(".safetensors") and "/hidden_states/" in e[2]]
     assert len(hs) == 24
     for _, e in replaces:
-        calls.assert_durable_before(len(calls.events), e, existed | {str(spec)})
+        calls.assert_durable_before(len(calls.events), e, existed)
         if Path(e[2]).name != "streamx_meta.json":
-            calls.assert_durable_before(meta[0], e, existed | {str(spec)})
+            calls.assert_durable_before(meta[0], e, existed)
 
 
 def wait_for(condition, proc, seconds=120.0):
@@ -197,7 +198,7 @@ def test_a_signal_commits_the_partial_shard(tiny_chat_model_dir, long_chats, tmp
                             stderr=subprocess.PIPE, text=True)
     try:
         partial = out / "parts" / "part-00000" / "hidden_states"
-        wait_for(lambda: any(p.stat().st_size > 0 for p in partial.glob("streamx-shard-*.partial")), proc)
+        wait_for(lambda: any(p.stat().st_size > 0 for p in partial.rglob(".*.tmp-*")), proc)  # a shard under way
         assert committed_samples(out) == 0
         proc.send_signal(sig)
         stdout, stderr = proc.communicate(timeout=120)
@@ -285,3 +286,31 @@ def test_a_signal_after_the_last_batch_changes_nothing(tiny_chat_model_dir, chat
     summary = run(small_config(tiny_chat_model_dir, chat_jsonl, out, max_samples=8), progress=False, log=lambda m: None)
     assert summary.stopped_by is None and summary.samples == 8
     assert open_store(str(out)).commits["part-00000"].closed
+
+
+def test_every_way_zarr_writes_a_local_store_is_durable(tmp_path, monkeypatch):
+    """zarr writes through `set`, `set_if_not_exists` (exclusive) and the sync API: each file's bytes are fsynced
+    before its rename, the rename made durable, and the store's new folders made durable in their parents."""
+    import asyncio
+
+    from zarr.core.buffer import default_buffer_prototype
+
+    from streamx.base.durable import DurableLocalStore
+
+    tmp_path = Path(os.path.realpath(tmp_path))
+    calls = FileCalls(tmp_path, monkeypatch)
+    store = DurableLocalStore(tmp_path / "new" / "s.zarr")
+    value = default_buffer_prototype().buffer.from_bytes(b"0123456789")
+    asyncio.run(store.set("a/zarr.json", value))
+    asyncio.run(store.set_if_not_exists("b/zarr.json", value))
+    asyncio.run(store.set_if_not_exists("b/zarr.json", default_buffer_prototype().buffer.from_bytes(b"other")))
+    store.set_sync("c/zarr.json", value)
+    assert (tmp_path / "new/s.zarr/b/zarr.json").read_bytes() == b"0123456789"  # not replaced: exclusive
+    existed = {str(p) for p in (tmp_path, *tmp_path.parents)}
+    for name in ("a", "c"):
+        replace = next(e for e in calls.events if e[0] == "replace" and e[2].endswith(f"/{name}/zarr.json"))
+        calls.assert_durable_before(len(calls.events), replace, existed)
+    b = str(tmp_path / "new/s.zarr/b")
+    fsynced = [e[1] for e in calls.events if e[0] == "fsync"]
+    assert b in fsynced and str(tmp_path / "new/s.zarr") in fsynced and str(tmp_path / "new") in fsynced
+    assert not list(tmp_path.rglob(".*.tmp-*"))

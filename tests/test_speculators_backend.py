@@ -107,7 +107,8 @@ def test_the_backend_refuses_a_store_it_cannot_serve(tiny_chat_model_dir, chat_j
                             "--refuse", f"unsorted={moved_dir}={tmp_path / 'elsewhere.zarr'}=3,1",
                             "--refuse", f"grown={grown_dir}", "--refuse", f"other={other_dir}",
                             "--refuse", f"moved={moved_dir}", "--refuse", f"moved_found={moved_dir}="
-                            f"{tmp_path / 'elsewhere.zarr'}", "--refuse", f"files={files_dir}")
+                            f"{tmp_path / 'elsewhere.zarr'}=1,3", "--refuse", f"files={files_dir}",
+                            "--refuse", f"default_ids={moved_dir}={tmp_path / 'elsewhere.zarr'}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     said = json.loads(proc.stdout)["refusals"]
     assert said["missing_id"] == (f"StoreError: {tmp_path / 'elsewhere.zarr'} holds layer ids [1, 2, 3, 4], not "
@@ -120,6 +121,8 @@ def test_the_backend_refuses_a_store_it_cannot_serve(tiny_chat_model_dir, chat_j
     assert "another model, layers or tokenization" in said["other"]
     assert said["moved"] == f"StoreError: {moved} does not exist"
     assert said["moved_found"] == "accepted"  # --streamx-store points at where it went
+    # without --target-layer-ids, speculators' default 2, L//2, L-3: for this 4-layer model 2 2 1, refused
+    assert said["default_ids"].startswith("ValueError: --target-layer-ids 2 2 1 must be ascending and distinct")
     assert said["files"].startswith(f"ValueError: {files_dir} holds hs files (bf16)")
 
 

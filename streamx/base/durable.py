@@ -8,16 +8,18 @@ completion marker names is written as the databases write theirs:
 
     write the bytes to a temporary name -> fsync the file -> rename it into place -> fsync the folder
 
-and only then is the record that counts on it written, the same way. `DurableLocalStore` does this for
-every key zarr writes (array shapes, index chunks, the commit attributes); the shard writer and
-`convert` use `write_file` / `replace` for their own files. Object stores are durable when a PUT
-succeeds: they need none of this.
+and only then is the record that counts on it written, the same way. A new folder is made durable in
+its parent the same way (`make_dirs`). This module owns all of it: the one temporary-name scheme
+(`temporary`), the removal of a killed writer's temporary files (`remove_temporaries`), folder creation,
+`write_file` / `replace` for streamx's own files, and `DurableLocalStore`, zarr's local store with every
+write so. Object stores are durable when a PUT succeeds: they need none of this.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import threading
 import uuid
 from collections.abc import Callable
@@ -64,34 +66,93 @@ def replace(tmp: Path, target: Path) -> None:
     fsync_dir(target.parent)
 
 
+TEMPORARY = ".*.tmp-*"  # every temporary name `temporary` gives, as a glob
+
+
 def temporary(path: Path) -> Path:
-    """A temporary name beside `path`, unique to this writer."""
+    """A temporary name beside `path`, unique to this writer: hidden, so that zarr lists no stray member."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:8]}")
 
 
-def write_file(path: Path, write: Callable[[Path], Any]) -> None:
-    """Write `path` through `write(tmp)`: absent or complete, after a crash too."""
+def remove_temporaries(folder: Path) -> None:
+    """Remove the temporary files a killed writer left in `folder` and below it (only its one writer may call
+    this: a live writer's temporary file would go too)."""
+    for stale in folder.rglob(TEMPORARY):
+        stale.unlink(missing_ok=True)
+
+
+def write_file(path: Path, write: Callable[[Path], Any], exclusive: bool = False) -> None:
+    """Write `path` through `write(tmp)`: absent or complete, after a crash too. `exclusive`: only where `path`
+    is not there yet (FileExistsError otherwise), decided atomically."""
     tmp = temporary(path)
     try:
         make_dirs(path.parent)
         write(tmp)
         fsync_file(tmp)
-        replace(tmp, path)
+        if exclusive:
+            os.link(tmp, path)  # fails if the name exists; the folder's fsync below makes it durable
+            fsync_dir(path.parent)
+        else:
+            replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
 
 class DurableLocalStore(LocalStore):
-    """zarr's LocalStore with every write made durable before `set` returns (write_file): zarr.json
-    documents, and chunks and shards written through zarr."""
+    """zarr's LocalStore with every write made durable before it returns (write_file): zarr.json documents,
+    and chunks and shards written through zarr, by every path zarr writes through (`set`, `set_if_not_exists`
+    and batched sets go through `_set`; the sync API through `set_sync`), and its root folder made durable
+    in its parent when zarr creates it (zarr 3.1 to 3.4 open a store by any of `_open`, `_ensure_open` and
+    `_ensure_open_sync`)."""
+
+    def _open_durably(self) -> None:
+        if not self._is_open:
+            if not self.read_only:
+                make_dirs(self.root)
+            if not self.root.exists():
+                raise FileNotFoundError(f"{self.root} does not exist")
+            self._is_open = True
+
+    async def _open(self, *args: Any, **kwargs: Any) -> None:
+        if not self.read_only:
+            await asyncio.to_thread(make_dirs, self.root)
+        return await super()._open(*args, **kwargs)
+
+    async def _ensure_open(self) -> None:
+        await asyncio.to_thread(self._open_durably)
+
+    def _ensure_open_sync(self) -> None:
+        self._open_durably()
+
+    async def clear(self) -> None:
+        self._check_writable()
+        await asyncio.to_thread(_clear, self.root)
+
+    async def _set(self, key: str, value: Buffer, exclusive: bool = False) -> None:
+        await asyncio.to_thread(self._open_durably)
+        self._check_writable()
+        await asyncio.to_thread(_write_buffer, self.root / key, value, exclusive)
 
     async def set(self, key: str, value: Buffer) -> None:
-        if not self._is_open:
-            await self._open()
-        self._check_writable()
-        data = memoryview(value.as_numpy_array()).cast("B")
-        await asyncio.to_thread(write_file, self.root / key, lambda tmp: tmp.write_bytes(data))
+        await self._set(key, value)
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
-        if not await self.exists(key):
-            await self.set(key, value)
+        try:
+            await self._set(key, value, exclusive=True)
+        except FileExistsError:
+            pass
+
+    def set_sync(self, key: str, value: Buffer) -> None:
+        self._open_durably()
+        self._check_writable()
+        _write_buffer(self.root / key, value, False)
+
+
+def _clear(root: Path) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+    make_dirs(root)
+
+
+def _write_buffer(path: Path, value: Buffer, exclusive: bool) -> None:
+    data = memoryview(value.as_numpy_array()).cast("B")
+    write_file(path, lambda tmp: tmp.write_bytes(data), exclusive)

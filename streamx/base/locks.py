@@ -21,6 +21,8 @@ import time
 import warnings
 from pathlib import Path
 
+from .durable import make_dirs
+
 _UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOLCK}  # flock not offered by the filesystem
 
 
@@ -35,7 +37,7 @@ class Lock:
     def __init__(self, path: Path, what: str):
         self.path, self.fd = path, None
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs(path.parent)
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
             raise OSError(f"cannot lock {what} ({path}): {err.strerror or err}") from None

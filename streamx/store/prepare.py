@@ -16,6 +16,7 @@ import fsspec
 import zarr
 from zarr.storage import LocalStore
 
+from ..base import durable
 from ..base.durable import DurableLocalStore
 from ..base.location import local_path, zarr_path
 from ..base.locks import Lock, lock_file
@@ -113,7 +114,7 @@ def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> zarr
         try:
             local = local_path(path)
             if local is not None:
-                local.parent.mkdir(parents=True, exist_ok=True)
+                durable.make_dirs(local.parent)
             root = zarr.open_group(_writable(path), mode="w")
             root.attrs["streamx"] = metadata.to_json()
             root.create_group(PARTS)
@@ -185,9 +186,7 @@ class OwnedPart:
             del parts[self.name]
         store = target.root.store
         if self.name in parts and isinstance(store, LocalStore):  # a killed writer's temporary files
-            folder = Path(store.root) / PARTS / self.name
-            for stale in folder.rglob(".*.tmp-*"):
-                stale.unlink()
+            durable.remove_temporaries(Path(store.root) / PARTS / self.name)
         return parts[self.name] if self.name in parts else create_part(target.root, self.name, layout)
 
     def release(self) -> None:

@@ -210,13 +210,13 @@ class StreamedShards:
         self.dir = streamable_dir(arr)
         self.token_nbytes = int(np.prod(arr.shape[1:], dtype=np.int64)) * arr.dtype.itemsize
         self.fd: int | None = None
-        self.tmp: Path | None = None
-        for stale in self.dir.glob("streamx-shard-*.partial"):  # a killed writer's; one writer per part
-            stale.unlink()
+        self.tmp: Path | None = None  # (a killed writer's are removed when its part is opened: store.OwnedPart)
 
     def write(self, values: np.ndarray) -> None:
         if self.fd is None:
-            self.tmp = self.dir / f"streamx-shard-{self.start // self.shard_tokens:06d}.partial"
+            final = self._path(self.start)
+            durable.make_dirs(final.parent)
+            self.tmp = durable.temporary(final)
             self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         _write_all(self.fd, memoryview(np.ascontiguousarray(values)).cast("B"))
 
@@ -234,7 +234,11 @@ class StreamedShards:
         os.fsync(fd)  # the bytes on disk before the name: the commit after this may name the shard
         os.close(fd)
         # readers see the old file or the whole new one, never a torn one; the rename durable before the commit
-        durable.replace(tmp, self.dir / shard_key(self.arr, start // self.shard_tokens))
+        durable.replace(tmp, self._path(start))
+
+    def _path(self, start: int) -> Path:
+        """The shard file that holds token `start`."""
+        return self.dir / shard_key(self.arr, start // self.shard_tokens)
 
 
 def _write_all(fd: int, view: memoryview) -> None:

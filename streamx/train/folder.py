@@ -52,19 +52,14 @@ def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool, hs_
         elif found["identity"] != identity:
             raise FileExistsError(f"{out} holds a conversion of another store, seed, row set or hidden-state dtype; "
                                   "pass --overwrite to replace it or choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    if hs_files:
-        (out / HS_DIR).mkdir(exist_ok=True)
-    for stale in [*(out / HS_DIR).glob(".*.tmp-*"), *out.glob(".*.tmp-*")]:
-        stale.unlink()  # left by a killed convert
+    durable.make_dirs(out / HS_DIR if hs_files else out)
+    durable.remove_temporaries(out)  # left by a killed convert (we hold the folder's lock)
     if found is not None and meta_path.exists():
         if _complete(out, rows, hs_files):
             shutil.rmtree(out / WORK, ignore_errors=True)  # a run killed just before its last step
             return found
         meta_path.unlink()  # files were deleted since: convert again (re-reading the store), keeping what is there
-    (out / WORK).mkdir(exist_ok=True)
-    for stale in (out / WORK).glob(".*.tmp-*"):
-        stale.unlink()
+    durable.make_dirs(out / WORK)
     if not plan.exists():
         durable.write_file(plan, lambda tmp: tmp.write_text(json.dumps({"identity": identity}, indent=2) + "\n"))
     return None
