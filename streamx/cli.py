@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origi
 import typer
 
 from .base.location import local_path
+from .base.threads import Interrupted
 from .config import RegenerateConfig, RunConfig, StorageName, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -80,12 +81,13 @@ with_run_settings = with_settings(RunConfig)
 
 
 def _fail(err: BaseException) -> None:
-    """One line on stderr and exit 1; STREAMX_DEBUG=1 shows the traceback instead."""
+    """One line on stderr and exit 1 (a second signal: 128 + its number); STREAMX_DEBUG=1 shows the traceback
+    instead."""
     if os.environ.get("STREAMX_DEBUG"):
         raise err
     message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(1)
+    raise typer.Exit(128 + err.signal.value if isinstance(err, Interrupted) else 1)
 
 
 def _log(message: str) -> None:
@@ -109,7 +111,7 @@ def run(
 
     try:
         summary = run_pipeline(cfg, progress=progress, log=_log)
-    except Exception as err:  # noqa: BLE001 - every failure is one line for the user
+    except (Exception, Interrupted) as err:  # noqa: BLE001 - every failure is one line for the user
         _fail(err)
     typer.echo("\n".join(summary.lines()))
     if summary.stopped_by:  # the shell's convention for a process ended by a signal: 128 + its number
@@ -131,7 +133,7 @@ def regenerate(
 
     try:
         summary = run_regenerate(cfg, progress=progress, log=_log)
-    except Exception as err:  # noqa: BLE001 - every failure is one line for the user
+    except (Exception, Interrupted) as err:  # noqa: BLE001 - every failure is one line for the user
         _fail(err)
     typer.echo("\n".join(summary.lines()))
     if summary.stopped_by:
@@ -164,7 +166,7 @@ def plan(
         rate, how = tokens_per_s, "given"
         if rate is None and calibrate:
             rate, how = calibrate_rate(cfg, log=_log), "calibrated: forward pass alone"
-    except Exception as err:  # noqa: BLE001
+    except (Exception, Interrupted) as err:  # noqa: BLE001
         _fail(err)
     forecast = Forecast(est, cfg, rate, how)
     typer.echo(json.dumps(forecast.to_json(), indent=2) if as_json else "\n".join(forecast.lines()))
@@ -181,7 +183,7 @@ def inspect(
     try:
         opened = open_store(store)
         text = to_json(opened.summary()) if as_json else "\n".join(opened.describe())
-    except Exception as err:  # noqa: BLE001
+    except (Exception, Interrupted) as err:  # noqa: BLE001
         _fail(err)
     typer.echo(text)
 
@@ -204,7 +206,7 @@ def verify(
     try:
         report = run_verify(store, samples=samples, seed=seed, device=device, use_model=model,
                             log=_quiet if as_json else _log)
-    except Exception as err:  # noqa: BLE001
+    except (Exception, Interrupted) as err:  # noqa: BLE001
         _fail(err)
     typer.echo(json.dumps(report.to_json(), indent=2) if as_json else "\n".join(report.lines()))
     raise typer.Exit(0 if report.passed else 1)
@@ -236,7 +238,7 @@ def convert(
     try:
         summary = run_convert(store, out, seed=seed, overwrite=overwrite, workers=workers, progress=progress,
                               log=_log, allow_random_weights=allow_random_weights, hidden_states=hidden_states)
-    except Exception as err:  # noqa: BLE001
+    except (Exception, Interrupted) as err:  # noqa: BLE001
         _fail(err)
     typer.echo("\n".join(summary.lines(store)))
 
@@ -305,7 +307,7 @@ def _measure(measure: Callable[[str | None], dict[str, Any]], render: Callable[[
         report = measure(scratch)
         if json_out is not None:
             json_out.write_text(json.dumps(report, indent=2))
-    except Exception as err:  # noqa: BLE001
+    except (Exception, Interrupted) as err:  # noqa: BLE001
         _fail(err)
     typer.echo(render(report))
 

@@ -143,7 +143,11 @@ class RegenerateConfig:
     max_samples: int | None = setting(None, "Use only the first N rows of the source.")
     out: str = setting("streamx-out/regenerated.jsonl", "Output .jsonl file, one row per conversation. An existing "
                        "file of the same settings is resumed: rows already in it are not generated again.")
-    overwrite: bool = setting(False, "Delete an existing output (and its side files) and start over.")
+    overwrite: bool = setting(False, "Delete an existing output of streamx regenerate (and its side files) and "
+                              "start over; a file streamx did not write is never deleted.")
+    retry_errors: bool = setting(False, "Try again the rows an earlier run could not regenerate for a reason of "
+                                 "their own (their data, a prompt too long): by default a rerun passes them over. "
+                                 "Rows that failed for a server error or a timeout are always tried again.")
     model: str | None = setting(None, "The target model. With --endpoint: the name the server knows it by (unset: "
                                 "the one model the server lists). Without: a hub id, local HF directory or "
                                 "'smollm2-135m-instruct' (unset: the embedded default), run in this process.")

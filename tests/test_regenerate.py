@@ -311,8 +311,9 @@ def test_regenerate_against_transformers_serve(chat_server, served, conversation
     token count the server reports is the tokenizer's count of that history); bad rows go to the side file
     with their reasons; `streamx run` reads the output as it is."""
     out, stdout = served
-    rows = read_rows(out)
-    assert [r["source_row"] for r in rows] == [0, 1, 2, 7, 8, 9, 10, 11]  # source order; 3..6 are bad
+    assert all(next(iter(r)) == "source_row" for r in read_rows(out))  # each line begins with its source row
+    rows = sorted(read_rows(out), key=lambda r: r["source_row"])  # written as they finish
+    assert [r["source_row"] for r in rows] == [0, 1, 2, 7, 8, 9, 10, 11]  # each good row once; 3..6 are bad
     assert [r["id"] for r in rows] == [f"chat-{i}" for i in range(8)]  # the source's other fields kept
     source = [json.loads(line) if line.startswith('{"') else None for line in conversations.read_text().splitlines()]
     tok = AutoTokenizer.from_pretrained(chat_server.model)
@@ -421,8 +422,10 @@ def test_the_in_process_engine_matches_an_unbatched_generate_and_its_tokens_are_
             assert row["loss_mask"] == reference.loss_mask.tolist()[:n]
 
 
-def test_a_resume_with_other_settings_is_refused_and_the_side_file_is_retried(tiny_chat_model_dir, conversations,
-                                                                             tmp_path):
+def test_a_resume_with_other_settings_is_refused_and_rows_that_cannot_be_regenerated_stay_done(
+        tiny_chat_model_dir, conversations, tmp_path):
+    """A rerun of a finished output finds nothing to do: the rows that failed for a reason of their own are
+    recorded as done (a pipeline's rerun exits 0); --retry-errors tries them again."""
     out = tmp_path / "o.jsonl"
     cfg = settings(conversations, out, model=tiny_chat_model_dir, max_tokens=4, device="cpu", max_samples=3)
     first = regenerate(cfg, progress=False, log=lambda m: None)
@@ -432,7 +435,12 @@ def test_a_resume_with_other_settings_is_refused_and_the_side_file_is_retried(ti
     more = regenerate(cfg.__class__(**{**cfg.to_dict(), "max_samples": None}), progress=False, log=lambda m: None)
     assert (more.resumed_rows, more.rows, more.errors.total()) == (3, 5, 4)
     again = regenerate(cfg.__class__(**{**cfg.to_dict(), "max_samples": None}), progress=False, log=lambda m: None)
-    assert (again.rows, again.errors.total()) == (0, 4)  # the bad rows are tried again, and fail again
+    assert (again.rows, again.errors.total(), again.recorded_errors.total()) == (0, 0, 4)  # nothing left to do
+    assert "skipped 4 rows an earlier run could not regenerate" in "\n".join(again.lines())
+    retried = regenerate(cfg.__class__(**{**cfg.to_dict(), "max_samples": None, "retry_errors": True}),
+                         progress=False, log=lambda m: None)
+    assert (retried.rows, retried.errors.total()) == (0, 4)  # tried again, and they fail again
+    assert sorted(e["source_row"] for e in read_rows(side_files(out)[0])) == [3, 4, 5, 6]  # recorded once each
     assert sorted(r["source_row"] for r in read_rows(out)) == [0, 1, 2, 7, 8, 9, 10, 11]
     fresh = regenerate(cfg.__class__(**{**cfg.to_dict(), "overwrite": True}), progress=False, log=lambda m: None)
     assert fresh.rows == 3 and len(read_rows(out)) == 3
@@ -455,14 +463,72 @@ def test_the_in_process_engine_takes_every_row_when_batches_finish_together(tiny
 def test_a_partial_last_line_is_cut_and_a_foreign_file_is_refused(tmp_path):
     path = tmp_path / "o.jsonl"
     path.write_text('{"source_row": 4, "messages": []}\n{"source_row": 5, "mess')
-    rows = RowFile(path)
-    assert rows.done == {4}
+    rows = RowFile(path, log=lambda m: None)
+    assert list(rows.done) == [4]
     rows.append({"source_row": 5})
     rows.close()
     assert [r["source_row"] for r in read_rows(path)] == [4, 5]
-    path.write_text('{"a": 1}\n')
-    with pytest.raises(ValueError, match="line 1 is not a regenerated row"):
+    path.write_text('{"source_row": 4, "messages": []}\n{"a": 1}\n{"source_row": 6, "messages": []}\n')
+    with pytest.raises(ValueError, match=r"line 2 \(byte 34\) is not a regenerated row: if streamx regenerate wrote "
+                                         r"this file, cut it there to resume \(truncate -s 34 "):
         RowFile(path)
+
+
+def test_a_failed_append_and_a_zero_filled_tail_leave_whole_rows(tmp_path, monkeypatch):
+    """A full disk cuts an append short: the part written is cut back off at once, so the next row's line is
+    whole. A power loss can leave zeros where writes never reached the disk, with later lines after them: the
+    next open cuts the file at the first such line (those rows are generated again) and says so."""
+    import errno
+
+    path = tmp_path / "o.jsonl"
+    rows = RowFile(path, log=lambda m: None)
+    rows.append({"source_row": 0, "messages": []})
+    real_write, calls = os.write, [0]
+
+    def full_disk_once(fd, data):
+        calls[0] += 1
+        if calls[0] == 1:
+            return real_write(fd, bytes(data[:10]))  # a short write
+        if calls[0] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_disk_once)
+    with pytest.raises(OSError, match="No space left"):
+        rows.append({"source_row": 1, "messages": ["x" * 50]})
+    rows.append({"source_row": 2, "messages": []})
+    monkeypatch.setattr(os, "write", real_write)
+    rows.close()
+    assert [r["source_row"] for r in read_rows(path)] == [0, 2]
+    assert list(RowFile(path, log=lambda m: None).done) == [0, 2]
+
+    said = []
+    path.write_bytes(b'{"source_row": 0}\n' + b"\0" * 64 + b'{"source_row": 2}\n{"source_row": 3}\n')
+    assert list(RowFile(path, log=said.append).done) == [0]
+    assert path.read_bytes() == b'{"source_row": 0}\n' and "cut off 100 bytes" in said[0]
+
+
+def test_a_row_is_made_durable_within_a_second_of_its_append(tmp_path, monkeypatch):
+    """The rows' fsync runs on a thread of the file's own, within SYNC_SECONDS of an append, even when no other
+    row follows (it once waited for the next append), and never in the appending thread."""
+    from streamx.regen import files
+
+    synced, appender = [], threading.get_ident()
+    real_fsync = os.fsync
+
+    def recorded(fd):
+        synced.append((time.monotonic(), threading.get_ident()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(files, "SYNC_SECONDS", 0.2)
+    monkeypatch.setattr(os, "fsync", recorded)
+    rows = RowFile(tmp_path / "o.jsonl", log=lambda m: None)
+    appended = time.monotonic()
+    rows.append({"source_row": 0, "messages": []})
+    time.sleep(1.0)  # nothing else is appended
+    after = [(when, tid) for when, tid in synced if when >= appended]  # (opening fsyncs its folder first)
+    assert after and after[0][0] - appended < 0.9 and all(tid != appender for _, tid in after)
+    rows.close()
 
 
 def test_speculators_regenerated_rows_are_read_by_streamx_run_as_pre_tokenized(tiny_chat_model_dir, tmp_path):
@@ -490,23 +556,124 @@ def test_speculators_regenerated_rows_are_read_by_streamx_run_as_pre_tokenized(t
         assert sample.input_ids.tolist() == row["input_ids"] and sample.loss_mask.tolist() == row["loss_mask"]
 
 
-def test_sigterm_finishes_the_rows_in_flight_and_the_same_command_goes_on(chat_server, conversations, tmp_path):
+class SlowServer(ScriptedServer):
+    """A scripted server that answers every request after `seconds(last message)` and logs when each arrived."""
+
+    def __init__(self, seconds):
+        self.arrived = []
+
+        def answer(body):
+            self.arrived.append((time.time(), body["messages"][-1]["content"]))
+            time.sleep(seconds(body["messages"][-1]["content"]))
+            return completion("ok")
+
+        super().__init__([(200, answer)])
+
+
+def chats(path, turns_of_row):
+    """A .jsonl of one conversation per row, row i with turns_of_row[i] user turns (content "r<i>.<turn>")."""
+    path.write_text("".join(json.dumps({"messages": [m for t in range(n) for m in (
+        {"role": "user", "content": f"r{i}.{t}"}, {"role": "assistant", "content": "old"})]}) + "\n"
+        for i, n in enumerate(turns_of_row)))
+    return path
+
+
+def test_a_row_that_outlasts_the_timeout_is_that_rows_error_not_a_server_down():
+    server = SlowServer(lambda text: 2.0 if text == "SLOW" else 0.0)
+    try:
+        client = Endpoints([server.url], Sampling(max_tokens=8), timeout=0.5, retries=1, model="m")
+        with pytest.raises(RowError) as err:
+            client.complete(Request([{"role": "user", "content": "SLOW"}], 0))
+        assert err.value.reason == "timeout" and "while http://127.0.0.1" in err.value.detail
+        assert client.complete(Request([{"role": "user", "content": "fast"}], 0)).content == "ok"
+    finally:
+        server.close()
+
+
+def test_rows_are_written_as_they_finish_so_a_slow_row_holds_back_only_its_own_slot(tmp_path):
+    """One conversation 100x slower than the others at the head of the data: the other slot goes on through
+    the rest of the rows meanwhile, each written as it finishes; every row once."""
+    server = SlowServer(lambda text: 2.0 if text == "r0.0" else 0.01)
+    try:
+        out = tmp_path / "o.jsonl"
+        summary = regenerate(settings(chats(tmp_path / "d.jsonl", [1] * 60), out, endpoint=[server.url],
+                                      model="m", concurrency=2), progress=False, log=lambda m: None)
+    finally:
+        server.close()
+    started = server.arrived[0][0]
+    during = [text for when, text in server.arrived if started + 0.1 < when < started + 1.9]
+    assert len(during) >= 30, len(during)  # (in source order they once waited for row 0: ~30 at the most)
+    written = [r["source_row"] for r in read_rows(out)]
+    assert summary.rows == 60 and sorted(written) == list(range(60)) and written.index(0) >= 30
+
+
+def test_sigterm_stops_at_turn_boundaries_and_writes_every_finished_row(tmp_path):
+    """SIGTERM while multi-turn conversations are in flight: the turns in flight come back, no further turn is
+    asked for, a conversation that ended with its turn is written, the others are left for the next run; exit
+    143 at once. The same command then gives every row once."""
+    server = SlowServer(lambda text: 0.8)
     out = tmp_path / "o.jsonl"
-    args = ["--data", str(conversations), "--endpoint", chat_server.url, *SERVED, "--concurrency", "2",
-            "--out", str(out)]
-    proc = cli(*args)
-    deadline = time.time() + 300
-    while not (out.exists() and out.read_text().count("\n") >= 1) and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 143, stderr
-    assert "stopped by SIGTERM" in stdout and "SIGTERM: finishing" in stderr
-    first = [r["source_row"] for r in read_rows(out)]
-    assert 1 <= len(first) < 8 and len(first) == len(set(first))
-    again = cli(*args)
-    assert again.wait(600) == 0, again.stderr.read()
-    assert sorted(r["source_row"] for r in read_rows(out)) == [0, 1, 2, 7, 8, 9, 10, 11]
+    args = ["--data", str(chats(tmp_path / "d.jsonl", [2, 3, 2, 2])), "--endpoint", server.url, "--model", "m",
+            "--concurrency", "2", "--out", str(out)]
+    try:
+        proc = cli(*args)
+        deadline = time.time() + 120
+        while len(server.arrived) < 4 and time.time() < deadline:  # the second turns of rows 0 and 1, in flight
+            time.sleep(0.01)
+        sent = time.time()
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+        ended = time.time()
+        assert proc.returncode == 143, stderr
+        assert "stopped by SIGTERM" in stdout and ended - sent < 5
+        assert [when for when, _ in server.arrived if when > sent] == []  # no turn asked for after the signal
+        assert [r["source_row"] for r in read_rows(out)] == [0]  # row 0 ended with its turn in flight; 1 did not
+        again = cli(*args)
+        assert again.wait(120) == 0, again.stderr.read()
+    finally:
+        server.close()
+    assert sorted(r["source_row"] for r in read_rows(out)) == [0, 1, 2, 3]
+
+
+def test_a_rerun_of_a_finished_output_exits_0_and_retries_only_on_request(tmp_path):
+    """Idempotent pipelines (make, Airflow) rerun a finished step: rows whose data cannot be regenerated stay
+    recorded, so the rerun writes nothing, fails nothing and exits 0; --retry-errors tries them (and fails:
+    exit 1, every row it tried failed)."""
+    server = SlowServer(lambda text: 0.0)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"text": "a text row"}\n')
+    args = ["--data", str(data), "--endpoint", server.url, "--model", "m", "--out", str(tmp_path / "o.jsonl")]
+    try:
+        runs = [cli(*args), cli(*args), cli(*args, "--retry-errors")]
+        results = [(p.wait(120), p.stdout.read()) for p in runs]
+    finally:
+        server.close()
+    assert [code for code, _ in results] == [0, 0, 1]
+    assert "wrote 1 rows" in results[0][1] and "errors: 1 rows (not_a_conversation: 1)" in results[0][1]
+    assert "wrote 0 rows" in results[1][1] and "skipped 1 rows an earlier run could not regenerate" in results[1][1]
+    assert "errors: 1 rows (not_a_conversation: 1)" in results[2][1]
+
+
+def test_a_signal_after_the_last_row_changes_nothing():
+    """A signal that arrives once every row is taken leaves nothing for a resume: the run is not 'stopped'."""
+    from streamx.regen.engines import Reply
+    from streamx.regen.scheduler import BatchSteps, schedule
+
+    signalled, taken = threading.Event(), []
+
+    def take(row_id, outcome):
+        taken.append(row_id)
+        if len(taken) == 3:
+            signalled.set()  # SIGTERM as the last row is written
+
+    rows = [Row(i, {"messages": [{"role": "user", "content": f"q{i}"}]}) for i in range(3)]
+    steps = BatchSteps(lambda requests: [Reply("a", None, None, "stop", 1, 1) for _ in requests])
+    assert schedule(iter(rows), steps, RegenerateConfig(concurrency=3), take, signalled) is False
+    assert sorted(taken) == [0, 1, 2]
+    signalled.clear()
+    taken.clear()
+    more = [*rows, Row(3, {"messages": [{"role": "user", "content": "q3"}]})]
+    assert schedule(iter(more), BatchSteps(steps.generate), RegenerateConfig(concurrency=3), take, signalled) is True
 
 
 def test_progress_shows_rows_tokens_and_the_eta():

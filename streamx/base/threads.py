@@ -76,11 +76,20 @@ def first_error(workers: list[Worker]) -> BaseException:
     return errors[0] if errors else RuntimeError("a pipeline thread stopped without an error")
 
 
+class Interrupted(KeyboardInterrupt):
+    """A second signal: stop at once (what was committed stays). `signal` says which, for the exit code."""
+
+    def __init__(self, signum: signal.Signals):
+        super().__init__(f"stopped at once by a second {signum.name}: what was committed or written stays; run the "
+                         "same command again to resume")
+        self.signal = signum
+
+
 class SignalStop:
     """SIGINT (Ctrl-C) and SIGTERM (Slurm, preemption, `kill`) ask a run to wind up: `signalled` is set, the
     stages stop taking new work and finish and commit what they hold; `signal` says which came. A second
-    signal stops at once (KeyboardInterrupt; what was committed stays). Python delivers signals to the main
-    thread, so the handlers are installed only there, and the previous ones are put back on exit."""
+    signal stops at once (Interrupted, a KeyboardInterrupt; what was committed stays). Python delivers signals
+    to the main thread, so the handlers are installed only there, and the previous ones are put back on exit."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -101,7 +110,7 @@ class SignalStop:
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.signalled.is_set():
-            raise KeyboardInterrupt
+            raise Interrupted(signal.Signals(signum))
         self.signal = signal.Signals(signum)
         self.signalled.set()
         self.log(f"{self.signal.name}: finishing the batch in hand and committing what is written "

@@ -100,7 +100,8 @@ def conversation(row: Row, cfg: RegenerateConfig) -> Conversation:
     while history[-1]["role"] != "assistant":  # a row cut short ends on its last answer
         history.pop()
     kept_fields = {k: v for k, v in row.record.items() if k not in REPLACED_FIELDS}  # an id, tools, a source tag
-    row_out = kept_fields | {"source_row": row.row_id, "messages": history, "turns": turns}
+    # the source row first: a resume reads it off each line's start without parsing the row (regen.files)
+    row_out = {"source_row": row.row_id} | kept_fields | {"messages": history, "turns": turns}
     if all(p is not None and c is not None for p, c in trace):
         row_out |= exact_tokens(trace, turns)
     kept = sum(1 for m in items if m is not None and m.get("tool_calls"))

@@ -127,11 +127,12 @@ class Endpoints:
         body = json.dumps(self.body(request), ensure_ascii=False).encode()
         start = next(self._turn)
         for attempt in range(self.retries + 1):
-            url, status = self.urls[(start + attempt) % len(self.urls)], None
+            url, status, timed_out = self.urls[(start + attempt) % len(self.urls)], None, False
             try:
                 status, payload = self._post(url, body)
             except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out
                 failure = f"{url}: {err or type(err).__name__}"
+                timed_out = isinstance(err, TimeoutError)
             else:
                 if status == 200:
                     return parse_reply(payload)
@@ -148,7 +149,24 @@ class Endpoints:
                 raise Stopped
         if status is not None and status not in UNAVAILABLE_STATUS:  # the server answers, but fails on this row
             raise RowError("server_error", f"{failure} ({self.retries + 1} tries)")
+        if timed_out and self.answering(url):  # this row outlasts --timeout; the server is up
+            raise RowError("timeout", f"no reply within --timeout {self.timeout:g} s in {self.retries + 1} tries, "
+                           f"while {url} answers other requests")
         raise ServerDown(f"no answer after {self.retries + 1} tries; the last: {failure}")
+
+    def answering(self, url: str) -> bool:
+        """Whether the server at `url` answers at all now (GET /models within CONNECT_TIMEOUT_S)."""
+        parts = urllib.parse.urlsplit(url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        conn = kind(parts.netloc, timeout=CONNECT_TIMEOUT_S)
+        try:
+            conn.request("GET", parts.path + "/models")
+            conn.getresponse().read()
+            return True
+        except (OSError, http.client.HTTPException):
+            return False
+        finally:
+            conn.close()
 
     def cancel(self) -> None:
         """Requests waiting to retry, now and from now on, raise Stopped instead."""

@@ -5,10 +5,11 @@
 Each row keeps its system, user and tool messages; every assistant turn is generated again, in order,
 conditioned on the model's own earlier replies (a conversation that ends on a user turn gets one more). An
 assistant turn that called tools keeps its calls (parallel ones too) and the tool results that answer them:
-there is no tool executor here to answer new calls. Rows are written whole, one line each, in source order,
+there is no tool executor here to answer new calls. Rows are written whole, one line each, as they finish,
 and a resume skips the source rows already in the file (by row id, never by line count), so a `kill -9` at
 any moment and the same command again give every row exactly once. Rows that fail go to a side file with
-their reason, and the next run tries them again.
+their reason: a reason of the row's own keeps it done, a transient one (a server error, a timeout) has the
+next run try it again.
 
 The parts: the turn plan and the conversation (regen.conversation), the engines (regen.engines), the one
 scheduler (regen.scheduler), the files (regen.files); here the run that ties them and its summary.
@@ -34,7 +35,7 @@ from ..data.source import open_source
 from ..model.load import EMBEDDED_MODEL
 from .conversation import Regenerated
 from .engines import Endpoints, LocalEngine, RowError, Sampling
-from .files import ErrorFile, RowFile, check_settings, replace_output, side_files
+from .files import TRANSIENT_REASONS, ErrorFile, RowFile, check_settings, replace_output, side_files
 from .scheduler import BatchSteps, Steps, ThreadSteps, schedule
 
 
@@ -53,8 +54,9 @@ class RegenerateSummary:
     tool_calls_generated: int = 0
     rows_with_token_ids: int = 0
     turns_not_verbatim: int = 0
-    errors: Counter = field(default_factory=Counter)  # reason -> rows
+    errors: Counter = field(default_factory=Counter)  # reason -> rows, this run's
     resumed_rows: int = 0
+    recorded_errors: Counter = field(default_factory=Counter)  # reason -> rows an earlier run could not regenerate
     seconds: float = 0.0
     stopped_by: str | None = None
     started: float = field(default_factory=time.perf_counter, repr=False)
@@ -94,7 +96,7 @@ class RegenerateSummary:
         errors_file, _ = side_files(Path(self.out))
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.finish_reasons.items())) or "none"
         truncated = self.finish_reasons["length"]
-        errors = ", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items()))
+        errors = _counts(self.errors)
         rate = self.completion_tokens / self.seconds if self.seconds else 0.0
         return [
             f"wrote {self.rows:,} rows ({self.turns:,} assistant turns) to {self.out} in {self.seconds:.0f} s with "
@@ -111,12 +113,33 @@ class RegenerateSummary:
             *([f"token ids: {self.rows_with_token_ids:,} rows carry input_ids + loss_mask as generated; "
                f"{self.turns_not_verbatim:,} earlier turns the template renders otherwise (left out of the loss "
                "mask, tokens_verbatim false)"] if self.rows_with_token_ids else []),
-            *([f"errors: {sum(self.errors.values()):,} rows ({errors}), in {errors_file}; the same command "
-               "tries them again"] if self.errors else []),
-            *([f"stopped by {self.stopped_by}: every row written is whole; run the same command again to go on"]
+            *([f"errors: {sum(self.errors.values()):,} rows ({errors}), in {errors_file}; "
+               + self._retried_when()] if self.errors else []),
+            *([f"skipped {sum(self.recorded_errors.values()):,} rows an earlier run could not regenerate for a reason "
+               f"of their own ({_counts(self.recorded_errors)}; in {errors_file}): --retry-errors tries them again"]
+              if self.recorded_errors else []),
+            *([f"stopped by {self.stopped_by}: every row finished is written; run the same command again to go on"]
               if self.stopped_by else []),
             f"next: streamx run --data {self.out} --model {self.model}",
         ]
+
+    def _retried_when(self) -> str:
+        transient = sum(n for reason, n in self.errors.items() if reason in TRANSIENT_REASONS)
+        if transient == sum(self.errors.values()):
+            return "the same command tries them again"
+        if not transient:
+            return "a reason of their own: the same command passes them over (--retry-errors tries them again)"
+        return (f"the same command tries the {transient:,} with a server error or a timeout again, and passes the "
+                "others over (--retry-errors tries them again)")
+
+    def written(self) -> str:
+        """What was written, in a line: for a run that fails part way."""
+        return (f"written before it stopped: {self.rows:,} rows to {self.out}, {sum(self.errors.values()):,} to "
+                f"its side file; the same command goes on from there")
+
+
+def _counts(counts: Counter) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
 
 
 def regenerate(cfg: RegenerateConfig, progress: bool = True, log: Callable[[str], None] = print,
@@ -138,13 +161,14 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True, log: Callable[[str]
         data = str(Path(cfg.data).resolve()) if Path(cfg.data).exists() else cfg.data  # however a path is spelled
         settings = cfg.to_dict() | {"model": engine.model, "data": data}
         check_settings(settings_path, settings, out)
-        rows = RowFile(out)
+        rows = RowFile(out, log)
         if rows.done:
             log(f"resuming {out}: {len(rows.done):,} rows already there")
-        errors = ErrorFile(errors_path)  # the last run's errors are in this run's work again
-        summary = RegenerateSummary(str(out), engine.model, where, resumed_rows=len(rows.done))
-        todo = (row for row in source if row.row_id not in rows.done)
-        total = None if source.num_rows is None else max(0, source.num_rows - len(rows.done))
+        errors = ErrorFile(errors_path, cfg.retry_errors)  # the transient errors of the last run are tried again
+        summary = RegenerateSummary(str(out), engine.model, where, resumed_rows=len(rows.done),
+                                    recorded_errors=errors.reasons)
+        todo = (row for row in source if row.row_id not in rows.done and row.row_id not in errors.done)
+        total = None if source.num_rows is None else max(0, source.num_rows - len(rows.done) - len(errors.done))
 
         def take(row_id: int, outcome: Regenerated | RowError) -> None:
             if isinstance(outcome, RowError):
@@ -156,12 +180,15 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True, log: Callable[[str]
         try:
             with Progress(_Done(summary), total, "streamx regenerate", disable=not progress), \
                     SignalStop(signalled, log, enabled=wind_up_on_signals) as signals:
-                schedule(todo, engine_steps(engine, cfg.concurrency), cfg, take, signalled)
+                left = schedule(todo, engine_steps(engine, cfg.concurrency), cfg, take, signalled)
+        except BaseException:
+            log(summary.written())
+            raise
         finally:
             rows.close()
             errors.close()
         summary.seconds = time.perf_counter() - summary.started
-        summary.stopped_by = signals.signal.name if signals.signal else None
+        summary.stopped_by = signals.signal.name if signals.signal and left else None
     return summary
 
 

@@ -1,23 +1,23 @@
 """One scheduler for `streamx regenerate`: up to --concurrency conversations in flight, each one's next turn
-asked for as soon as its last reply is in, outcomes taken in source order.
+asked for as soon as its last reply is in, and each row taken the moment its conversation ends.
 
 What differs between engines is only their step (`Steps`): an engine that answers one request at a time
 (Endpoints over HTTP) runs on --concurrency threads and hands back each reply as it comes (`ThreadSteps`); an
 engine that answers a batch (the model in this process) generates every request sent since its last step at
 once (`BatchSteps`).
 
-Rows are taken in source order, so a slow conversation holds back the finished ones behind it: at most
-WINDOW_PER_SLOT x concurrency rows are in flight or waiting, which bounds memory. SIGINT / SIGTERM
-(`signalled`) start no new row and end requests waiting to retry (their rows are left for the next run); the
-conversations in flight run to their end. On a failure, every finished row is still taken: nothing is done
-twice.
+Rows are taken as they finish, not in source order: a slow conversation holds back nothing but its own slot
+(a resume skips rows by id, whatever their order in the file), and memory is bounded by the conversations in
+flight. SIGINT / SIGTERM (`signalled`) stop at turn boundaries: no new row starts, a request waiting to retry
+ends, and a conversation whose turn comes back asks for no further turn: a conversation that ended with that
+turn is taken, the others are left for the next run. Every finished row is taken at once, so a grace period
+(Slurm's 30 s) needs only the turns in flight.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -26,8 +26,6 @@ from ..config import RegenerateConfig
 from ..data.source import Row
 from .conversation import Conversation, Regenerated, conversation
 from .engines import Reply, Request, RowError
-
-WINDOW_PER_SLOT = 16  # rows in flight or waiting for a slower earlier one, per --concurrency: bounds memory
 
 Answer = Reply | RowError | None  # None: the request was cancelled while winding up; its row is left for the next run
 Outcome = Regenerated | RowError
@@ -121,57 +119,51 @@ class ThreadSteps:
 
 
 def schedule(todo: Iterable[Row], steps: Steps, cfg: RegenerateConfig, take: Callable[[int, Outcome], None],
-             signalled: threading.Event) -> None:
-    """Regenerate the rows of `todo` on `steps`; `take` gets each row's outcome, in source order."""
+             signalled: threading.Event) -> bool:
+    """Regenerate the rows of `todo` on `steps`; `take` gets each row's outcome as it finishes. Returns whether
+    rows were left for the next run (a signal stopped conversations in flight, or rows not started)."""
     rows = iter(todo)
     active: dict[int, Conversation] = {}
-    finished: dict[int, Outcome | None] = {}  # None: left for the next run
-    order: deque[int] = deque()  # rows started and not yet taken, in source order
-    window, exhausted, cancelled = WINDOW_PER_SLOT * cfg.concurrency, False, False
+    exhausted = cancelled = left = False
 
     def advance(row_id: int, conv: Conversation, answer: Reply | RowError | None) -> None:
-        """Send the conversation's next request, or record how it ended."""
+        """Send the conversation's next request, or take how it ended."""
+        nonlocal left
         try:
             if isinstance(answer, RowError):
                 raise answer
             request = next(conv) if answer is None else conv.send(answer)
         except StopIteration as done:
-            finished[row_id] = done.value
+            take(row_id, done.value)
         except RowError as err:
-            finished[row_id] = err
+            take(row_id, err)
         else:
+            if signalled.is_set():  # a turn boundary: the rest of this conversation is the next run's
+                conv.close()
+                left = True
+                return
             active[row_id] = conv
             steps.send(row_id, request)
 
-    def take_in_order() -> None:
-        while order and order[0] in finished:
-            row_id = order.popleft()
-            if (outcome := finished.pop(row_id)) is not None:
-                take(row_id, outcome)
-
     try:
         while True:
-            while len(active) < cfg.concurrency and len(order) < window and not (exhausted or signalled.is_set()):
+            while len(active) < cfg.concurrency and not (exhausted or signalled.is_set()):
                 row = next(rows, None)
                 if row is None:
                     exhausted = True
                     break
-                order.append(row.row_id)
                 advance(row.row_id, conversation(row, cfg), None)
-            take_in_order()
-            if not active and (exhausted or signalled.is_set()):  # every row taken, or winding up with none in flight
-                return
+            if not active:  # every row taken, or winding up with none in flight
+                return left or (not exhausted and next(rows, None) is not None)
             if signalled.is_set() and not cancelled:
                 steps.cancel()
                 cancelled = True
             for row_id, answer in steps.replies():
                 conv = active.pop(row_id)
-                if answer is None:
-                    finished[row_id] = None
+                if answer is None:  # cancelled in its retries
+                    conv.close()
+                    left = True
                 else:
                     advance(row_id, conv, answer)
     finally:
         steps.close()
-        for row_id in order:  # after a failure: the rows finished before it are kept, nothing is done twice
-            if finished.get(row_id) is not None:
-                take(row_id, finished.pop(row_id))

@@ -318,9 +318,20 @@ def create_part(root: zarr.Group, name: str, layout: Layout) -> zarr.Group:
     return part
 
 
+# the arrays every part has had since the first store format (the content keys came later)
+REQUIRED_ARRAYS = {"hidden_states", *TOKEN_ID_ARRAYS, "sample_row_id", "sample_offset", "sample_length",
+                   "reject_row_id", "reject_reason"}
+
+
+def part_is_complete(part: zarr.Group) -> bool:
+    """Whether the part has its commit record and its arrays: not a part being created, nor one a killed writer
+    left half-created (streamx before 0.4 wrote the record first)."""
+    return "commit" in part.attrs and REQUIRED_ARRAYS <= set(part.array_keys())
+
+
 def committed_parts(root: zarr.Group) -> tuple[dict[str, zarr.Group], list[str]]:
-    """The parts that have a commit record, by name, and the names of those that have none yet (being created,
-    or left half-created by a killed writer: nothing in them is committed, and a resume creates them anew)."""
+    """The complete parts, by name, and the names of the others (being created, or left half-created by a
+    killed writer: nothing in them is committed, and a resume creates them anew)."""
     parts = dict(sorted(root[PARTS].groups()))
-    committed = {name: part for name, part in parts.items() if "commit" in part.attrs}
+    committed = {name: part for name, part in parts.items() if part_is_complete(part)}
     return committed, [name for name in parts if name not in committed]

@@ -20,7 +20,7 @@ from ..base import durable
 from ..base.durable import DurableLocalStore
 from ..base.location import local_path, zarr_path
 from ..base.locks import Lock, lock_file
-from .format import PARTS, Commit, Layout, StoreError, StoreMetadata, committed_parts, create_part
+from .format import PARTS, Commit, Layout, StoreError, StoreMetadata, committed_parts, create_part, part_is_complete
 from .reader import DoneKeys, RowSet, Store
 
 
@@ -182,7 +182,7 @@ class OwnedPart:
         """The part, created when new. Under torchrun, call it only once every rank has read `done_rows`: a
         part being created is not yet readable."""
         parts = target.root.require_group(PARTS)
-        if self.name in parts and "commit" not in parts[self.name].attrs:  # left half-created by a killed writer
+        if self.name in parts and not part_is_complete(parts[self.name]):  # left half-created by a killed writer
             del parts[self.name]
         store = target.root.store
         if self.name in parts and isinstance(store, LocalStore):  # a killed writer's temporary files

@@ -256,11 +256,12 @@ class Store:
         scales = " (+ a float32 scale per token)" if self.storage.scaled else ""
         lines = [
             f"store        {summary['path']} ({meta.format})",
-            f"model        {model['model']} ({model['architecture']}, {meta.num_layers} layers, hidden "
-            f"{meta.hidden_size}, computed in {model['dtype']}; weights {model['weights_fingerprint'][:12]}{random})",
+            f"model        {model.get('model', '?')} ({model.get('architecture', '?')}, {meta.num_layers} layers, "
+            f"hidden {meta.hidden_size}, computed in {model.get('dtype', '?')}; weights "
+            f"{model.get('weights_fingerprint', '?')[:12]}{random})",
             f"layer ids    {meta.layer_ids} ({meta.layer_convention}: id {meta.num_layers} = last layer before the "
             "final norm)",
-            f"data         {meta.config['data']} (split {meta.config['split']}), max_length {meta.max_length} "
+            f"data         {meta.compat.data} (split {meta.compat.split}), max_length {meta.max_length} "
             f"({meta.truncation})",
             f"samples      {summary['samples']:,} committed, {summary['rejected']:,} rejected"
             + (f", {summary['duplicate_rows']} DUPLICATE rows" if summary["duplicate_rows"] else "")
