@@ -176,6 +176,44 @@ def test_interrupted_convert_resumes_to_identical_output(tiny_store, tmp_path, m
     assert convert(tiny_store, str(out), seed=3, block_rows=4, progress=False).already_complete
 
 
+def test_a_damaged_convert_folder_is_one_line_or_converted_again(tiny_store, tmp_path):
+    """Files of a convert folder damaged outside streamx: a block file is converted again, a damaged state.json
+    makes the folder incomplete (converted again), and a damaged meta or plan is refused in one line naming it,
+    which --overwrite replaces (it was a conversion)."""
+    out = tmp_path / "spec"
+    convert(tiny_store, str(out), seed=3, block_rows=4, progress=False)
+    reference = tree(out)
+    (out / "state.json").write_text("{not json")
+    assert not convert(tiny_store, str(out), seed=3, block_rows=4, progress=False).already_complete
+    assert tree(out) == reference
+    (out / "streamx_meta.json").write_text('{"counts": 1}')
+    with pytest.raises(ConvertError, match=r"holds a damaged conversion \(streamx_meta.json cannot be read\); pass "
+                                           r"--overwrite to convert it again"):
+        convert(tiny_store, str(out), seed=3, block_rows=4, progress=False)
+    convert(tiny_store, str(out), seed=3, block_rows=4, progress=False, overwrite=True)
+    assert tree(out) == reference
+    shutil.rmtree(out)
+
+    real_write, writes = files_module.write_hs, []
+
+    def crash_after_six(path, sample):
+        if len(writes) == 6:
+            raise OSError("simulated crash")
+        writes.append(path)
+        real_write(path, sample)
+
+    files_module.write_hs = crash_after_six
+    try:
+        with pytest.raises(OSError, match="simulated crash"):
+            convert(tiny_store, str(out), seed=3, block_rows=4, progress=False, workers=1)
+    finally:
+        files_module.write_hs = real_write
+    block = out / ".streamx-convert" / "block-000000.safetensors"
+    block.write_bytes(block.read_bytes()[:40])  # torn by something else
+    convert(tiny_store, str(out), seed=3, block_rows=4, progress=False)
+    assert tree(out) == reference
+
+
 def test_samples_in_flight_are_bounded(tiny_store, tmp_path, monkeypatch):
     """Memory does not grow with the store: reads run at most a few samples ahead of slow writes."""
     live, peak, lock = [0], [0], threading.Lock()

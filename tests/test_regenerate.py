@@ -385,6 +385,8 @@ def test_a_server_that_dies_stops_the_run_in_one_line_and_nothing_is_written_twi
     assert proc.returncode == 1
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("error: no answer after 3 tries; the last: " + doomed.url), stderr
+    written = stderr.strip().splitlines()[-2]  # what it wrote before it stopped, said before the error
+    assert written.startswith("written before it stopped: ") and str(out) in written, stderr
     written = [r["source_row"] for r in read_rows(out)]
     assert len(written) == len(set(written)) >= 2
     resumed = cli(*args, "--endpoint", chat_server.url)  # the same model, served elsewhere

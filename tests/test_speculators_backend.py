@@ -119,7 +119,7 @@ def test_the_backend_refuses_a_store_it_cannot_serve(tiny_chat_model_dir, chat_j
     # (its creation time has one-second resolution: "it was created anew" may or may not be said as well)
     assert said["other"].startswith(f"ValueError: {other} is not the store this folder was converted from: ")
     assert "another model, layers or tokenization" in said["other"]
-    assert said["moved"] == f"StoreError: {moved} does not exist"
+    assert said["moved"] == f"StoreError: {moved} does not exist; if it moved, pass --streamx-store NEWPATH"
     assert said["moved_found"] == "accepted"  # --streamx-store points at where it went
     # without --target-layer-ids, speculators' default 2, L//2, L-3: for this 4-layer model 2 2 1, refused
     assert said["default_ids"].startswith("ValueError: --target-layer-ids 2 2 1 must be ascending and distinct")

@@ -68,3 +68,30 @@ def test_a_failed_write_gives_its_host_buffer_back():
     with pytest.raises(OSError, match="No space"):
         stage.write(CapturedBatch([sample], host))
     assert released == [True]
+
+
+def test_a_second_signal_stops_at_once_with_its_own_exit_code():
+    """The first SIGTERM winds the run up; the second stops it at once, and the command exits 143 (128 + 15), not
+    130 as an interrupt would, with one line saying what stays."""
+    import os
+    import signal
+
+    import typer
+
+    from streamx.base.threads import Interrupted, SignalStop
+    from streamx.cli import _fail
+
+    signalled, said = threading.Event(), []
+    with SignalStop(signalled, said.append):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert signalled.is_set() and "SIGTERM: finishing" in said[0]
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise AssertionError("the second signal did not stop at once")
+        except Interrupted as err:
+            second = err
+    assert second.signal == signal.SIGTERM and "what was committed or written stays" in str(second)
+    try:
+        _fail(second)
+    except typer.Exit as exit_:
+        assert exit_.exit_code == 143

@@ -37,7 +37,7 @@ import torch
 from hs_connectors import HiddenStatesBackend
 from hs_connectors.transfer import HiddenStatesTransfer
 
-from ..store import open_store
+from ..store import StoreError, open_store
 from .dataset import StoreDataset
 from .folder import FROM_STORE, META, STORE_ROWS
 from .meta import BACKEND, backend_layer_ids
@@ -52,12 +52,21 @@ class StoreTransfer(HiddenStatesTransfer):
         if not meta_path.exists():
             raise ValueError(f"{data_path} is not a `streamx convert` folder (no {META}): convert the store with "
                              f"--hidden-states {FROM_STORE}")
-        meta = json.loads(meta_path.read_text())
+        try:
+            meta = json.loads(meta_path.read_text())
+            meta["identity"]["hidden_states"], meta["source"]["store"]  # noqa: B018 - what is read below
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{meta_path} is damaged: convert the store again (streamx convert STORE --out "
+                             f"{data_path} --hidden-states {FROM_STORE} --overwrite)") from None
         if meta["identity"]["hidden_states"] != FROM_STORE:
             raise ValueError(f"{data_path} holds hs files ({meta['hidden_states_dtype']}): train it with speculators' "
                              f"file backend, or convert the store again with --hidden-states {FROM_STORE}")
         self.store_path = store_path or meta["source"]["store"]
-        store = open_store(self.store_path)
+        try:
+            store = open_store(self.store_path)
+        except StoreError as err:
+            moved = "" if store_path else "; if it moved, pass --streamx-store NEWPATH"
+            raise StoreError(f"{err}{moved}") from None
         _check_unchanged(store, meta, self.store_path)
         layer_ids = backend_layer_ids(target_layer_ids, store.metadata.num_layers)
         rows = np.load(Path(data_path) / STORE_ROWS)

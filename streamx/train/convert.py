@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 from tqdm import tqdm
 
@@ -188,7 +188,7 @@ def _write_blocks(store: Store, order: np.ndarray, out_dir: Path, files_as: Stor
         for b, first in enumerate(range(0, order.size, block_rows)):
             rows = order[first : first + block_rows]
             path = work / f"block-{b:06d}.safetensors"
-            block = _read_block(path) if path.exists() else None
+            block = _read_block(path) if path.exists() else None  # (None too when damaged: done again)
             if block is not None and (files_as is None or _all_written(hs_dir, block)):
                 bar.update(rows.size)
             else:  # not done, or hs files were deleted since
@@ -357,12 +357,16 @@ def _save_npy(path: Path, values: np.ndarray) -> None:
         np.save(f, values)
 
 
-def _read_block(path: Path) -> _Block:
-    with safe_open(str(path), framework="np") as f:
-        meta = f.metadata()
-        t = {k: f.get_tensor(k) for k in f.keys()}
-    skipped = [(int(r), str(why)) for r, why in json.loads(meta["skipped"])]
-    return _Block(int(meta["start"]), t["input_ids"], t["loss_mask"], t["seq_len"], t["rows"], skipped)
+def _read_block(path: Path) -> _Block | None:
+    """A block file, or None when it is damaged (it is then converted again)."""
+    try:
+        with safe_open(str(path), framework="np") as f:
+            meta = f.metadata()
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        skipped = [(int(r), str(why)) for r, why in json.loads(meta["skipped"])]
+        return _Block(int(meta["start"]), t["input_ids"], t["loss_mask"], t["seq_len"], t["rows"], skipped)
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError):
+        return None
 
 
 def _reasons(skipped: list[tuple[int, str]]) -> str:

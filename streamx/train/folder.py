@@ -43,12 +43,15 @@ def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool, hs_
     found = None
     if out.exists() and any(out.iterdir()):
         record = meta_path if meta_path.exists() else plan
-        found = json.loads(record.read_text()) if record.exists() else None
-        if found is None:
+        if not record.exists():
             raise FileExistsError(f"{out} holds files that are not a streamx conversion; choose an empty or new --out")
+        found = _read_record(record)
         if overwrite:
             _clear(out)
             found = None
+        elif found is None:
+            raise FileExistsError(f"{out} holds a damaged conversion ({record.relative_to(out)} cannot be read); pass "
+                                  "--overwrite to convert it again, or choose another --out")
         elif found["identity"] != identity:
             raise FileExistsError(f"{out} holds a conversion of another store, seed, row set or hidden-state dtype; "
                                   "pass --overwrite to replace it or choose another --out")
@@ -65,9 +68,21 @@ def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool, hs_
     return None
 
 
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """A convert's meta or plan, or None when it is damaged (not JSON, or without its identity)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("identity"), dict) else None
+
+
 def _complete(out: Path, rows: int, hs_files: bool) -> bool:
     state = out / "state.json"
-    data = [out / f["filename"] for f in json.loads(state.read_text())["_data_files"]] if state.exists() else []
+    try:
+        data = [out / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError):  # not there, or damaged: convert again
+        data = []
     states = (out / HS_DIR / f"hs_{i}.safetensors" for i in range(rows)) if hs_files else [out / STORE_ROWS]
     return bool(data) and all(p.exists() for p in [*data, out / "dataset_info.json", out / "token_freq.pt"]) \
         and all(p.exists() for p in states)
