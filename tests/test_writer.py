@@ -483,3 +483,59 @@ def test_a_part_half_created_by_a_killed_writer_is_passed_over_then_made_anew(tm
     assert any("part-00002: being created, or left half-created" in line for line in store.describe())
     OwnedPart(path, "part-00002").open(open_for_run(path, meta()), LAYOUT)  # a resume makes it anew
     assert Store(path).incomplete_parts == []
+
+
+def test_a_second_writer_of_the_same_part_is_fenced_off(tmp_path, samples):
+    """Where the lock does not hold (Lustre localflock, NFS without locks, object stores), two writers can open
+    one part: each commit names its writer and each writer reads the record afresh before it puts a shard in
+    place and commits, so the one that finds the other's commit stops in one line, and what was committed
+    stays readable."""
+    path = str(tmp_path / "s.zarr")
+    open_writer(path).close()  # the part exists
+    first = PartWriter(OwnedPart(path, "part-00000").open(open_for_run(path, meta()), LAYOUT))
+    second = PartWriter(open_for_run(path, meta()).root["parts/part-00000"])  # no lock: the lock did not hold
+    for s in samples[:4]:  # 21 tokens: shards 0 and 1 committed
+        append(first, s)
+    first.wait_committed()
+    with pytest.raises(StoreError, match=r"was committed by another writer since this one opened it \(pid \d+ on "
+                                         r".*\): two processes are writing the same part"):
+        for s in samples[:4]:
+            append(second, s)
+        second.close()
+    for s in samples[4:]:
+        append(first, s)
+    first.close()  # the first goes on: the record is its own
+    assert Store(path).commits["part-00000"].writer["id"] == first.writer["id"]
+    assert_stored(path, samples)
+
+
+def test_a_store_at_a_mount_root_is_locked_from_inside(tmp_path, samples, monkeypatch):
+    """A store whose parent folder is not ours to write (a filesystem's mount root) keeps its lock inside, at the
+    top: a second writer is refused, zarr lists no stray member, the output check and --overwrite pass it over."""
+    import os
+    import warnings
+
+    import streamx.base.locks as locks
+
+    store = tmp_path / "mnt" / "fast"
+    store.mkdir(parents=True)
+    real_access = os.access
+    monkeypatch.setattr(locks.os, "access", lambda p, mode: False if Path(p) == store.parent else real_access(p, mode))
+    assert locks.lock_file(store, "part-00000") == store / ".streamx-lock-part-00000"
+    with OwnedPart(str(store), "part-00000") as owned:
+        assert (store / ".streamx-lock-part-00000").exists()
+        with pytest.raises(locks.LockedError):
+            OwnedPart(str(store), "part-00000")
+        Output.read(str(store)).check()  # the lock alone is no stray file
+        prepare(str(store), meta())
+        writer = PartWriter(owned.open(open_for_run(str(store), meta()), LAYOUT))
+        for s in samples:
+            append(writer, s)
+        writer.close()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # zarr's "not recognized as a component of a Zarr hierarchy"
+            assert_stored(str(store), samples)
+        prepare(str(store), meta(), overwrite=True)  # --overwrite empties the store, its lock stays held
+        assert (store / ".streamx-lock-part-00000").exists() and len(Store(str(store))) == 0
+        with pytest.raises(locks.LockedError):
+            OwnedPart(str(store), "part-00000")

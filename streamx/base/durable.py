@@ -67,6 +67,7 @@ def replace(tmp: Path, target: Path) -> None:
 
 
 TEMPORARY = ".*.tmp-*"  # every temporary name `temporary` gives, as a glob
+KEPT = ".streamx-lock"  # what clearing a folder never removes: names that begin so are locks inside it (base.locks)
 
 
 def temporary(path: Path) -> Path:
@@ -128,6 +129,11 @@ class DurableLocalStore(LocalStore):
         self._check_writable()
         await asyncio.to_thread(_clear, self.root)
 
+    async def delete_dir(self, prefix: str) -> None:  # zarr's mode "w" deletes the root this way
+        if prefix.strip("/"):
+            return await super().delete_dir(prefix)
+        await self.clear()
+
     async def _set(self, key: str, value: Buffer, exclusive: bool = False) -> None:
         await asyncio.to_thread(self._open_durably)
         self._check_writable()
@@ -149,8 +155,16 @@ class DurableLocalStore(LocalStore):
 
 
 def _clear(root: Path) -> None:
-    shutil.rmtree(root, ignore_errors=True)
+    """Empty the folder (zarr's mode "w"), a lock inside it excepted (base.locks)."""
     make_dirs(root)
+    for path in root.iterdir():
+        if path.name.startswith(KEPT):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    fsync_dir(root)
 
 
 def _write_buffer(path: Path, value: Buffer, exclusive: bool) -> None:

@@ -6,8 +6,14 @@ killed run never blocks its re-run. The file holds who took it, for the refusal'
 stores have no such lock: one writer per part is then the user's to keep (torchrun ranks write
 their own parts). On network filesystems flock is as good as the mount's lock support.
 
-The lock file sits beside the folder it guards (`.NAME.streamx-lock`), not in it: zarr would list it
-as a stray member of the store, and --overwrite, which deletes the folder, would delete it too.
+The lock file sits beside the folder it guards (`.NAME.streamx-lock`), not in it: a folder's own checks
+and --overwrite then never meet it. Where the folder's parent is not ours to write (a store at a
+filesystem's mount root), it sits inside the folder (`.streamx-lock`), at the top, where zarr does not
+list it, and every check and --overwrite of the folder passes it over (`is_lock`).
+
+flock is not everywhere a lock: on Lustre mounted with localflock, BeeGFS and NFS without locks it
+succeeds on every node alike, and object stores have none. The store's writers fence themselves as
+well (pipeline.writer: each commit names its writer, and a writer that finds another's commit stops).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 import warnings
 from pathlib import Path
 
+from .durable import KEPT as INSIDE  # the name a lock inside its folder begins with
 from .durable import make_dirs
 
 _UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOLCK}  # flock not offered by the filesystem
@@ -75,7 +82,18 @@ class Lock:
         self.release()
 
 
+
+
 def lock_file(folder: str | Path, part: str = "") -> Path:
-    """The lock file of `folder` (a part of it, when `part` is given), beside it."""
+    """The lock file of `folder` (a part of it, when `part` is given): beside it, or, where its parent is not
+    ours to write (a store at a filesystem's mount root), inside it."""
     folder = Path(folder).resolve()
-    return folder.parent / f".{folder.name}.streamx-lock{'-' + part if part else ''}"
+    suffix = f"-{part}" if part else ""
+    if folder.parent.exists() and not os.access(folder.parent, os.W_OK):
+        return folder / f"{INSIDE}{suffix}"
+    return folder.parent / f".{folder.name}.streamx-lock{suffix}"
+
+
+def is_lock(name: str) -> bool:
+    """Whether a file in a folder is a lock inside it (`lock_file`'s fallback)."""
+    return name.startswith(INSIDE)

@@ -17,8 +17,11 @@ written through zarr.
 
 from __future__ import annotations
 
+import os
 import queue
+import socket
 import threading
+import uuid
 from collections import Counter
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,7 +34,7 @@ import zarr
 from ..base.threads import get
 from ..data.tokenize import REJECT_REASONS, Reject, Sample
 from ..model.transfer import HostBatch
-from ..store import Commit, SpaceGuard
+from ..store import Commit, SpaceGuard, StoreError
 from ..store.format import REJECT_ARRAYS, SAMPLE_ARRAYS, part_storage
 from ..store.shards import ShardSink, shard_sink
 from .metrics import QueueFill, StageTimes
@@ -48,17 +51,24 @@ class CapturedBatch:
 class PartWriter:
     """Appends samples to one part. The caller's thread writes the bytes; a committer thread puts
     each full shard in place and then commits it, in order, while the next shard is written.
-    With a SpaceGuard, the committer stops the run when the filesystem is about to fill up."""
+    With a SpaceGuard, the committer stops the run when the filesystem is about to fill up.
+
+    Fencing: each writer puts its own id in every commit record it writes, and reads the record afresh before
+    it puts a shard in place and before it commits; if another writer has committed since (a double launch
+    where the lock did not hold: Lustre's localflock, NFS without locks, an object store), it stops with one
+    line and what it committed stays."""
 
     def __init__(self, part: zarr.Group, space: SpaceGuard | None = None):
         self.part, self.space = part, space
+        self.writer = {"id": uuid.uuid4().hex[:16], "host": socket.gethostname(), "pid": os.getpid()}
         self.arrays = {name: arr for name, arr in part.arrays()}
         self.storage = part_storage(part)
         self.shard = self.arrays["hidden_states"].shards[0]
         record = part.attrs["commit"]
         self.opened = Commit.from_json(record)  # what earlier runs committed
         self.commit = Commit.from_json(record)  # advanced by each commit of this run
-        self.commit.closed = False
+        self.commit.closed, self.commit.writer = False, self.writer
+        self._last_writer = self.opened.writer  # who wrote the record as it stands
         self.sizes = {name: arr.shape[0] for name, arr in self.arrays.items()}
         committed = self.commit.tokens
         self.flushed = committed // self.shard * self.shard  # tokens handed to the committer in whole shards
@@ -106,11 +116,13 @@ class PartWriter:
         self.wait_committed()
         self._committer.shutdown()
         self.commit.closed = complete
+        self._fence()
         for name, arr in self.arrays.items():
             n = self._committed_size(name)
             if arr.shape[0] != n:
                 arr.resize((n, *arr.shape[1:]))
         self.part.attrs["commit"] = self.commit.to_json()
+        self._last_writer = self.writer
 
     def this_run(self) -> Commit:
         """What this writer has committed beyond what earlier runs had: after close(), this run's work."""
@@ -138,10 +150,12 @@ class PartWriter:
 
     def _publish(self, stop: int, finishers: list[Callable[[], None]], samples: list[tuple[int, ...]],
                  rejects: list[Reject]) -> None:
+        self._fence()
         for name in self.sinks:
             self._grow(name, stop)
         for finish in finishers:
             finish()
+        self._fence()
         self._commit(samples, rejects)
         if self.space is not None:  # after the commit: a stop for space loses nothing written
             self.space.check()
@@ -191,6 +205,17 @@ class PartWriter:
                 c.reject_examples.setdefault(r.reason, f"row {r.row_id}: {r.detail}")
         c.updated = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.part.attrs["commit"] = c.to_json()  # the commit point: one atomic document replace
+        self._last_writer = self.writer
+
+    def _fence(self) -> None:
+        """Stop if another writer has committed to this part since this one last read or wrote its record."""
+        record = zarr.open_group(store=self.part.store, path=self.part.path, mode="r").attrs["commit"]
+        now, expected = record.get("writer") or {}, self._last_writer or {}
+        if now.get("id") != expected.get("id"):
+            raise StoreError(f"{self.part.path} of {self.part.store} was committed by another writer since this one "
+                             f"opened it (pid {now.get('pid')} on {now.get('host')}): two processes are writing the "
+                             "same part (a double launch where the filesystem's locks do not reach every node); this "
+                             "one stops, and what each committed stays")
 
 
 class RejectRateError(RuntimeError):

@@ -266,6 +266,7 @@ class Commit:
     reject_examples: dict[str, str] = field(default_factory=dict)  # one example per reason
     closed: bool = False  # set by a close() at the end of the data; False: interrupted (killed, or stopped by a signal)
     updated: str | None = None
+    writer: dict[str, Any] | None = None  # who made this commit: {"id", "host", "pid"} (pipeline.writer's fencing)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -318,15 +319,14 @@ def create_part(root: zarr.Group, name: str, layout: Layout) -> zarr.Group:
     return part
 
 
-# the arrays every part has had since the first store format (the content keys came later)
-REQUIRED_ARRAYS = {"hidden_states", *TOKEN_ID_ARRAYS, "sample_row_id", "sample_offset", "sample_length",
-                   "reject_row_id", "reject_reason"}
+LAST_ARRAY = "reject_reason"  # the last array every format's create_part made (the content keys came later)
 
 
 def part_is_complete(part: zarr.Group) -> bool:
     """Whether the part has its commit record and its arrays: not a part being created, nor one a killed writer
-    left half-created (streamx before 0.4 wrote the record first)."""
-    return "commit" in part.attrs and REQUIRED_ARRAYS <= set(part.array_keys())
+    left half-created (streamx before 0.4 wrote the record first, then the arrays in order, `LAST_ARRAY` last).
+    Read without listing the part, whose folder may hold a killed writer's temporary files."""
+    return "commit" in part.attrs and LAST_ARRAY in part
 
 
 def committed_parts(root: zarr.Group) -> tuple[dict[str, zarr.Group], list[str]]:

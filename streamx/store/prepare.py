@@ -19,7 +19,7 @@ from zarr.storage import LocalStore
 from ..base import durable
 from ..base.durable import DurableLocalStore
 from ..base.location import local_path, zarr_path
-from ..base.locks import Lock, lock_file
+from ..base.locks import Lock, is_lock, lock_file
 from .format import PARTS, Commit, Layout, StoreError, StoreMetadata, committed_parts, create_part, part_is_complete
 from .reader import DoneKeys, RowSet, Store
 
@@ -87,7 +87,7 @@ def _holds_anything(path: str) -> bool:
     """Whether the local folder, or the object-store prefix, at `path` holds any file."""
     target = local_path(path)
     if target is not None:
-        return target.exists() and any(target.iterdir())
+        return target.exists() and any(not is_lock(p.name) for p in target.iterdir())
     fs, root = fsspec.core.url_to_fs(path)
     try:
         return bool(fs.ls(root, detail=False))

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..base import durable
+from ..base.locks import is_lock
 
 META = "streamx_meta.json"
 WORK = ".streamx-convert"  # a convert's block files and plan; removed when the conversion completes
@@ -41,7 +42,7 @@ def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool, hs_
     not make, such as a home folder). `hs_files`: the conversion writes one per row (else store_rows.npy)."""
     meta_path, plan = out / META, out / WORK / "plan.json"
     found = None
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and any(not is_lock(p.name) for p in out.iterdir()):
         record = meta_path if meta_path.exists() else plan
         if not record.exists():
             raise FileExistsError(f"{out} holds files that are not a streamx conversion; choose an empty or new --out")
@@ -91,6 +92,8 @@ def _complete(out: Path, rows: int, hs_files: bool) -> bool:
 def _clear(out: Path) -> None:
     """--overwrite of a conversion: empty the folder, files put there since included (its lock lies beside it)."""
     for path in out.iterdir():
+        if is_lock(path.name):
+            continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
