@@ -67,6 +67,12 @@ class RunConfig:
     device: str = setting("auto", "auto (CUDA when present; this process's GPU under torchrun), cpu, cuda, cuda:N.")
     device_map: str | None = setting(None, "Split a model larger than one GPU over the visible GPUs, e.g. auto or "
                                      "balanced (accelerate).")
+    rank: int | None = setting(None, "This process's share of the rows where no torchrun starts the processes (a "
+                               "Slurm job array, any scheduler): rank N of --world-size M, each process writing its "
+                               "own part, the result bit for bit torchrun's. Unset: torchrun's RANK, else Slurm's "
+                               "SLURM_ARRAY_TASK_ID (from SLURM_ARRAY_TASK_MIN, by its step), else 0.")
+    world_size: int | None = setting(None, "How many processes share the rows, with --rank. Unset: torchrun's "
+                                     "WORLD_SIZE, else SLURM_ARRAY_TASK_COUNT, else 1.")
     attn_implementation: str | None = setting(None, "transformers attention implementation (sdpa, eager, "
                                               "flash_attention_2, ...); transformers' default when unset.")
     kernel: Kernel = setting("auto", "The gather of each layer's real tokens: auto (Triton on CUDA, torch "

@@ -7,6 +7,7 @@ import sys
 import time
 from dataclasses import replace
 
+import pytest
 import torch
 from helpers import assert_same_samples, committed_samples, run_args
 
@@ -75,3 +76,44 @@ def test_device_map_split_model_gives_the_same_states(tiny_chat_model_dir, chat_
     run(make_plan(cfg.replace(out=str(tmp_path / "split.zarr")), loaded=(split, tokenizer, replace(info))),
         progress=False)
     assert_same_samples(tmp_path / "whole.zarr", tmp_path / "split.zarr")
+
+
+def test_a_job_array_without_rendezvous_equals_one_process(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    """Two independent processes and no process group (a Slurm job array): one ranked by --rank/--world-size, the
+    other by Slurm's array variables, started at once so that both find no store and create it together: the
+    store holds two parts whose samples equal one process's, bit for bit, as torchrun's would."""
+    reference = tmp_path / "ref.zarr"
+    subprocess.run(streamx_cmd(tiny_chat_model_dir, chat_jsonl, reference), env=ENV, check=True, capture_output=True)
+    out = tmp_path / "array.zarr"
+    jobs = [subprocess.Popen([*streamx_cmd(tiny_chat_model_dir, chat_jsonl, out), "--rank", "0", "--world-size", "2"],
+                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+            subprocess.Popen(streamx_cmd(tiny_chat_model_dir, chat_jsonl, out), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**ENV, "SLURM_ARRAY_TASK_ID": "8", "SLURM_ARRAY_TASK_MIN": "7",
+                                  "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_STEP": "1"})]
+    for job in jobs:
+        _, stderr = job.communicate(timeout=600)
+        assert job.returncode == 0, stderr[-2000:]
+    assert committed_samples(out, "part-00000") > 0 and committed_samples(out, "part-00001") > 0
+    assert_same_samples(reference, out)
+
+
+def test_ranks_from_flags_torchrun_and_slurm(monkeypatch):
+    from streamx.pipeline.ranks import Rank, init_from_env
+
+    for name in ("WORLD_SIZE", "RANK", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN",
+                 "SLURM_ARRAY_TASK_STEP"):
+        monkeypatch.delenv(name, raising=False)
+    assert init_from_env() == Rank()
+    assert init_from_env(2, 4) == Rank(2, 4) and Rank(2, 4).independent and not Rank(2, 4).group
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "14")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "4")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "10")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_STEP", "2")  # --array=10-16:2
+    assert init_from_env() == Rank(2, 4)
+    assert init_from_env(0, 4) == Rank(0, 4)  # flags win
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "30")  # --array=10,12,14,30: listed ids
+    with pytest.raises(ValueError, match=r"task 30 .*needs --rank and --world-size\): rank 10 of a world of 4"):
+        init_from_env()
+    with pytest.raises(ValueError, match="--rank and --world-size go together"):
+        init_from_env(1, None)

@@ -127,12 +127,15 @@ class RunPlan:
 def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo] | None = None,
               log: Callable[[str], None] = print) -> RunPlan:
     """Check and load everything a run needs; `loaded` reuses a model already loaded with these settings."""
-    rank = init_from_env()
+    rank = init_from_env(config.rank, config.world_size)
+    if rank.independent and config.overwrite:
+        raise ValueError("--overwrite with several processes and no torchrun would have each delete the others' "
+                         "parts: delete the store first, then start them")
     source = open_source(config.data, config.split, config.max_samples)
-    if rank.is_main:  # the other ranks would race rank 0 creating the store
+    if rank.is_main or rank.independent:  # torchrun's other ranks would race rank 0 creating the store
         output = Output.read(config.out)
         output.check(config.overwrite)
-        if loaded is None:
+        if loaded is None and rank.is_main:
             announce(config, source, output, rank.device(config.device), log)
             if config.space_check:
                 check_space(config, source, output, log)

@@ -204,7 +204,8 @@ def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str],
     started = time.perf_counter()
     if not progress:
         transformers.utils.logging.disable_progress_bar()  # its weight-loading bar too
-    cfg, rank = (config.config, config.rank) if isinstance(config, RunPlan) else (config, init_from_env())
+    cfg, rank = (config.config, config.rank) if isinstance(config, RunPlan) else \
+        (config, init_from_env(config.rank, config.world_size))
     with OwnedPart(cfg.out, rank.part_name) as part:
         plan = config if isinstance(config, RunPlan) else make_plan(config, log=log)
         return _run(plan, part, started, progress, log, wind_up_on_signals)
@@ -213,8 +214,8 @@ def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str],
 def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Callable[[str], None],
          signals: bool) -> RunSummary:
     cfg, rank = plan.config, plan.rank
-    # rank 0 creates (or checks and reopens) the store before any other rank opens it
-    root = prepare(cfg.out, plan.metadata, cfg.overwrite) if rank.is_main else None
+    # rank 0 creates (or checks and reopens) the store before any other rank opens it; independent ranks each do
+    root = prepare(cfg.out, plan.metadata, cfg.overwrite) if rank.is_main or rank.independent else None
     rank.barrier()
     target = open_for_run(cfg.out, plan.metadata, root)
     rank.barrier()  # every rank has read the same committed set before any rank creates its part or commits

@@ -106,8 +106,10 @@ def _check_location(path: Path) -> None:
 
 def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> zarr.Group:
     """Create the store, or check that an existing one may be resumed by this run (its compat record
-    matches) and refresh its metadata; returns its root group. One process (rank 0) calls this before
-    any opens a part."""
+    matches) and refresh its metadata; returns its root group. Under torchrun rank 0 calls this before any
+    rank opens a part; independent processes (a job array) may each call it at once: the store is created
+    in one write that fails where another process has just created it, which is then opened instead, and
+    nothing but --overwrite deletes anything."""
     root = None if overwrite else _open_group(path, "r+")
     if root is None:
         Output.read(path).check(overwrite)
@@ -115,12 +117,16 @@ def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> zarr
             local = local_path(path)
             if local is not None:
                 durable.make_dirs(local.parent)
-            root = zarr.open_group(_writable(path), mode="w")
-            root.attrs["streamx"] = metadata.to_json()
-            root.create_group(PARTS)
+            # --overwrite empties the store first (a lock inside it stays: base.durable)
+            root = zarr.create_group(_writable(path), attributes={"streamx": metadata.to_json()}, overwrite=overwrite)
+            root.require_group(PARTS)
+            return root
+        except zarr.errors.ContainsGroupError:  # another process created it meanwhile
+            root = _open_group(path, "r+")
         except OSError as err:
             raise StoreError(f"cannot write the store at {path}: {err.strerror or err}") from None
-        return root
+        if root is None:
+            raise StoreError(f"{path} holds a Zarr group that is not a streamx store; choose another --out")
     _check_compatible(root, path, metadata)
     root.attrs["streamx"] = {**metadata.to_json(), "created": root.attrs["streamx"].get("created", metadata.created)}
     return root
