@@ -50,6 +50,8 @@ class RunConfig:
                         "datasets hub name, or 'chatterbot:english' (the embedded default).")
     split: str = setting("train", "Dataset split (datasets names and directories).")
     max_samples: int | None = setting(None, "Use only the first N rows of the source.")
+    allow_partial: bool = setting(False, "Read an output of streamx regenerate that is not complete (its run "
+                                  "stopped, or is still writing it): by default such a file is refused.")
     layers: str = setting("eagle3", "Layer ids, e.g. '2,15,27,30', or a preset: eagle3 = [2, L//2, L-3, L], dflash = "
                           "5 spread ids + L. Id 0 = embeddings, id k = output of layer k-1, id L = the last layer's "
                           "output before the final norm.")

@@ -646,14 +646,54 @@ def test_a_rerun_of_a_finished_output_exits_0_and_retries_only_on_request(tmp_pa
     data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"text": "a text row"}\n')
     args = ["--data", str(data), "--endpoint", server.url, "--model", "m", "--out", str(tmp_path / "o.jsonl")]
     try:
-        runs = [cli(*args), cli(*args), cli(*args, "--retry-errors")]
-        results = [(p.wait(120), p.stdout.read()) for p in runs]
+        results = []
+        for more in ([], [], ["--retry-errors"]):  # one after the other
+            proc = cli(*args, *more)
+            results.append((proc.wait(120), proc.stdout.read()))
     finally:
         server.close()
     assert [code for code, _ in results] == [0, 0, 1]
     assert "wrote 1 rows" in results[0][1] and "errors: 1 rows (not_a_conversation: 1)" in results[0][1]
     assert "wrote 0 rows" in results[1][1] and "skipped 1 rows an earlier run could not regenerate" in results[1][1]
     assert "errors: 1 rows (not_a_conversation: 1)" in results[2][1]
+
+
+def test_the_output_says_whether_it_is_complete_and_whose_tokens_it_holds(tiny_chat_model_dir, tmp_path):
+    """The record beside the output says complete only once no row is left for a resume (streamx run refuses it
+    before then, unless --allow-partial), and, from the in-process engine, which tokenizer its token ids are
+    of (streamx run refuses them under another); a moved input is the same input, an edited one is not."""
+    from streamx.config import RunConfig
+    from streamx.data.provenance import regenerated
+    from streamx.data.tokenize import vocabulary_fingerprint
+    from streamx.pipeline.plan import check_regenerated, check_vocabulary
+
+    data, out = chats(tmp_path / "d.jsonl", [1, 2, 1]), tmp_path / "o.jsonl"
+    cfg = settings(data, out, model=tiny_chat_model_dir, max_tokens=3, device="cpu", max_samples=2)
+    regenerate(cfg, progress=False, log=lambda m: None)
+    record = regenerated(str(out))
+    assert record["complete"] is True  # its 2 rows are all there
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+    assert record["vocabulary"] == vocabulary_fingerprint(tok)
+    check_vocabulary(str(out), record, tok)  # the same tokenizer: accepted
+    other = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+    other.add_tokens(["<an-added-token>"])
+    with pytest.raises(ValueError, match="holds token ids of another tokenizer"):
+        check_vocabulary(str(out), record, other)
+
+    Path(out.with_name(out.name + ".settings.json")).write_text(json.dumps({**record, "complete": False}))
+    with pytest.raises(ValueError, match=r"is not complete: streamx regenerate is still writing it, or stopped "
+                                         r"before its end .*--allow-partial reads the rows it holds"):
+        check_regenerated(RunConfig(data=str(out)), regenerated(str(out)), print)
+    check_regenerated(RunConfig(data=str(out), allow_partial=True), regenerated(str(out)), print)
+
+    moved = tmp_path / "moved.jsonl"
+    data.rename(moved)  # the same input elsewhere: the resume goes on and completes it again
+    more = regenerate(cfg.__class__(**{**cfg.to_dict(), "data": str(moved), "max_samples": None}), progress=False,
+                      log=lambda m: None)
+    assert more.rows == 1 and regenerated(str(out))["complete"] is True
+    moved.write_text(moved.read_text().replace("r0.0", "edited"))
+    with pytest.raises(ValueError, match="other settings .*data_fingerprint"):
+        regenerate(cfg.__class__(**{**cfg.to_dict(), "data": str(moved)}), progress=False, log=lambda m: None)
 
 
 def test_a_signal_after_the_last_row_changes_nothing():

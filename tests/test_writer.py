@@ -233,6 +233,28 @@ def test_incompatible_store_is_refused(tmp_path):
     assert Store(path).metadata.compat.model == "other"
 
 
+def test_the_data_is_its_bytes_not_its_path(tmp_path):
+    """A store records its data's fingerprint: the same bytes moved elsewhere resume it, other bytes under the
+    same path do not; a store from before fingerprints is compared by path, as it was."""
+    from streamx.data.provenance import fingerprint
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"text": "one"}\n')
+    path = str(tmp_path / "s.zarr")
+    prepare(path, meta(data=str(data), data_fingerprint=fingerprint(str(data))))
+    moved = tmp_path / "elsewhere.jsonl"
+    data.rename(moved)
+    open_for_run(path, meta(data=str(moved), data_fingerprint=fingerprint(str(moved))))  # accepted
+    moved.write_text('{"text": "one"}\n{"text": "two"}\n')
+    with pytest.raises(StoreError, match=r"data_fingerprint: store has 'file:16:.*', this run 'file:32:"):
+        open_for_run(path, meta(data=str(moved), data_fingerprint=fingerprint(str(moved))))
+    old = str(tmp_path / "old.zarr")
+    prepare(old, meta(data="a.jsonl"))  # no fingerprint recorded
+    open_for_run(old, meta(data="a.jsonl", data_fingerprint="file:1:x"))
+    with pytest.raises(StoreError, match="data: store has 'a.jsonl', this run 'b.jsonl'"):
+        open_for_run(old, meta(data="b.jsonl", data_fingerprint="file:1:x"))
+
+
 def test_refuses_to_overwrite_a_non_store(tmp_path):
     (tmp_path / "precious.txt").write_text("data")
     with pytest.raises(StoreError, match="is not a streamx store"):

@@ -226,13 +226,24 @@ class SampleBuilder:
         return len(prompt) if text.startswith(prompt) else 0  # else fall back to the running cursor
 
 
-def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase, max_length: int, truncation: str) -> str:
-    """sha256 of everything that decides the token ids and the mask, so a resume can refuse a change."""
+def _vocabulary(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
+    """What decides which token an id is: the tokenizer's own state and its added tokens, as text."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     state = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     added = {i: [t.content, t.special] for i, t in tokenizer.added_tokens_decoder.items()}
+    return state, json.dumps(added, sort_keys=True)
+
+
+def vocabulary_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 of what decides which token each id is: rows of token ids made with one tokenizer are the same
+    tokens under another only when this is equal."""
+    return hashlib.sha256("\0".join(_vocabulary(tokenizer)).encode()).hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase, max_length: int, truncation: str) -> str:
+    """sha256 of everything that decides the token ids and the mask, so a resume can refuse a change."""
     h = hashlib.sha256()
-    for part in (state, json.dumps(added, sort_keys=True), json.dumps(tokenizer.chat_template, sort_keys=True),
+    for part in (*_vocabulary(tokenizer), json.dumps(tokenizer.chat_template, sort_keys=True),
                  json.dumps(tokenizer.special_tokens_map, sort_keys=True), str(max_length), truncation):
         h.update(part.encode())
         h.update(b"\0")

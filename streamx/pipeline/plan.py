@@ -28,8 +28,9 @@ from .. import __version__
 from ..base.units import gb
 from ..config import RunConfig, resolve_layer_ids
 from ..data.batching import Batch, iter_batches, iter_windows
+from ..data.provenance import fingerprint, regenerated
 from ..data.source import Row, Source, open_source
-from ..data.tokenize import REJECT_REASONS, Reject, Repeats, Sample, SampleBuilder
+from ..data.tokenize import REJECT_REASONS, Reject, Repeats, Sample, SampleBuilder, vocabulary_fingerprint
 from ..model.load import (
     ModelInfo,
     load_model,
@@ -132,6 +133,8 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
         raise ValueError("--overwrite with several processes and no torchrun would have each delete the others' "
                          "parts: delete the store first, then start them")
     source = open_source(config.data, config.split, config.max_samples)
+    record = regenerated(config.data)
+    check_regenerated(config, record, log if rank.is_main else lambda m: None)
     if rank.is_main or rank.independent:  # torchrun's other ranks would race rank 0 creating the store
         output = Output.read(config.out)
         output.check(config.overwrite)
@@ -146,11 +149,35 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     packing = configure_packing(model, config.packing)
     if rank.is_main and loaded is None:
         log(f"  packing {packing.note()}")
+    check_vocabulary(config.data, record, tokenizer)
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
     layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor,
                          config.storage)
     return RunPlan(config, rank, source, layer_ids, packing, model, tokenizer, info, builder, layout,
                    store_metadata(config, info, builder, layer_ids, layout, packing))
+
+
+def check_regenerated(config: RunConfig, record: dict | None, log: Callable[[str], None]) -> None:
+    """A file streamx regenerate wrote is read only once complete (else it may still be growing, or hold a part
+    of its rows), unless --allow-partial."""
+    if record is None:
+        return
+    if "complete" not in record:
+        log(f"  note    {config.data} was written by a streamx regenerate that did not record whether it is "
+            "complete: make sure it ran to its end")
+    elif not record["complete"] and not config.allow_partial:
+        raise ValueError(f"{config.data} is not complete: streamx regenerate is still writing it, or stopped before "
+                         "its end (run the same regenerate command to finish it); --allow-partial reads the rows it "
+                         "holds")
+
+
+def check_vocabulary(data: str, record: dict | None, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Token ids regenerate wrote (input_ids + loss_mask) are this run's tokens only under the same vocabulary:
+    another model's tokenizer with the same size would read them as other tokens."""
+    wrote = (record or {}).get("vocabulary")
+    if wrote and wrote != vocabulary_fingerprint(tokenizer):
+        raise ValueError(f"{data} holds token ids of another tokenizer (regenerated with {record.get('model')}): "
+                         "run it with that model, or its tokenizer (--tokenizer)")
 
 
 def announce(config: RunConfig, source: Source, output: Output, device: str, log: Callable[[str], None]) -> None:
@@ -223,5 +250,5 @@ def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, l
         compat=Compat(model=info.weights_fingerprint, compute_dtype=info.dtype, layer_ids=layer_ids,
                       tokenization=builder.fingerprint, data=config.data, split=config.split,
                       storage=layout.storage.name, packing=packing.setting,
-                      skip_duplicates=config.skip_duplicates),
+                      skip_duplicates=config.skip_duplicates, data_fingerprint=fingerprint(config.data)),
     )

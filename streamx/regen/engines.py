@@ -21,6 +21,7 @@ import jinja2
 import torch
 
 from ..base.threads import Stopped
+from ..data.tokenize import vocabulary_fingerprint
 
 RETRIED_STATUS = frozenset({408, 429})  # and every 5xx: timeouts, rate limits, overloaded or restarting
 UNAVAILABLE_STATUS = frozenset({408, 429, 502, 503, 504})  # still so after the retries: the server is down
@@ -99,6 +100,7 @@ class Endpoints:
         self._cancelled = threading.Event()
         self.return_token_ids = return_token_ids
         self._turn = itertools.count()  # which endpoint a request starts at
+        self.vocabulary = None  # whose tokens the server's token ids are: not known here
         self._local = threading.local()
         self.model = model if model is not None else self.served_model()
 
@@ -252,6 +254,7 @@ class LocalEngine:
             raise ValueError(f"{model} has no chat template: regenerate needs one to prompt it")
         self.sampling = sampling
         self.model = self.info.model
+        self.vocabulary = vocabulary_fingerprint(self.tokenizer)  # the output's token ids are this tokenizer's
         self.max_positions = getattr(self.lm.config.get_text_config(), "max_position_embeddings", None)
         config = self.lm.generation_config
         eos = config.eos_token_id if config.eos_token_id is not None else self.tokenizer.eos_token_id

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..base import durable
+from ..data.provenance import settings_file
 from ..store import RowSet
 from .engines import RowError
 
@@ -25,8 +26,9 @@ SYNC_SECONDS = 1.0  # a row is fsynced within this of its append: a power loss c
 
 
 def side_files(out: Path) -> tuple[Path, Path]:
-    """(errors, settings) beside the output: the rows not written with their reasons, and the run's settings."""
-    return out.with_name(out.name + ".errors.jsonl"), out.with_name(out.name + ".settings.json")
+    """(errors, settings) beside the output: the rows not written with their reasons, and the run's settings
+    (data.provenance reads them: whether the output is complete, whose tokens it holds)."""
+    return out.with_name(out.name + ".errors.jsonl"), settings_file(out)
 
 
 class RowFile:
@@ -176,20 +178,35 @@ def _read_errors(path: Path) -> list[dict]:
 
 def check_settings(path: Path, settings: dict, out: Path) -> None:
     """The first run records its settings beside the output; a resume with settings that change what is
-    generated is refused, naming them (the rows would mix two regenerations)."""
-    wanted = {k: settings[k] for k in COMPAT_SETTINGS}
+    generated is refused, naming them (the rows would mix two regenerations). The data is compared by its
+    fingerprint where both runs have one (a moved input is the same input), else by its path. The record
+    says the output is not complete until `finish_settings` says otherwise: a reader (streamx run) then knows
+    the file may still grow."""
     has_rows = out.exists() and out.stat().st_size > 0
     if not path.exists() and has_rows:
         raise ValueError(f"{out} exists but has no {path.name}: it was not written by streamx regenerate; choose "
                          "another --out (--overwrite replaces only an output of streamx regenerate)")
-    if not has_rows:  # nothing generated yet: these settings are the run's
-        durable.write_file(path, lambda tmp: tmp.write_text(json.dumps(settings, indent=2)))
-        return
-    saved = json.loads(path.read_text())
-    changed = [f"{k} {saved.get(k)!r} there, {v!r} here" for k, v in wanted.items() if saved.get(k) != v]
-    if changed:
-        raise ValueError(f"{out} was generated with other settings ({'; '.join(changed)}): use the same ones to "
-                         "resume it, or --overwrite to start over")
+    if has_rows:
+        saved = json.loads(path.read_text())
+        compared = [k for k in COMPAT_SETTINGS if not (k == "data" and saved.get("data_fingerprint")
+                                                       and settings.get("data_fingerprint"))]
+        if saved.get("data_fingerprint") and settings.get("data_fingerprint"):
+            compared.append("data_fingerprint")
+        changed = [f"{k} {saved.get(k)!r} there, {settings[k]!r} here" for k in compared if saved.get(k) != settings[k]]
+        if changed:
+            raise ValueError(f"{out} was generated with other settings ({'; '.join(changed)}): use the same ones to "
+                             "resume it, or --overwrite to start over")
+        settings = {**saved, **{k: v for k, v in settings.items() if k not in COMPAT_SETTINGS}}
+    _write_settings(path, {**settings, "complete": False})
+
+
+def finish_settings(path: Path, complete: bool) -> None:
+    """Record whether the output now holds every row it will hold (none left for a resume to write)."""
+    _write_settings(path, {**json.loads(path.read_text()), "complete": complete})
+
+
+def _write_settings(path: Path, settings: dict) -> None:
+    durable.write_file(path, lambda tmp: tmp.write_text(json.dumps(settings, indent=2)))
 
 
 def replace_output(out: Path) -> None:

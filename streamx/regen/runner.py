@@ -31,11 +31,20 @@ from ..base.locks import Lock, lock_file
 from ..base.progress import Progress
 from ..base.threads import SignalStop
 from ..config import RegenerateConfig
+from ..data.provenance import fingerprint
 from ..data.source import open_source
 from ..model.load import EMBEDDED_MODEL
 from .conversation import Regenerated
 from .engines import Endpoints, LocalEngine, RowError, Sampling
-from .files import TRANSIENT_REASONS, ErrorFile, RowFile, check_settings, replace_output, side_files
+from .files import (
+    TRANSIENT_REASONS,
+    ErrorFile,
+    RowFile,
+    check_settings,
+    finish_settings,
+    replace_output,
+    side_files,
+)
 from .scheduler import BatchSteps, Steps, ThreadSteps, schedule
 
 
@@ -159,7 +168,8 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True, log: Callable[[str]
         signalled = threading.Event()
         engine, where = open_engine(cfg)
         data = str(Path(cfg.data).resolve()) if Path(cfg.data).exists() else cfg.data  # however a path is spelled
-        settings = cfg.to_dict() | {"model": engine.model, "data": data}
+        settings = cfg.to_dict() | {"model": engine.model, "data": data, "data_fingerprint": fingerprint(cfg.data),
+                                    "vocabulary": engine.vocabulary}
         check_settings(settings_path, settings, out)
         rows = RowFile(out, log)
         if rows.done:
@@ -189,6 +199,8 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True, log: Callable[[str]
             errors.close()
         summary.seconds = time.perf_counter() - summary.started
         summary.stopped_by = signals.signal.name if signals.signal and left else None
+        complete = not left and not any(reason in TRANSIENT_REASONS for reason in summary.errors)
+        finish_settings(settings_path, complete)
     return summary
 
 

@@ -158,11 +158,16 @@ class Compat:
     storage: str = "bf16"
     packing: str = "off"  # on or off: packed and padded forwards round differently, so a resume must not mix them
     skip_duplicates: bool = False  # a resume must not mix kept repeats with left-out ones
+    data_fingerprint: str = ""  # data.provenance.fingerprint: the same bytes wherever they lie ("": not local)
 
     def differences(self, theirs: dict[str, Any]) -> list[str]:
         ours = asdict(self)
-        # records from before fp8 storage, packing and --skip-duplicates
-        theirs = {"storage": BF16.name, "packing": "off", "skip_duplicates": False, **theirs}
+        # records from before fp8 storage, packing, --skip-duplicates and data fingerprints
+        theirs = {"storage": BF16.name, "packing": "off", "skip_duplicates": False, "data_fingerprint": "", **theirs}
+        if theirs["data_fingerprint"] and ours["data_fingerprint"]:  # the data is its bytes, not its path
+            theirs, ours = {**theirs, "data": None}, {**ours, "data": None}
+        else:
+            theirs, ours = {**theirs, "data_fingerprint": None}, {**ours, "data_fingerprint": None}
         return [f"{k}: store has {theirs.get(k)!r}, this run {ours.get(k)!r}"
                 for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
 
