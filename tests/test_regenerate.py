@@ -595,7 +595,7 @@ def test_a_row_that_outlasts_the_timeout_is_that_rows_error_not_a_server_down():
 def test_rows_are_written_as_they_finish_so_a_slow_row_holds_back_only_its_own_slot(tmp_path):
     """One conversation 100x slower than the others at the head of the data: the other slot goes on through
     the rest of the rows meanwhile, each written as it finishes; every row once."""
-    server = SlowServer(lambda text: 2.0 if text == "r0.0" else 0.01)
+    server = SlowServer(lambda text: 3.0 if text == "r0.0" else 0.01)
     try:
         out = tmp_path / "o.jsonl"
         summary = regenerate(settings(chats(tmp_path / "d.jsonl", [1] * 60), out, endpoint=[server.url],
@@ -603,10 +603,12 @@ def test_rows_are_written_as_they_finish_so_a_slow_row_holds_back_only_its_own_s
     finally:
         server.close()
     started = server.arrived[0][0]
-    during = [text for when, text in server.arrived if started + 0.1 < when < started + 1.9]
-    assert len(during) >= 30, len(during)  # (in source order they once waited for row 0: ~30 at the most)
+    during = [text for when, text in server.arrived if started + 0.1 < when < started + 2.9]
     written = [r["source_row"] for r in read_rows(out)]
-    assert summary.rows == 60 and sorted(written) == list(range(60)) and written.index(0) >= 30
+    assert summary.rows == 60 and sorted(written) == list(range(60))
+    # rows went on being asked for and written while row 0 ran (in source order, row 0 was written first and
+    # the others waited for it once 32 were done); a busy machine still does dozens in 3 s
+    assert len(during) >= 20 and written.index(0) >= 20, (len(during), written.index(0))
 
 
 def test_sigterm_stops_at_turn_boundaries_and_writes_every_finished_row(tmp_path):
@@ -641,21 +643,23 @@ def test_a_rerun_of_a_finished_output_exits_0_and_retries_only_on_request(tmp_pa
     """Idempotent pipelines (make, Airflow) rerun a finished step: rows whose data cannot be regenerated stay
     recorded, so the rerun writes nothing, fails nothing and exits 0; --retry-errors tries them (and fails:
     exit 1, every row it tried failed)."""
+    from typer.testing import CliRunner
+
+    from streamx.cli import app
+
     server = SlowServer(lambda text: 0.0)
     data = tmp_path / "d.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"text": "a text row"}\n')
-    args = ["--data", str(data), "--endpoint", server.url, "--model", "m", "--out", str(tmp_path / "o.jsonl")]
+    args = ["regenerate", "--data", str(data), "--endpoint", server.url, "--model", "m", "--out",
+            str(tmp_path / "o.jsonl"), "--no-progress"]
     try:
-        results = []
-        for more in ([], [], ["--retry-errors"]):  # one after the other
-            proc = cli(*args, *more)
-            results.append((proc.wait(120), proc.stdout.read()))
+        results = [CliRunner().invoke(app, [*args, *more]) for more in ([], [], ["--retry-errors"])]
     finally:
         server.close()
-    assert [code for code, _ in results] == [0, 0, 1]
-    assert "wrote 1 rows" in results[0][1] and "errors: 1 rows (not_a_conversation: 1)" in results[0][1]
-    assert "wrote 0 rows" in results[1][1] and "skipped 1 rows an earlier run could not regenerate" in results[1][1]
-    assert "errors: 1 rows (not_a_conversation: 1)" in results[2][1]
+    assert [r.exit_code for r in results] == [0, 0, 1]
+    assert "wrote 1 rows" in results[0].output and "errors: 1 rows (not_a_conversation: 1)" in results[0].output
+    assert "wrote 0 rows" in results[1].output and "skipped 1 rows an earlier run could not" in results[1].output
+    assert "errors: 1 rows (not_a_conversation: 1)" in results[2].output
 
 
 def test_the_output_says_whether_it_is_complete_and_whose_tokens_it_holds(tiny_chat_model_dir, tmp_path):
