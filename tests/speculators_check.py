@@ -58,8 +58,11 @@ def train_step(argv: list[str], scratch: Path) -> tuple[dict, torch.nn.Module, l
 
     train_kwargs, _ = model_class.get_trainer_kwargs(**vars(args))
     draft.train()
-    with torch.autocast("cpu", dtype=getattr(torch, args.hidden_states_dtype)):  # as speculators' Trainer does
-        _, loss, _ = draft(**batches["train"][0], **train_kwargs)
+    # in float32, where speculators' Trainer autocasts to bf16: on a CPU without bf16 instructions that took 100 s
+    # per EAGLE-3 step, and what is checked here is the data path and that gradients flow
+    batch = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+             for k, v in batches["train"][0].items()}
+    _, loss, _ = draft(**batch, **train_kwargs)
     loss.backward()
     grads = [p.grad for p in draft.parameters() if p.requires_grad and p.grad is not None]
     result = {
