@@ -73,7 +73,7 @@ def main() -> None:
         plot(json.loads(out.with_suffix(".json").read_text()), out)
         return
     results = {"token_budget": [point(args, token_budget=b, max_length=min(b, 2048)) for b in BUDGETS],
-               "layers": [point(args, layers=ids) for ids in LAYER_SETS]}
+               "layers": [point(args, layers=ids, any_layers=True) for ids in LAYER_SETS]}  # "30": no aux ids
     if args.long_data:
         results["long"] = [point(argparse.Namespace(**{**vars(args), "data": args.long_data}), token_budget=4096)]
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import signal
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import fields
@@ -90,6 +92,11 @@ def _fail(err: BaseException) -> None:
     raise typer.Exit(128 + err.signal.value if isinstance(err, Interrupted) else 1)
 
 
+def _this_command() -> str:
+    """The command line this process was started with, as the user types it again to resume."""
+    return shlex.join(["streamx", *sys.argv[1:]])
+
+
 def _log(message: str) -> None:
     typer.echo(message, err=True)
 
@@ -113,7 +120,7 @@ def run(
         summary = run_pipeline(cfg, progress=progress, log=_log)
     except (Exception, Interrupted) as err:  # noqa: BLE001 - every failure is one line for the user
         _fail(err)
-    typer.echo("\n".join(summary.lines()))
+    typer.echo("\n".join(summary.lines(command=_this_command())))
     if summary.stopped_by:  # the shell's convention for a process ended by a signal: 128 + its number
         raise typer.Exit(128 + signal.Signals[summary.stopped_by].value)
 
@@ -135,7 +142,7 @@ def regenerate(
         summary = run_regenerate(cfg, progress=progress, log=_log)
     except (Exception, Interrupted) as err:  # noqa: BLE001 - every failure is one line for the user
         _fail(err)
-    typer.echo("\n".join(summary.lines()))
+    typer.echo("\n".join(summary.lines(command=_this_command())))
     if summary.stopped_by:
         raise typer.Exit(128 + signal.Signals[summary.stopped_by].value)
     if summary.errors and not summary.rows:  # every row tried failed: for scripts, a failure
@@ -158,10 +165,12 @@ def plan(
     store's bytes and files for each storage choice, the free space at --out, and the time."""
     from .measure.bench import calibrate as calibrate_rate
     from .pipeline.estimate import Forecast, estimate
+    from .pipeline.plan import preflight
 
     try:
         if sample_rows < 1:
             raise ValueError(f"--sample-rows must be >= 1; got {sample_rows}")
+        preflight(cfg, cfg.device, _log)  # what `streamx run` would refuse, refused here
         est = estimate(cfg, sample_rows=sample_rows, count_duplicates=True)
         rate, how = tokens_per_s, "given"
         if rate is None and calibrate:
@@ -230,6 +239,8 @@ def convert(
     workers: int = typer.Option(4, help="Threads reading the store and writing files."),
     allow_random_weights: bool = typer.Option(False, "--allow-random-weights", help="Convert a store made with "
                                               "--random-weights anyway (for testing the output, not for training)."),
+    allow_partial: bool = typer.Option(False, "--allow-partial", help="Convert an unfinished store (a run still "
+                                       "going, stopped or killed: some of its data missing) as far as it goes."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Write a store as speculators training data and print the `speculators train` flags to use."""
@@ -237,7 +248,8 @@ def convert(
 
     try:
         summary = run_convert(store, out, seed=seed, overwrite=overwrite, workers=workers, progress=progress,
-                              log=_log, allow_random_weights=allow_random_weights, hidden_states=hidden_states)
+                              log=_log, allow_random_weights=allow_random_weights, hidden_states=hidden_states,
+                              allow_partial=allow_partial)
     except (Exception, Interrupted) as err:  # noqa: BLE001
         _fail(err)
     typer.echo("\n".join(summary.lines(store)))

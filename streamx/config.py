@@ -55,6 +55,9 @@ class RunConfig:
     layers: str = setting("eagle3", "Layer ids, e.g. '2,15,27,30', or a preset: eagle3 = [2, L//2, L-3, L], dflash = "
                           "5 spread ids + L. Id 0 = embeddings, id k = output of layer k-1, id L = the last layer's "
                           "output before the final norm.")
+    any_layers: bool = setting(False, "Extract layer ids that speculators cannot train from (without id L, the "
+                               "verifier's last state, or with no id below it), for other uses of the states: by "
+                               "default such a --layers is refused before anything runs.")
     out: str = setting("streamx-out/store.zarr", "Store path (a local .zarr folder or s3://...). An existing "
                        "compatible store is resumed.")
     overwrite: bool = setting(False, "Delete an existing store at --out and start over.")
@@ -127,10 +130,8 @@ class RunConfig:
         if not 0.0 < self.max_reject_fraction <= 1.0:
             raise ValueError(f"max_reject_fraction must be in (0, 1]; got {self.max_reject_fraction}")
         if self.token_budget < self.max_length:
-            raise ValueError(
-                f"token_budget ({self.token_budget}) must be >= max_length ({self.max_length}) "
-                "so that the longest sample fits in one batch"
-            )
+            raise ValueError(f"--token-budget ({self.token_budget}) must be >= --max-length ({self.max_length}), so "
+                             f"that the longest sample fits in one forward pass: add --token-budget {self.max_length}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -163,6 +164,9 @@ class RegenerateConfig:
     endpoint: list[str] | None = setting(None, "An OpenAI-compatible server (vllm serve, SGLang, transformers "
                                          "serve), e.g. http://localhost:8000/v1; repeat it to share the load over "
                                          "several. Unset: the model runs in this process through transformers.")
+    api_key_env: str = setting("OPENAI_API_KEY", "The environment variable holding the endpoints' API key (vLLM's "
+                               "--api-key, hosted services), sent as a Bearer token when set; the key itself is "
+                               "never written to the output, its records, a log line or an error.")
     concurrency: int = setting(8, "Conversations in flight: requests at once over all endpoints, or the batch size "
                                "of the in-process engine.")
     timeout: float = setting(600.0, "Seconds to wait for one response before retrying it.")
@@ -257,6 +261,18 @@ def resolve_layer_ids(layers: str, num_layers: int) -> list[int]:
             dup = sorted({i for i in ids if ids.count(i) > 1})
             raise ValueError(f"duplicate layer ids {dup}; valid ids are 0..{L} for this {L}-layer model")
     return check_layer_ids(sorted(set(ids)), L)  # a preset's ids meet on small models (eagle3 on L=4: 2, 2)
+
+
+def untrainable_layers(ids: list[int], num_layers: int) -> str | None:
+    """Why speculators cannot train a draft from stored layer ids `ids` (None: it can): it needs id L, the
+    verifier's last state before the final norm, as the last slot, and at least one auxiliary id below it."""
+    L = num_layers
+    if L not in ids:
+        return (f"layer ids {ids} lack {L}, the last layer's output before the final norm, which speculators needs as "
+                "the last slot to recompute the verifier's logits")
+    if ids == [L]:
+        return f"layer id {L} alone gives EAGLE-3 and DFlash drafts no auxiliary layers below it"
+    return None
 
 
 def check_layer_ids(ids: list[int], num_layers: int) -> list[int]:

@@ -282,14 +282,16 @@ def test_invalid_samples_are_skipped_and_reported(tiny_store, tmp_path):
 
 
 def test_store_without_last_layer_is_refused_in_one_line(tiny_chat_model_dir, chat_jsonl, tmp_path):
-    no_last = make_store(tiny_chat_model_dir, chat_jsonl, tmp_path / "a.zarr", layers="1,2", max_samples=4)
-    with pytest.raises(ConvertError, match=r"without 4 .*--layers 1,2,4"):
+    no_last = make_store(tiny_chat_model_dir, chat_jsonl, tmp_path / "a.zarr", layers="1,2", max_samples=4,
+                         any_layers=True)
+    with pytest.raises(ConvertError, match=r"lack 4, .*--layers 1,2,4"):
         convert(no_last, str(tmp_path / "spec"), progress=False)
     result = CliRunner().invoke(app, ["convert", no_last, "--out", str(tmp_path / "spec")])
     assert result.exit_code == 1 and result.stderr.strip().count("\n") == 0
     assert result.stderr.startswith("error: ") and "--layers 1,2,4" in result.stderr
-    only_last = make_store(tiny_chat_model_dir, chat_jsonl, tmp_path / "b.zarr", layers="4", max_samples=4)
-    with pytest.raises(ConvertError, match=r"only layer id 4.*--layers eagle3"):
+    only_last = make_store(tiny_chat_model_dir, chat_jsonl, tmp_path / "b.zarr", layers="4", max_samples=4,
+                           any_layers=True)
+    with pytest.raises(ConvertError, match=r"layer id 4 alone .*--layers eagle3"):
         convert(only_last, str(tmp_path / "spec"), progress=False)
     assert not (tmp_path / "spec").exists()
 
@@ -307,6 +309,30 @@ def test_cli_convert_prints_the_train_commands(tiny_store, tmp_path):
     assert model["weights_fingerprint"][:12] in result.stdout
     bad = CliRunner().invoke(app, ["convert", tiny_store, "--out", str(tmp_path / "x"), "--format", "eagle"])
     assert bad.exit_code == 2 and "'eagle' is not one of 'speculators'" in bad.output  # a Literal option
+
+
+def test_convert_offers_only_the_drafts_the_stores_ids_suit():
+    """On a 30-layer model the presets' auxiliary ids are EAGLE-3 [2, 15, 27] and DFlash [2, 9, 15, 21, 28]
+    (5 spread over layer outputs 1..27, +1 in the speculators convention). An EAGLE-3 store gets no DFlash
+    command but what to extract for one; a union store serves both, each its own ids when read from the store;
+    ids of one's own choice get both commands, as asked."""
+    from streamx.train.convert import ConvertSummary
+    from streamx.train.meta import draft_layer_ids, train_commands
+
+    suited, unsuited = draft_layer_ids([2, 15, 27], 30, files=True)
+    assert suited == {"eagle3": [2, 15, 27]} and list(unsuited) == ["dflash"]
+    assert "[2, 9, 15, 21, 28]" in unsuited["dflash"] and "--layers dflash" in unsuited["dflash"]
+    assert "--layers 2,9,15,21,27,28,30" in unsuited["dflash"]  # the union of both presets
+    union = [2, 9, 15, 21, 27, 28]
+    assert draft_layer_ids(union, 30, files=False) == ({"eagle3": [2, 15, 27], "dflash": [2, 9, 15, 21, 28]}, {})
+    assert draft_layer_ids(union, 30, files=True) == ({"eagle3": union, "dflash": union}, {})
+    assert draft_layer_ids([5, 10], 30, files=True) == ({"eagle3": [5, 10], "dflash": [5, 10]}, {})
+
+    commands = train_commands("/d", "/m", suited)
+    text = "\n".join(ConvertSummary("/d", 1, 1, 1, {}, 0, 0.0, commands, {"path": "/m", "model": "m",
+                                      "weights_fingerprint": "f" * 64}, unsuited=unsuited).lines("s.zarr"))
+    assert "train an EAGLE-3 draft:" in text and "--target-layer-ids 2 15 27 --speculator-type eagle3" in text
+    assert "DFlash draft:" not in text and "no DFlash command: the store lacks a DFlash draft's ids" in text
 
 
 # -- the proof: speculators' own loader and drafts, in an isolated venv

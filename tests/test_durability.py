@@ -3,6 +3,7 @@ part or convert folder, and SIGINT / SIGTERM committing what was written."""
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -122,6 +123,14 @@ def test_every_commit_names_only_what_is_on_disk(tiny_chat_model_dir, chat_jsonl
             calls.assert_durable_before(meta[0], e, existed)
 
 
+def size(path) -> int:
+    """The file's size, 0 once it is gone (renamed into place meanwhile)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def wait_for(condition, proc, seconds=120.0):
     deadline = time.time() + seconds
     while not condition() and proc.poll() is None and time.time() < deadline:
@@ -180,7 +189,10 @@ def test_a_second_run_on_the_same_part_is_refused_and_sigterm_commits(tiny_chat_
     finally:
         first.kill()
     assert first.returncode == 143, stderr[-2000:]
-    assert "stopped by SIGTERM" in stdout and "run the same command again to resume" in stdout
+    assert "stopped by SIGTERM" in stdout
+    # the one next step is the command that resumes, never convert: the store is unfinished
+    assert [line for line in stdout.splitlines() if line.startswith("next:")] == \
+        [f"next: {shlex.join(['streamx', *args])}   (resumes)"]
     assert before <= assert_committed_as_reference(reference, out) < ROWS
     assert cli(*args).returncode == 0
     assert_same_samples(reference, out)
@@ -198,7 +210,9 @@ def test_a_signal_commits_the_partial_shard(tiny_chat_model_dir, long_chats, tmp
                             stderr=subprocess.PIPE, text=True)
     try:
         partial = out / "parts" / "part-00000" / "hidden_states"
-        wait_for(lambda: any(p.stat().st_size > 0 for p in partial.rglob(".*.tmp-*")), proc)  # a shard under way
+        # a shard under way (not the array's zarr.json, written the same way as the part is created, before the
+        # run takes over SIGTERM)
+        wait_for(lambda: any(size(p) > 0 for p in partial.rglob(".*.tmp-*") if "zarr.json" not in p.name), proc)
         assert committed_samples(out) == 0
         proc.send_signal(sig)
         stdout, stderr = proc.communicate(timeout=120)
@@ -209,8 +223,47 @@ def test_a_signal_commits_the_partial_shard(tiny_chat_model_dir, long_chats, tmp
     assert 0 < assert_committed_as_reference(reference, out) < ROWS
     assert not open_store(str(out)).commits["part-00000"].closed  # open for the resume, as after a kill
     assert "interrupted" in cli("inspect", str(out)).stdout
+    assert_unfinished_is_refused(out, tmp_path / "spec", "part part-00000 is open")
     assert cli(*args).returncode == 0
     assert_same_samples(reference, out)
+    checked = cli("verify", str(out), "--no-model")
+    assert checked.returncode == 0 and f"ok   complete     every part closed; all {ROWS} rows" in checked.stdout
+
+
+def assert_unfinished_is_refused(store, spec, problem):
+    """verify fails an unfinished store naming `problem`, convert refuses it (one line, naming --allow-partial)
+    and converts what it holds with that flag; inspect says it is not complete."""
+    checked = cli("verify", str(store), "--no-model")
+    assert checked.returncode == 1 and f"FAIL complete     unfinished: {problem}" in checked.stdout, checked.stdout
+    refused = cli("convert", str(store), "--out", str(spec), "--allow-random-weights", "--no-progress")
+    assert refused.returncode == 1 and refused.stderr.startswith(f"error: {store} is unfinished: {problem}")
+    assert "--allow-partial" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    assert not spec.exists()
+    partial = cli("convert", str(store), "--out", str(spec), "--allow-random-weights", "--allow-partial",
+                  "--no-progress")
+    assert partial.returncode == 0 and f"converting an unfinished store (--allow-partial): {problem}" in partial.stderr
+    assert json.loads((spec / "streamx_meta.json").read_text())["counts"]["rows"] == len(open_store(str(store)))
+    assert f"complete     NO: {problem}" in cli("inspect", str(store)).stdout
+
+
+def test_a_rank_that_never_ran_leaves_its_rows_missing_and_named(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    """Every row of the data is a sample or a reject of some part, or the store is unfinished: rank 0 of 2
+    alone closes its part, and the rows of rank 1's windows are named missing until rank 1 runs."""
+    out = tmp_path / "s.zarr"
+    cfg = small_config(tiny_chat_model_dir, chat_jsonl, out, max_samples=40, world_size=2, rank=0)
+    first = run(cfg, progress=False, log=lambda m: None)
+    rank1_rows = [r for r in range(40) if (r // cfg.sort_window) % 2 == 1]  # whole sorting windows per rank
+    state = open_store(str(out)).completeness()
+    assert state.source_rows == 40 and not state.open_parts and state.missing_rows.tolist() == rank1_rows
+    assert first.incomplete == state.problems() and "next: let every rank finish" in "\n".join(first.lines())
+    assert_unfinished_is_refused(out, tmp_path / "spec",
+                                 f"{len(rank1_rows)} of the data's 40 rows are in no part: rows "
+                                 + ", ".join(map(str, rank1_rows[:10])))
+    second = run(small_config(tiny_chat_model_dir, chat_jsonl, out, max_samples=40, world_size=2, rank=1),
+                 progress=False, log=lambda m: None)
+    assert second.incomplete == [] and open_store(str(out)).completeness().complete
+    assert sorted([*open_store(str(out)).row_ids().tolist(), *(r for r, _ in open_store(str(out)).rejected())]) \
+        == list(range(40))
 
 
 def test_a_lock_dies_with_its_process_and_convert_takes_one(tiny_chat_model_dir, chat_jsonl, tmp_path):

@@ -57,6 +57,49 @@ def test_foreign_output_folder_fails_before_the_model(tmp_path, config_only_mode
     assert not no_weights and (tmp_path / "out" / "notes.txt").exists()
 
 
+def test_layers_speculators_cannot_train_from_fail_from_the_config_alone(tmp_path, config_only_model, no_weights):
+    """Without id L (or with L alone) convert would refuse the store once written: refused at start, with the
+    fix and the opt-out; with --any-layers the run goes on to load its model."""
+    cfg = load_config(None, model=config_only_model, layers="2,4", out=str(tmp_path / "s.zarr"))
+    with pytest.raises(ValueError, match=r"^--layers 2,4: layer ids \[2, 4\] lack 6, .* use --layers 2,4,6 .*"
+                                         r"--any-layers"):
+        plan.make_plan(cfg)
+    with pytest.raises(ValueError, match=r"^--layers 6: layer id 6 alone .* use --layers 2,3,6 "):
+        plan.make_plan(cfg.replace(layers="6"))
+    with pytest.raises(AssertionError, match="weights were loaded"):
+        plan.make_plan(cfg.replace(any_layers=True, space_check=False))  # (this folder has no tokenizer to size with)
+    assert len(no_weights) == 1
+
+
+def test_a_store_this_run_cannot_resume_is_refused_before_the_model_and_by_plan(tiny_chat_model_dir, chat_jsonl,
+                                                                                tmp_path, monkeypatch):
+    """The compat check (layer set, tokenization, data, ...) runs before any weights load, in `run` and in
+    `plan`, which no longer says the store fits where run would refuse; a compatible resume passes."""
+    from helpers import small_config
+    from typer.testing import CliRunner
+
+    from streamx.cli import app
+    from streamx.pipeline.runner import run
+
+    out = tmp_path / "s.zarr"
+    run(small_config(tiny_chat_model_dir, chat_jsonl, out, max_samples=6), progress=False, log=lambda m: None)
+    loads = []
+    monkeypatch.setattr(plan, "load_model", lambda *a, **kw: loads.append(a) or pytest.fail("weights were loaded"))
+    other = small_config(tiny_chat_model_dir, chat_jsonl, out, layers="1,4", max_length=128)
+    with pytest.raises(StoreError, match=r"incompatible run \(layer_ids: store has \[0, 2, 4\], this run \[1, 4\]; "
+                                         r"tokenization: store has '.*', this run '.*'\); pass --overwrite"):
+        plan.make_plan(other, log=lambda m: None)
+    flags = ["--model", tiny_chat_model_dir, "--data", chat_jsonl, "--out", str(out), "--layers", "1,4",
+             "--max-length", "128", "--token-budget", "512"]
+    refused = CliRunner().invoke(app, ["plan", *flags])
+    assert refused.exit_code == 1 and "incompatible run (layer_ids: store has [0, 2, 4]" in refused.stderr
+    assert "fits" not in refused.stdout and not loads
+    fits = CliRunner().invoke(app, ["plan", *flags[:6], "--layers", "0,2,4", "--max-length", "256", "--token-budget",
+                                    "512"])
+    assert fits.exit_code == 0, fits.output
+    assert f"{out}: fits" in fits.stdout and not loads
+
+
 def test_missing_model_is_one_line_and_reads_nothing(tmp_path, no_weights):
     cfg = load_config(None, model=str(tmp_path / "no-model-here"), out=str(tmp_path / "s.zarr"))
     with pytest.raises(ModelNotFoundError, match="does not exist"):

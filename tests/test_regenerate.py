@@ -167,8 +167,9 @@ class ScriptedServer:
     """A localhost HTTP server answering chat completions from a script of (status, payload) pairs, for the
     client's own behaviour: retries, refusals, payload shapes. The real server is tested below."""
 
-    def __init__(self, script, drop_idle_connections=False):
-        self.script, self.bodies = list(script), []
+    def __init__(self, script, drop_idle_connections=False, key=None):
+        """`key`: answer 401 to a request without `Authorization: Bearer <key>`, quoting what it was sent."""
+        self.script, self.bodies, self.auth = list(script), [], []
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -177,7 +178,11 @@ class ScriptedServer:
             def do_POST(self):
                 self.close_connection = drop_idle_connections  # closed after the answer, without a header
                 outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                status, payload = outer.script.pop(0) if len(outer.script) > 1 else outer.script[0]
+                outer.auth.append(self.headers.get("Authorization"))
+                if key is not None and outer.auth[-1] != f"Bearer {key}":
+                    status, payload = 401, {"error": {"message": f"Incorrect API key provided: {outer.auth[-1]}"}}
+                else:
+                    status, payload = outer.script.pop(0) if len(outer.script) > 1 else outer.script[0]
                 data = json.dumps(payload(outer.bodies[-1]) if callable(payload) else payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
@@ -234,6 +239,40 @@ def test_a_server_that_fails_on_a_row_or_refuses_everything_is_told_apart_from_o
         finally:
             server.close()
         assert len(server.bodies) == tries
+
+
+def test_a_server_that_needs_a_key_gets_it_from_the_environment_and_the_key_is_written_nowhere(conversations,
+                                                                                                 tmp_path):
+    """vLLM --api-key or a hosted service: without the key every request is a 401, and the run stops in one line
+    naming the variable to set; with it (OPENAI_API_KEY, or the variable --api-key-env names) the run goes through
+    with the key sent as a Bearer token; a refused key is named by its variable, and the key, which the server
+    quotes back, appears in no output, record, log line or error."""
+    key = "sk-test-0123456789abcdef"
+    server = ScriptedServer([(200, completion())], key=key)
+    args = ["--data", str(conversations), "--endpoint", server.url, "--model", "m", "--max-samples", "3"]
+    clean = {k: v for k, v in ENV.items() if k not in ("OPENAI_API_KEY", "MY_KEY")}
+    try:
+        def regenerate(out, env):
+            proc = subprocess.run([sys.executable, "-m", "streamx", "regenerate", "--no-progress", *args, "--out",
+                                   str(tmp_path / out), *(["--api-key-env", "MY_KEY"] if "MY_KEY" in env else [])],
+                                  env=env, capture_output=True, text=True, timeout=300)
+            return proc.returncode, proc.stdout + proc.stderr
+
+        code, said = regenerate("none.jsonl", clean)
+        assert code == 1 and "HTTP 401" in said and "no API key was sent: put the server's key in $OPENAI_API_KEY" \
+            in said and server.auth[-1] is None
+        code, said = regenerate("wrong.jsonl", {**clean, "OPENAI_API_KEY": key + "x"})
+        assert code == 1 and "the server refused the API key in $OPENAI_API_KEY" in said and "Incorrect API key" in said
+        assert key not in said and server.auth[-1] == f"Bearer {key}x"  # the server quoted it back: blanked out
+        for out, env in (("default.jsonl", {**clean, "OPENAI_API_KEY": key}),
+                         ("named.jsonl", {**clean, "MY_KEY": key})):
+            code, said = regenerate(out, env)
+            assert code == 0, said
+            assert len(read_rows(tmp_path / out)) == 3 and server.auth[-1] == f"Bearer {key}" and key not in said
+    finally:
+        server.close()
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(written) > 4 and not [p for p in written if key.encode() in p.read_bytes()]
 
 
 def test_a_kept_alive_connection_the_server_dropped_is_reopened_without_a_retry():
@@ -363,7 +402,7 @@ def test_kill_9_mid_run_and_the_same_command_gives_every_row_once(chat_server, s
     assert resumed.returncode == 0, stderr
     rows = read_rows(out)
     assert sorted(r["source_row"] for r in rows) == [0, 1, 2, 7, 8, 9, 10, 11]  # each once
-    assert "rows were already there" in stdout
+    assert "; the file holds 8 rows (" in stdout  # the whole output, not only this run's rows
     by_row = {r["source_row"]: r for r in read_rows(served[0])}  # the uninterrupted run's
     assert all(r["messages"] == by_row[r["source_row"]]["messages"] for r in rows)
 

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import __version__
 from ..base.units import gb
-from ..config import RunConfig, resolve_layer_ids
+from ..config import RunConfig, resolve_layer_ids, untrainable_layers
 from ..data.batching import Batch, iter_batches, iter_windows
 from ..data.provenance import fingerprint, regenerated
 from ..data.source import Row, Source, open_source
@@ -34,6 +34,7 @@ from ..data.tokenize import REJECT_REASONS, Reject, Repeats, Sample, SampleBuild
 from ..model.load import (
     ModelInfo,
     load_model,
+    model_tokenizer,
     read_text_config,
     resolve_device,
     resolve_dtype,
@@ -41,7 +42,17 @@ from ..model.load import (
 )
 from ..model.packing import Packing
 from ..model.packing import configure as configure_packing
-from ..store import Compat, DoneKeys, Layout, Output, StoreError, StoreMetadata, free_bytes, make_layout
+from ..store import (
+    Compat,
+    DoneKeys,
+    Layout,
+    Output,
+    StoreError,
+    StoreMetadata,
+    check_compatible,
+    free_bytes,
+    make_layout,
+)
 from .estimate import estimate
 from .metrics import StageTimes
 from .ranks import Rank, init_from_env
@@ -60,6 +71,12 @@ class RunPlan:
     builder: SampleBuilder
     layout: Layout
     metadata: StoreMetadata
+    rows_seen: int = 0  # the source rows batch_stream has passed, owned by this rank or not
+
+    @property
+    def source_rows(self) -> int:
+        """The data's rows (up to --max-samples), once batch_stream has run to the end."""
+        return self.source.num_rows if self.source.num_rows is not None else self.rows_seen
 
     @property
     def device(self) -> torch.device:
@@ -89,6 +106,7 @@ class RunPlan:
         next_window = 0
         for window in iter_windows(rows, sort_window):
             w = window[0].row_id // sort_window
+            self.rows_seen = max(self.rows_seen, window[-1].row_id + 1)
             with times.measure("source_tokenize"):
                 if done_keys:  # the windows the source skipped, in order
                     seen.add(done_keys.between(next_window * sort_window, w * sort_window))
@@ -136,8 +154,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     record = regenerated(config.data)
     check_regenerated(config, record, log if rank.is_main else lambda m: None)
     if rank.is_main or rank.independent:  # torchrun's other ranks would race rank 0 creating the store
-        output = Output.read(config.out)
-        output.check(config.overwrite)
+        output = preflight(config, rank.device(config.device), log if rank.is_main else lambda m: None)
         if loaded is None and rank.is_main:
             announce(config, source, output, rank.device(config.device), log)
             if config.space_check:
@@ -146,6 +163,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
                                                   config.attn_implementation, config.device_map,
                                                   config.random_weights, config.tokenizer)
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
+    check_trainable(config, layer_ids, info.num_layers)
     packing = configure_packing(model, config.packing)
     if rank.is_main and loaded is None:
         log(f"  packing {packing.note()}")
@@ -155,6 +173,37 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
                          config.storage)
     return RunPlan(config, rank, source, layer_ids, packing, model, tokenizer, info, builder, layout,
                    store_metadata(config, info, builder, layer_ids, layout, packing))
+
+
+def preflight(config: RunConfig, device: str, log: Callable[[str], None] = lambda m: None) -> Output:
+    """Everything that can refuse a run before its weights load (`streamx plan` checks the same): the output,
+    the layer ids, and a store at --out that this run could not resume, field by field but for the weights'
+    fingerprint and packing, which are compared once the model is loaded and probed."""
+    output = Output.read(config.out)
+    output.check(config.overwrite)
+    path = resolve_model_path(config.model, log)
+    L = read_text_config(path).num_hidden_layers
+    layer_ids = resolve_layer_ids(config.layers, L)
+    check_trainable(config, layer_ids, L)
+    if output.is_store and not config.overwrite:
+        builder = SampleBuilder(model_tokenizer(path, config.tokenizer), config.max_length, config.truncation)
+        ours = Compat(model="", compute_dtype=str(resolve_dtype(config.dtype, device)).removeprefix("torch."),
+                      layer_ids=layer_ids, tokenization=builder.fingerprint, data=config.data, split=config.split,
+                      storage=config.storage, skip_duplicates=config.skip_duplicates,
+                      data_fingerprint=fingerprint(config.data))
+        check_compatible(output.compat, config.out, ours, unknown=("model", "packing"))
+    return output
+
+
+def check_trainable(config: RunConfig, layer_ids: list[int], num_layers: int) -> None:
+    """Layer ids speculators cannot train from are refused unless --any-layers: convert would refuse the store
+    only once it is written."""
+    problem = None if config.any_layers else untrainable_layers(layer_ids, num_layers)
+    if problem:
+        fix = sorted({*layer_ids, num_layers}) if num_layers not in layer_ids else \
+            resolve_layer_ids("eagle3", num_layers)
+        raise ValueError(f"--layers {config.layers}: {problem}; use --layers {','.join(map(str, fix))} (or a preset: "
+                         "eagle3, dflash), or --any-layers to extract them for another use")
 
 
 def check_regenerated(config: RunConfig, record: dict | None, log: Callable[[str], None]) -> None:
@@ -193,8 +242,9 @@ def announce(config: RunConfig, source: Source, output: Output, device: str, log
         log(f"  model   {path}")
     text_config = read_text_config(path)
     L = text_config.num_hidden_layers
-    log(f"  layers  {resolve_layer_ids(config.layers, L)} of {L} ({config.layers}): id 0 = embeddings, id k = output "
-        f"of layer k-1, id {L} = the last layer's output before the final norm")
+    layer_ids = resolve_layer_ids(config.layers, L)
+    log(f"  layers  {layer_ids} of {L} ({config.layers}): id 0 = embeddings, id k = output of layer k-1, id {L} = "
+        "the last layer's output before the final norm")
     linear = list(getattr(text_config, "layer_types", None) or []).count("linear_attention")
     if linear and resolve_device(device).startswith("cuda") and not fla_installed():
         log(f"  note    {linear} linear-attention layers will run transformers' slow reference path: "

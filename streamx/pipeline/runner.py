@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from ..data.tokenize import Reject
 from ..model.capture import LayerCapture, sample_is_finite
 from ..model.gather import select_gather_fn
 from ..model.transfer import HostTransfer
-from ..store import DoneKeys, OwnedPart, SpaceGuard, open_for_run, prepare
+from ..store import DoneKeys, OwnedPart, SpaceGuard, Store, open_for_run, prepare
 from .metrics import QueueFill, StageTimes, Throughput
 from .plan import RunPlan, make_plan
 from .ranks import init_from_env
@@ -59,19 +59,30 @@ class RunSummary:
     store_tokens: int = 0
     rank: int = 0  # this process's rank under torchrun
     stopped_by: str | None = None  # the signal that ended the run early (SIGINT, SIGTERM), None when it ran to the end
+    incomplete: list[str] = field(default_factory=list)  # why the store does not hold all its data yet (empty: it does)
 
     @property
     def padding_efficiency(self) -> float:
         return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
 
-    def lines(self) -> list[str]:
-        """What `streamx run` prints when it ends (under torchrun, rank 0 the whole summary, the others one line)."""
+    def lines(self, command: str = "the same command") -> list[str]:
+        """What `streamx run` prints when it ends (under torchrun, rank 0 the whole summary, the others one line);
+        `command`: the one that resumes this run."""
         rejects = ", ".join(f"{k}: {v}" for k, v in sorted(self.reject_counts.items())) or "none"
-        stopped = [f"stopped by {self.stopped_by}: what was written is committed, the rest is not; run the same "
-                   "command again to resume"] if self.stopped_by else []
+        if self.stopped_by:
+            ending = [f"stopped by {self.stopped_by}: what was written is committed, the rest is not; the store is "
+                      "unfinished (convert and verify refuse it)", f"next: {command}   (resumes)"]
+        elif self.incomplete:
+            ending = [f"the store is unfinished: {self.incomplete[0]}" + (f" (+{len(self.incomplete) - 1} more)"
+                                                                          if len(self.incomplete) > 1 else ""),
+                      "next: let every rank finish (or re-run the ones that stopped), then streamx convert "
+                      f"{self.out} --out SPEC_DIR"]
+        else:
+            ending = [f"next: streamx inspect {self.out}   |   streamx convert {self.out} --out SPEC_DIR (speculators "
+                      f"training data)   |   python: streamx.open_store({self.out!r}).sample(row_id)"]
         if self.rank:
             return [f"[rank {self.rank}] committed {self.samples:,} samples, rejected {self.rejects:,} ({rejects})",
-                    *stopped]
+                    *(ending if self.stopped_by else [])]
         resumed = f"; {self.resumed_rows:,} rows were already committed" if self.resumed_rows else ""
         return [
             f"committed {self.samples:,} samples ({self.tokens:,} tokens, {self.trainable_tokens:,} trainable) in "
@@ -83,9 +94,7 @@ class RunSummary:
             f"hidden states written: {gb(self.hidden_bytes)}; padding efficiency {self.padding_efficiency:.1%}"
             + resumed,
             f"store: {self.out} ({self.store_samples:,} samples, {self.store_tokens:,} tokens in total)",
-            *stopped,
-            f"next: streamx inspect {self.out}   |   streamx convert {self.out} --out SPEC_DIR (speculators training "
-            f"data)   |   python: streamx.open_store({self.out!r}).sample(row_id)",
+            *ending,
         ]
 
 
@@ -169,7 +178,8 @@ class Pipeline:
         return None
 
     def run(self) -> None:
-        stage = WriterStage(self.writer, self.done, RejectRate(self.plan.config.max_reject_fraction), self.times)
+        stage = WriterStage(self.writer, self.done, RejectRate(self.plan.config.max_reject_fraction), self.times,
+                            lambda: self.plan.source_rows)  # asked after the producer's last batch
         producer = Worker("streamx-producer", self.produce, self.failed)
         writer = Worker("streamx-writer", lambda: stage.run(self.to_write, self.failed, self.fill["to_write"],
                                                             self.rows_left), self.failed)
@@ -235,6 +245,8 @@ def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Ca
     rank.barrier()  # the store is complete when every rank has closed its part
     written = writer.this_run()
     store_samples, store_tokens = target.totals(rank.part_name, writer.commit, others_wrote=rank.world_size > 1)
+    # (independent ranks: the others may still be running; under torchrun every rank has closed by now)
+    incomplete = Store(cfg.out).completeness().problems() if rank.is_main or rank.independent else []
     return RunSummary(
         out=cfg.out, layer_ids=plan.layer_ids, num_layers=plan.info.num_layers, samples=written.samples,
         tokens=written.tokens, trainable_tokens=written.trainable_tokens, duplicates=written.duplicates,
@@ -246,4 +258,5 @@ def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Ca
         queue_fill={name: fill.mean for name, fill in pipeline.fill.items()},
         store_samples=store_samples, store_tokens=store_tokens, rank=rank.rank,
         stopped_by=signals_in.signal.name if signals_in.signal and pipeline.rows_left.is_set() else None,
+        incomplete=incomplete,
     )

@@ -109,13 +109,16 @@ class PartWriter:
     def reject(self, reject: Reject) -> None:
         self.pending_rejects.append(reject)
 
-    def close(self, complete: bool = True) -> None:
+    def close(self, complete: bool = True, source_rows: int | None = None) -> None:
         """Write the last partial shard, commit everything and trim the arrays to the commit; `complete`: the
-        run got to the end of its data (else the part stays open for a resume, as after a kill)."""
+        run got to the end of its data, which had `source_rows` rows (else the part stays open for a resume,
+        as after a kill)."""
         self._end_shard(self.end - self.flushed)
         self.wait_committed()
         self._committer.shutdown()
         self.commit.closed = complete
+        if complete:
+            self.commit.source_rows = source_rows
         self._fence()
         for name, arr in self.arrays.items():
             n = self._committed_size(name)
@@ -249,8 +252,10 @@ class WriterStage:
     """The writer thread's body: CapturedBatch and Reject items until a None sentinel, then close. Rows
     in `done` (committed by an earlier run, recomputed with their batch) are dropped."""
 
-    def __init__(self, writer: PartWriter, done: Collection[int], rate: RejectRate, times: StageTimes):
+    def __init__(self, writer: PartWriter, done: Collection[int], rate: RejectRate, times: StageTimes,
+                 source_rows: Callable[[], int | None] = lambda: None):
         self.writer, self.done, self.rate, self.times = writer, done, rate, times
+        self.source_rows = source_rows  # the data's rows, asked when it has run out (recorded in the commit)
 
     def run(self, items: queue.Queue, failed: threading.Event, fill: QueueFill | None = None,
             rows_left: threading.Event | None = None) -> None:
@@ -260,8 +265,9 @@ class WriterStage:
             if fill is not None:
                 fill.record()
             if item is None:
+                complete = rows_left is None or not rows_left.is_set()
                 with self.times.measure("write"):
-                    self.writer.close(complete=rows_left is None or not rows_left.is_set())
+                    self.writer.close(complete, self.source_rows() if complete else None)
                 return
             if isinstance(item, Reject):
                 self.reject(item)

@@ -25,7 +25,7 @@ from ..data.tokenize import vocabulary_fingerprint
 
 RETRIED_STATUS = frozenset({408, 429})  # and every 5xx: timeouts, rate limits, overloaded or restarting
 UNAVAILABLE_STATUS = frozenset({408, 429, 502, 503, 504})  # still so after the retries: the server is down
-SETUP_STATUS = frozenset({401, 403, 404, 405})  # wrong key, --model or URL: every row would fail the same way
+SETUP_STATUS = frozenset({401, 403, 404, 405})  # no or a wrong key, --model or URL: every row would fail alike
 MAX_BACKOFF_S = 30.0
 CONNECT_TIMEOUT_S = 10.0  # a host that does not answer at all is known in seconds, whatever --timeout is
 STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)  # a keep-alive the server closed
@@ -94,8 +94,14 @@ class Endpoints:
     keep-alive connection per endpoint."""
 
     def __init__(self, urls: list[str], sampling: Sampling, timeout: float = 600.0, retries: int = 5,
-                 return_token_ids: bool = False, model: str | None = None):
+                 return_token_ids: bool = False, model: str | None = None, api_key: str | None = None,
+                 api_key_env: str = "OPENAI_API_KEY"):
+        """`api_key` (read by the caller from the variable `api_key_env`) goes out as a Bearer token and nowhere
+        else: the messages below name the variable, never the key, and blank it out of servers' answers."""
         self.urls = [api_base(u) for u in urls]
+        self.api_key, self.api_key_env = api_key or None, api_key_env
+        self.headers = {"Content-Type": "application/json",
+                        **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
         self.sampling, self.timeout, self.retries = sampling, timeout, retries
         self._cancelled = threading.Event()
         self.return_token_ids = return_token_ids
@@ -107,6 +113,9 @@ class Endpoints:
     def served_model(self) -> str:
         """The one model the first endpoint lists (GET /models), for a run that names none."""
         status, payload = self._call(self.urls[0], "GET", "/models", None, what="list its models")
+        if status in (401, 403):
+            answer = self.redact(error_message(payload))
+            raise ServerDown(f"{self.urls[0]}: HTTP {status}: {answer} ({self.key_hint()})")
         models = [m.get("id") for m in payload.get("data", [])] if status == 200 and isinstance(payload, dict) else []
         if len(models) != 1:
             listed = ", ".join(map(str, models)) or f"HTTP {status}"
@@ -138,9 +147,11 @@ class Endpoints:
             else:
                 if status == 200:
                     return parse_reply(payload)
-                failure = f"{url}: HTTP {status}: {error_message(payload)}"
+                failure = f"{url}: HTTP {status}: {self.redact(error_message(payload))}"
+                if status in (401, 403):
+                    raise ServerDown(f"{failure} ({self.key_hint()})")
                 if status in SETUP_STATUS:
-                    raise ServerDown(f"{failure} (check --model, --endpoint and the server's key)")
+                    raise ServerDown(f"{failure} (check --model and --endpoint)")
                 if self.return_token_ids and "return_token_ids" in failure:  # every row would be refused alike
                     raise ServerDown(f"{failure} (this server returns no token ids, vLLM does: drop "
                                      "--return-token-ids)")
@@ -156,13 +167,24 @@ class Endpoints:
                            f"while {url} answers other requests")
         raise ServerDown(f"no answer after {self.retries + 1} tries; the last: {failure}")
 
+    def key_hint(self) -> str:
+        """What to do about a server that refused this client's key, or wants one."""
+        if self.api_key:
+            return f"the server refused the API key in ${self.api_key_env}"
+        return (f"no API key was sent: put the server's key in ${self.api_key_env}, or name the variable that holds "
+                "it with --api-key-env")
+
+    def redact(self, text: str) -> str:
+        """`text` with the key blanked out (a server may quote what it was sent)."""
+        return text.replace(self.api_key, "***") if self.api_key else text
+
     def answering(self, url: str) -> bool:
         """Whether the server at `url` answers at all now (GET /models within CONNECT_TIMEOUT_S)."""
         parts = urllib.parse.urlsplit(url)
         kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         conn = kind(parts.netloc, timeout=CONNECT_TIMEOUT_S)
         try:
-            conn.request("GET", parts.path + "/models")
+            conn.request("GET", parts.path + "/models", headers=self.headers)
             conn.getresponse().read()
             return True
         except (OSError, http.client.HTTPException):
@@ -184,8 +206,7 @@ class Endpoints:
                 if url not in connections:
                     connections[url] = self._connect(url)
                 conn = connections[url]
-                conn.request(method, urllib.parse.urlsplit(url).path + path, body=body,
-                             headers={"Content-Type": "application/json"})
+                conn.request(method, urllib.parse.urlsplit(url).path + path, body=body, headers=self.headers)
                 response = conn.getresponse()
                 raw = response.read()
                 break

@@ -17,6 +17,7 @@ scheduler (regen.scheduler), the files (regen.files); here the run that ties the
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import Counter
@@ -101,7 +102,8 @@ class RegenerateSummary:
             parts.append(f"ETA {tqdm.format_interval(max(0, total_rows - self.done) * elapsed / self.done)}")
         return ", ".join(parts)
 
-    def lines(self) -> list[str]:
+    def lines(self, command: str = "the same command") -> list[str]:
+        """What `streamx regenerate` prints when it ends; `command`: the one that resumes it."""
         errors_file, _ = side_files(Path(self.out))
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.finish_reasons.items())) or "none"
         truncated = self.finish_reasons["length"]
@@ -109,7 +111,8 @@ class RegenerateSummary:
         rate = self.completion_tokens / self.seconds if self.seconds else 0.0
         return [
             f"wrote {self.rows:,} rows ({self.turns:,} assistant turns) to {self.out} in {self.seconds:.0f} s with "
-            f"{self.model} ({self.engine})" + (f"; {self.resumed_rows:,} rows were already there"
+            f"{self.model} ({self.engine})" + (f"; the file holds {self.rows + self.resumed_rows:,} rows "
+                                              f"({self.resumed_rows:,} from earlier runs)"
                                               if self.resumed_rows else ""),
             f"tokens: {self.prompt_tokens:,} prompt, {self.completion_tokens:,} generated ({rate:,.0f}/s); finish "
             f"reasons: {reasons}",
@@ -127,9 +130,10 @@ class RegenerateSummary:
             *([f"skipped {sum(self.recorded_errors.values()):,} rows an earlier run could not regenerate for a reason "
                f"of their own ({_counts(self.recorded_errors)}; in {errors_file}): --retry-errors tries them again"]
               if self.recorded_errors else []),
-            *([f"stopped by {self.stopped_by}: every row finished is written; run the same command again to go on"]
-              if self.stopped_by else []),
-            f"next: streamx run --data {self.out} --model {self.model}",
+            *([f"stopped by {self.stopped_by}: every row finished is written, the output is unfinished (streamx run "
+               f"refuses it without --allow-partial)", f"next: {command}   (goes on)   |   to use the rows written so "
+               f"far: streamx run --data {self.out} --allow-partial --model {self.model}"]
+              if self.stopped_by else [f"next: streamx run --data {self.out} --model {self.model}"]),
         ]
 
     def _retried_when(self) -> str:
@@ -208,7 +212,8 @@ def open_engine(cfg: RegenerateConfig) -> tuple[Endpoints | LocalEngine, str]:
     """The endpoints, or the model in this process, and where it runs (for the summary)."""
     sampling = Sampling(cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.thinking)
     if cfg.endpoint:
-        engine = Endpoints(cfg.endpoint, sampling, cfg.timeout, cfg.retries, cfg.return_token_ids, cfg.model)
+        engine = Endpoints(cfg.endpoint, sampling, cfg.timeout, cfg.retries, cfg.return_token_ids, cfg.model,
+                           api_key=os.environ.get(cfg.api_key_env), api_key_env=cfg.api_key_env)
         return engine, ", ".join(engine.urls)
     local = LocalEngine(cfg.model or EMBEDDED_MODEL, sampling, cfg.device, cfg.dtype)
     return local, f"in-process, {local.info.device}"

@@ -23,13 +23,13 @@ from .format import (
     make_layout,
     storage_named,
 )
-from .prepare import Output, OwnedPart, RunStore, open_for_run, prepare
-from .reader import DoneKeys, RowSet, SampleIndex, Store, StoredSample, open_store, to_json
+from .prepare import Output, OwnedPart, RunStore, check_compatible, open_for_run, prepare
+from .reader import Completeness, DoneKeys, RowSet, SampleIndex, Store, StoredSample, open_store, to_json
 from .space import SpaceGuard, free_bytes
 
 __all__ = [
-    "BF16", "FP8_STORAGE", "PARTS", "STORAGES", "Commit", "Compat", "DoneKeys", "Layout", "Output", "OwnedPart",
-    "RowSet", "RunStore", "SampleIndex", "SpaceGuard", "Storage", "Store", "StoreError", "StoreMetadata",
-    "StoredSample", "bf16_to_bits", "create_part", "free_bytes", "make_layout", "open_for_run", "open_store",
-    "prepare", "storage_named", "to_json",
+    "BF16", "FP8_STORAGE", "PARTS", "STORAGES", "Commit", "Compat", "Completeness", "DoneKeys", "Layout", "Output",
+    "OwnedPart", "RowSet", "RunStore", "SampleIndex", "SpaceGuard", "Storage", "Store", "StoreError", "StoreMetadata",
+    "StoredSample", "bf16_to_bits", "check_compatible", "create_part", "free_bytes", "make_layout", "open_for_run",
+    "open_store", "prepare", "storage_named", "to_json",
 ]

@@ -24,6 +24,7 @@ Format streamx-store/2 added fp8 storage; /1 stores (bf16 only) are read and res
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any
@@ -160,7 +161,9 @@ class Compat:
     skip_duplicates: bool = False  # a resume must not mix kept repeats with left-out ones
     data_fingerprint: str = ""  # data.provenance.fingerprint: the same bytes wherever they lie ("": not local)
 
-    def differences(self, theirs: dict[str, Any]) -> list[str]:
+    def differences(self, theirs: dict[str, Any], unknown: Collection[str] = ()) -> list[str]:
+        """What differs from a store's record `theirs`, one "field: store has X, this run Y" each; the fields in
+        `unknown` are not compared (not known yet: a check before the model loads)."""
         ours = asdict(self)
         # records from before fp8 storage, packing, --skip-duplicates and data fingerprints
         theirs = {"storage": BF16.name, "packing": "off", "skip_duplicates": False, "data_fingerprint": "", **theirs}
@@ -169,7 +172,7 @@ class Compat:
         else:
             theirs, ours = {**theirs, "data_fingerprint": None}, {**ours, "data_fingerprint": None}
         return [f"{k}: store has {theirs.get(k)!r}, this run {ours.get(k)!r}"
-                for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+                for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k) and k not in unknown]
 
 
 @dataclass(frozen=True)
@@ -270,6 +273,7 @@ class Commit:
     reject_counts: dict[str, int] = field(default_factory=dict)
     reject_examples: dict[str, str] = field(default_factory=dict)  # one example per reason
     closed: bool = False  # set by a close() at the end of the data; False: interrupted (killed, or stopped by a signal)
+    source_rows: int | None = None  # the data's rows (up to --max-samples), recorded by that close (streamx >= 0.4)
     updated: str | None = None
     writer: dict[str, Any] | None = None  # who made this commit: {"id", "host", "pid"} (pipeline.writer's fencing)
 

@@ -9,8 +9,10 @@ banner, the output check and the free-space check), and once when it opens the s
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import zarr
@@ -20,7 +22,17 @@ from ..base import durable
 from ..base.durable import DurableLocalStore
 from ..base.location import local_path, zarr_path
 from ..base.locks import Lock, is_lock, lock_file
-from .format import PARTS, Commit, Layout, StoreError, StoreMetadata, committed_parts, create_part, part_is_complete
+from .format import (
+    PARTS,
+    Commit,
+    Compat,
+    Layout,
+    StoreError,
+    StoreMetadata,
+    committed_parts,
+    create_part,
+    part_is_complete,
+)
 from .reader import DoneKeys, RowSet, Store
 
 
@@ -51,11 +63,14 @@ class Output:
     path: str
     is_store: bool
     commits: tuple[Commit, ...] = ()
+    compat: dict[str, Any] = field(default_factory=dict)  # the store's compat record (Compat)
 
     @classmethod
     def read(cls, path: str) -> Output:
         root = _open_group(path, "r")
-        return cls(path, False) if root is None else cls(path, True, tuple(part_commits(root).values()))
+        if root is None:
+            return cls(path, False)
+        return cls(path, True, tuple(part_commits(root).values()), dict(root.attrs["streamx"].get("compat", {})))
 
     @property
     def committed_rows(self) -> int:
@@ -133,8 +148,13 @@ def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> zarr
 
 
 def _check_compatible(root: zarr.Group, path: str, metadata: StoreMetadata) -> None:
-    theirs = root.attrs["streamx"].get("compat", {})
-    differences = metadata.compat.differences(theirs)
+    check_compatible(root.attrs["streamx"].get("compat", {}), path, metadata.compat)
+
+
+def check_compatible(theirs: dict[str, Any], path: str, compat: Compat, unknown: Collection[str] = ()) -> None:
+    """Refuse to resume the store at `path`, whose compat record is `theirs`, with a run of `compat` (`unknown`:
+    fields not compared, as before the model loads), naming each difference."""
+    differences = compat.differences(theirs, unknown)
     if differences:
         # e.g. a hybrid model's store from before its linear-attention layers could pack
         resume = f", --packing {theirs.get('packing', 'off')} to resume it" if differences[0].startswith("packing:") \

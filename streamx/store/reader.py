@@ -91,6 +91,34 @@ class DoneKeys:
         return self.keys[i:j]
 
 
+@dataclass(frozen=True)
+class Completeness:
+    """Whether a store holds every row of its data: each part closed by a run that reached the end of its share,
+    and every source row a sample or a reject in some part."""
+
+    open_parts: list[str]  # interrupted (killed, or stopped by a signal) and not yet resumed to the end
+    half_made: list[str]  # left half-created by a killed run: nothing in them is committed
+    source_rows: int | None  # the data's rows, as the closing runs recorded them (None: no part closed yet)
+    missing_rows: np.ndarray  # rows of the data in no part, ascending
+
+    @property
+    def complete(self) -> bool:
+        return self.source_rows is not None and not (self.open_parts or self.half_made or self.missing_rows.size)
+
+    def problems(self) -> list[str]:
+        """One line per reason it is not complete."""
+        out = [f"part {name} is open: its run was interrupted before the end of its rows" for name in self.open_parts]
+        out += [f"part {name} was left half-created by a killed run" for name in self.half_made]
+        if self.missing_rows.size:
+            shown = ", ".join(str(int(r)) for r in self.missing_rows[:10])
+            more = f" and {self.missing_rows.size - 10:,} more" if self.missing_rows.size > 10 else ""
+            out.append(f"{self.missing_rows.size:,} of the data's {self.source_rows:,} rows are in no part: "
+                       f"rows {shown}{more}")
+        if self.source_rows is None and not (self.open_parts or self.half_made):
+            out.append("no part has been written yet")
+        return out
+
+
 class Store:
     """Read API over a store: samples by source row, counts, rejects, metadata."""
 
@@ -224,6 +252,19 @@ class Store:
         rejects = [part["reject_row_id"][: self.commits[name].rejects] for name, part in self.parts.items()]
         return RowSet(np.concatenate([self.index.rows, *rejects]))
 
+    def completeness(self) -> Completeness:
+        """Which parts are still open and which of the data's rows no part holds (`convert` refuses a store that
+        is not complete, `verify` fails it). Parts closed before streamx recorded the data's rows count up to
+        the last row they hold."""
+        recorded = [c.source_rows for c in self.commits.values() if c.closed and c.source_rows is not None]
+        done = self.done_row_ids().bits
+        closed = any(c.closed for c in self.commits.values())
+        source_rows = max(recorded) if recorded else (done.size if closed else None)
+        expected = np.ones(source_rows or 0, dtype=bool)
+        expected[: min(done.size, expected.size)] &= ~done[: expected.size]
+        return Completeness([name for name, c in self.commits.items() if not c.closed], list(self.incomplete_parts),
+                            source_rows, np.flatnonzero(expected))
+
     def summary(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
         examples: dict[str, str] = {}
@@ -280,6 +321,11 @@ class Store:
         for name in self.incomplete_parts:
             lines.append(f"part         {name}: being created, or left half-created by a killed run (nothing in it "
                          "is committed; re-run the same command to resume)")
+        state = self.completeness()
+        problems = state.problems()
+        lines.append(f"complete     yes: all {state.source_rows:,} rows of the data" if state.complete else
+                     f"complete     NO: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+                     + "; convert refuses it without --allow-partial")
         return lines
 
 

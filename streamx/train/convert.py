@@ -33,11 +33,11 @@ from tqdm import tqdm
 from ..base.durable import write_file
 from ..base.location import local_path
 from ..base.locks import Lock, lock_file
-from ..config import check_layer_ids, resolve_layer_ids
+from ..config import check_layer_ids, resolve_layer_ids, untrainable_layers
 from ..store import STORAGES, Storage, Store, StoredSample, open_store
 from . import files, folder
 from .folder import FROM_STORE, HS_DIR, META, STORE_ROWS, WORK
-from .meta import folder_meta, train_commands
+from .meta import NAMES, draft_layer_ids, folder_meta, train_commands
 
 FORMATS = ("speculators",)
 BLOCK_ROWS = 1024  # resume granularity: an interrupted convert re-reads at most this many rows
@@ -56,9 +56,10 @@ class ConvertSummary:
     skipped: dict[str, int]  # reason -> rows left out
     kept_files: int  # hs files an earlier, interrupted convert had already written
     seconds: float
-    commands: dict[str, list[str]]  # algorithm -> `speculators train` argv
+    commands: dict[str, list[str]]  # algorithm -> `speculators train` argv, for the drafts the store's ids suit
     verifier: dict[str, Any]  # the store's model record: what --verifier-name-or-path must load
     already_complete: bool = False
+    unsuited: dict[str, str] = field(default_factory=dict)  # algorithm -> why not, and what to extract for it
 
     def lines(self, store: str) -> list[str]:
         """What `streamx convert` prints: the rows written, and the `speculators train` commands to run."""
@@ -69,7 +70,10 @@ class ConvertSummary:
         return [
             f"{self.rows:,} rows ({self.tokens:,} tokens, {self.trainable_tokens:,} trainable) in {self.out} "
             f"({self.seconds:.0f} s); skipped {skipped}{kept}",
-            "train an EAGLE-3 draft:", f"  {commands['eagle3']}", "or a DFlash draft:", f"  {commands['dflash']}",
+            *(line for i, (algo, command) in enumerate(commands.items())
+              for line in (f"{'train' if i == 0 else 'or'} {'an' if algo == 'eagle3' else 'a'} {NAMES[algo]} draft:",
+                           f"  {command}")),
+            *(f"no {NAMES[algo]} command: {why}" for algo, why in self.unsuited.items()),
             "(add --draft-vocab-size N for a reduced draft vocabulary counted in token_freq.pt; these commands are "
             f"saved in {self.out}/{META})",
             f"speculators loads the verifier {v['path']} (the model the store was made with, {v['model']}): it must "
@@ -98,14 +102,11 @@ def check_store(store: Store) -> list[int]:
     if meta.layer_convention != "speculators" or not meta.last_id_is_pre_norm:
         raise ConvertError(f"{store.path} does not use the speculators layer convention with id {L} before the "
                            f"final norm; re-run `streamx run` with this streamx into a new --out")
-    if L not in ids:
-        raise ConvertError(f"{store.path} has layer ids {ids} without {L} (the last layer's output before the final "
-                           f"norm), which speculators needs as the last slot to recompute the verifier's logits; "
-                           f"re-run `streamx run --layers {','.join(map(str, aux + [L]))}` (or --layers eagle3 = "
-                           f"{eagle3}) into a new --out")
-    if not aux:
-        raise ConvertError(f"{store.path} has only layer id {L}; EAGLE-3 and DFlash drafts need auxiliary layers "
-                           f"below it: re-run `streamx run --layers eagle3` (= {eagle3}) or --layers dflash")
+    problem = untrainable_layers(ids, L)
+    if problem:
+        fix = f"--layers {','.join(map(str, aux + [L]))} (or --layers eagle3 = {eagle3})" if aux else \
+            f"--layers eagle3 (= {eagle3}) or --layers dflash"
+        raise ConvertError(f"{store.path}: {problem}; re-run `streamx run {fix}` into a new --out")
     try:
         check_layer_ids(ids, L)
     except ValueError as err:
@@ -123,20 +124,24 @@ def training_order(row_ids: np.ndarray, seed: int) -> np.ndarray:
 
 def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, workers: int = 4,
             block_rows: int = BLOCK_ROWS, progress: bool = True, log: Callable[[str], None] = print,
-            allow_random_weights: bool = False, hidden_states: str | None = None) -> ConvertSummary:
+            allow_random_weights: bool = False, hidden_states: str | None = None,
+            allow_partial: bool = False) -> ConvertSummary:
     """Write the speculators training data for `store_path` into `out`; re-running resumes an interrupted convert.
+    An unfinished store (a part still open, rows of its data missing: `Store.completeness`) is refused unless
+    `allow_partial`.
     `hidden_states` is the files' dtype, bf16 or fp8 (speculators' fp8 backend), by default the store's storage;
     or `store`: no hs files, speculators reads the store itself (streamx.speculators_backend). One convert at a
     time writes `out`: a second one is refused at once (streamx.base.locks)."""
     with Lock(lock_file(out), f"the convert folder {out}"):
         return _convert(store_path, out, seed, overwrite, workers, block_rows, progress, log, allow_random_weights,
-                        hidden_states)
+                        hidden_states, allow_partial)
 
 
 def _convert(store_path: str, out: str, seed: int, overwrite: bool, workers: int, block_rows: int, progress: bool,
-             log: Callable[[str], None], allow_random_weights: bool, hidden_states: str | None) -> ConvertSummary:
+             log: Callable[[str], None], allow_random_weights: bool, hidden_states: str | None,
+             allow_partial: bool) -> ConvertSummary:
     started = time.perf_counter()
-    store, aux, files_as = _open_source(store_path, out, hidden_states, allow_random_weights)
+    store, aux, files_as = _open_source(store_path, out, hidden_states, allow_random_weights, allow_partial, log)
     all_rows = store.row_ids()
     order = training_order(all_rows, seed)
     identity = _identity(store, order, seed, block_rows, files_as)
@@ -155,13 +160,17 @@ def _convert(store_path: str, out: str, seed: int, overwrite: bool, workers: int
     return _summary(meta, out, kept, time.perf_counter() - started)
 
 
-def _open_source(store_path: str, out: str, hidden_states: str | None, allow_random_weights: bool
-                 ) -> tuple[Store, list[int], Storage | None]:
+def _open_source(store_path: str, out: str, hidden_states: str | None, allow_random_weights: bool,
+                 allow_partial: bool, log: Callable[[str], None]) -> tuple[Store, list[int], Storage | None]:
     """The store, the --target-layer-ids it serves (all but L), and the hs files' storage (None: no files, the
     store is read in training); raises ConvertError for what convert refuses."""
     local = local_path(store_path)
     if local is not None and local.resolve().is_relative_to(Path(out).resolve()):
         raise ConvertError(f"--out {out} holds the store {store_path} itself; choose another folder")
+    if local is not None and (local / META).is_file():
+        source = json.loads((local / META).read_text()).get("source", {}).get("store", "?")
+        raise ConvertError(f"{store_path} is a folder `streamx convert` wrote (speculators training data), not a "
+                           f"store; it was converted from {source}")
     store = open_store(store_path)
     aux = check_store(store)
     name = hidden_states or store.metadata.storage
@@ -170,6 +179,13 @@ def _open_source(store_path: str, out: str, hidden_states: str | None, allow_ran
     if store.metadata.random_weights and not allow_random_weights:
         raise ConvertError(f"{store_path} was made with --random-weights: its states train nothing; "
                            "pass --allow-random-weights to convert it anyway")
+    state = store.completeness()
+    if not state.complete:
+        problem = state.problems()[0]
+        if not allow_partial:
+            raise ConvertError(f"{store_path} is unfinished: {problem}; re-run the same `streamx run` to finish it, "
+                               f"or pass --allow-partial to convert the {len(store):,} samples it holds")
+        log(f"converting an unfinished store (--allow-partial): {problem}")
     if not len(store):
         raise ConvertError(f"{store_path} has no committed samples")
     return store, aux, None if name == FROM_STORE else STORAGES[name]
@@ -225,8 +241,9 @@ def _finish(store: Store, out_dir: Path, blocks: list[Path], all_rows: np.ndarra
     write_file(out_dir / "token_freq.pt", lambda tmp: tmp.write_bytes(files.token_freq(read_blocks())))
     rows = np.concatenate([b.rows for b in read_blocks()])  # which store sample each training row is
     write_file(out_dir / STORE_ROWS, lambda tmp: _save_npy(tmp, rows.astype("<i8")))
-    commands = train_commands(str(out_dir.resolve()), store.metadata.model["path"], aux, files_as)
-    meta = folder_meta(store, identity, aux, totals, skipped, commands)
+    suited, unsuited = draft_layer_ids(aux, store.metadata.num_layers, files=files_as is not None)
+    commands = train_commands(str(out_dir.resolve()), store.metadata.model["path"], suited, files_as)
+    meta = folder_meta(store, identity, aux, totals, skipped, commands, unsuited)
     write_file(out_dir / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
     shutil.rmtree(out_dir / WORK)
     return meta, skipped
@@ -378,5 +395,6 @@ def _summary(meta: dict[str, Any], out: str, kept: int, seconds: float,
     c = meta["counts"]
     return ConvertSummary(out=out, rows=c["rows"], tokens=c["tokens"], trainable_tokens=c["trainable_tokens"],
                           skipped=dict(meta["skipped"]), kept_files=kept, seconds=seconds,
-                          commands=meta["speculators_train_argv"], verifier=meta["model"],
+                          commands=meta["speculators_train_argv"], unsuited=meta.get("drafts_not_served", {}),
+                          verifier=meta["model"],
                           already_complete=already_complete)

@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import __version__
 from ..base.location import local_path
+from ..config import resolve_layer_ids
 from ..store import BF16, Storage, Store
 from .folder import FROM_STORE
 
@@ -27,23 +28,44 @@ ALGORITHMS = ("eagle3", "dflash")  # both read this data as is (EAGLE-3 shifts a
 SKIP_EXAMPLES = 20  # skipped rows listed by id in the meta (all are counted)
 
 
-def train_commands(out: str, verifier: str, target_layer_ids: list[int], files: Storage | None = BF16
+NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
+
+
+def draft_layer_ids(aux: list[int], num_layers: int, files: bool) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Which drafts a store of auxiliary ids `aux` suits, each with the --target-layer-ids to train it with, and
+    for each other draft what to extract instead. A draft is suited when the store holds its preset's ids
+    (`streamx run --layers eagle3|dflash`): from the store itself it reads those alone, from hs files (which
+    hold every stored id) all of them. Ids that hold neither preset are the user's own choice: both drafts."""
+    presets = {algo: resolve_layer_ids(algo, num_layers)[:-1] for algo in ALGORITHMS}
+    held = [algo for algo, ids in presets.items() if set(ids) <= set(aux)]
+    if not held:
+        return {algo: aux for algo in ALGORITHMS}, {}
+    union = ",".join(map(str, sorted({num_layers, *(i for ids in presets.values() for i in ids)})))
+    suited = {algo: aux if files else presets[algo] for algo in held}
+    others = {algo: f"the store lacks a {NAMES[algo]} draft's ids {presets[algo]}: extract them with `streamx run "
+                    f"--layers {algo}` into another store, or once the union of both presets (--layers {union}) and "
+                    "convert it with --hidden-states store, which gives each draft its own ids"
+              for algo in ALGORITHMS if algo not in held}
+    return suited, others
+
+
+def train_commands(out: str, verifier: str, target_layer_ids: dict[str, list[int]], files: Storage | None = BF16
                    ) -> dict[str, list[str]]:
-    """`speculators train` argv per algorithm: --on-missing raise (the default, generate, calls a vLLM server);
-    fp8 files need the fp8 hidden-states backend, which dequantises them to bf16 as it loads; with no files
-    (`files` None), speculators' own train CLI with the streamx backend registered reads the store."""
+    """`speculators train` argv for each algorithm of `target_layer_ids` (its ids): --on-missing raise (the
+    default, generate, calls a vLLM server); fp8 files need the fp8 hidden-states backend, which dequantises them
+    to bf16 as it loads; with no files (`files` None), speculators' own train CLI with the streamx backend
+    registered reads the store."""
     launcher = ["speculators", "train"] if files is not None else ["python", "-m", "streamx.speculators_backend"]
-    base = [*launcher, "--data-path", out, "--verifier-name-or-path", verifier, "--on-missing", "raise",
-            "--target-layer-ids", *map(str, target_layer_ids)]
-    if files is None:
-        base += ["--hidden-states-backend", BACKEND]
-    elif files.scaled:
-        base += ["--hidden-states-backend", files.name]  # speculators' backend is named after the storage: fp8
-    return {algo: [*base, "--speculator-type", algo] for algo in ALGORITHMS}
+    backend = ["--hidden-states-backend", BACKEND] if files is None else \
+        ["--hidden-states-backend", files.name] if files.scaled else []  # speculators' fp8 backend is named fp8
+    return {algo: [*launcher, "--data-path", out, "--verifier-name-or-path", verifier, "--on-missing", "raise",
+                   "--target-layer-ids", *map(str, ids), *backend, "--speculator-type", algo]
+            for algo, ids in target_layer_ids.items()}
 
 
 def folder_meta(store: Store, identity: dict[str, Any], aux: list[int], totals: dict[str, int],
-          skipped: list[tuple[int, str]], commands: dict[str, list[str]]) -> dict[str, Any]:
+                skipped: list[tuple[int, str]], commands: dict[str, list[str]], unsuited: dict[str, str]
+                ) -> dict[str, Any]:
     m, summary = store.metadata, store.summary()
     return {
         "format": "speculators",
@@ -68,6 +90,7 @@ def folder_meta(store: Store, identity: dict[str, Any], aux: list[int], totals: 
         "skipped_examples": [{"row_id": r, "reason": why} for r, why in skipped[:SKIP_EXAMPLES]],
         "speculators_train": {algo: shlex.join(argv) for algo, argv in commands.items()},
         "speculators_train_argv": commands,
+        "drafts_not_served": unsuited,  # algorithm -> why this store's ids do not suit it, and what to extract
         "identity": identity,
     }
 

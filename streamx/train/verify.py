@@ -1,8 +1,9 @@
 """`streamx verify`: prove a finished store right before a drafter trains on it.
 
-Structural checks read the whole store without the model (`--no-model` stops there): commit records
-against array sizes, sample offsets and lengths, duplicate rows, token ids against the vocabulary,
-loss masks, and every slot of every sample finite and neither all zero nor constant. The model check
+Structural checks read the whole store without the model (`--no-model` stops there): completeness (every
+part closed, every row of the data in the store), commit records against array sizes, sample offsets and
+lengths, duplicate rows, token ids against the vocabulary, loss masks, and every slot of every sample
+finite and neither all zero nor constant. The model check
 recomputes a few samples (stratified by length, always the longest) one at a time, unbatched and
 unpadded, through transformers' `output_hidden_states` (ids < L) and the last layer's output before
 the final norm (id L), and compares each slot with what is stored. A mismatch is named when it looks
@@ -81,6 +82,17 @@ def check_commits(store: Store) -> Check:
                 problems.append(f"{name}/{array}: {size:,} entries, the commit says {need:,}")
     return _check("commits", problems, f"{len(store.parts)} part(s) agree with their commit records",
                   len(store.parts), "parts disagree")
+
+
+def check_complete(store: Store) -> Check:
+    """Every part closed by a run that reached the end of its rows, and every row of the data in some part."""
+    state = store.completeness()
+    if state.complete:
+        return Check("complete", True, f"every part closed; all {state.source_rows:,} rows of the data are samples "
+                     "or rejects")
+    problems = state.problems()
+    return Check("complete", False, "unfinished: " + problems[0] + (f" (+{len(problems) - 1} more)" if len(problems)
+                 > 1 else "") + "; re-run the same `streamx run` to finish it", problems)
 
 
 def check_index(store: Store) -> Check:
@@ -364,7 +376,8 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
         vocab_size = read_text_config(meta.model["path"]).vocab_size
     except Exception:  # noqa: BLE001 - the model's config is not here: the ids are checked for sign only
         vocab_size = None
-    checks = [check_commits(store), check_index(store), check_rows(store), *check_values(store, vocab_size)]
+    checks = [check_complete(store), check_commits(store), check_index(store), check_rows(store),
+              *check_values(store, vocab_size)]
     if use_model:
         if meta.random_weights:
             raise StoreError(f"{path} was made with --random-weights: there are no weights to check it against; "
