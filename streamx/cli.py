@@ -92,6 +92,20 @@ def _fail(err: BaseException) -> None:
     raise typer.Exit(128 + err.signal.value if isinstance(err, Interrupted) else 1)
 
 
+def _version(show: bool) -> None:
+    if show:
+        from . import __version__
+        typer.echo(f"streamx {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print streamx's version and exit.")) -> None:
+    """Stream a causal LM's selected hidden states over a chat dataset into a Zarr store for speculative-decoding
+    drafter training."""
+
+
 def _this_command() -> str:
     """The command line this process was started with, as the user types it again to resume."""
     return shlex.join(["streamx", *sys.argv[1:]])
@@ -183,7 +197,7 @@ def plan(
 
 @app.command()
 def inspect(
-    store: str = typer.Argument(..., help="Store path."),
+    store: str = typer.Argument(..., metavar="STORE", help="Store path."),
     as_json: bool = typer.Option(False, "--json", help="Print the full summary and metadata as JSON."),
 ) -> None:
     """Show what a store holds: model, layers, counts, sizes, reject reasons."""
@@ -199,13 +213,15 @@ def inspect(
 
 @app.command()
 def verify(
-    store: str = typer.Argument(..., help="Store path, or a folder `streamx convert` wrote."),
+    store: str = typer.Argument(..., metavar="STORE|DIR", help="Store path, or a folder `streamx convert` wrote."),
     samples: int = typer.Option(32, help="Samples recomputed alone with the model, spread over the lengths (the "
                                 "longest always among them)."),
     seed: int = typer.Option(0, help="Seed of that choice."),
     device: str = typer.Option("auto", help="Where the model runs: auto, cpu, cuda, cuda:N."),
     model: bool = typer.Option(True, "--model/--no-model", help="--no-model: only the structural checks, which "
                                "read the whole store but no weights."),
+    speculators: bool = typer.Option(False, "--speculators", help="A convert folder only, in the environment "
+                                     "that trains: speculators' own loaders read a batch of each draft, on the CPU."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Check a finished store before training on it: its structure over every sample, and a few samples
@@ -214,7 +230,7 @@ def verify(
 
     try:
         report = run_verify(store, samples=samples, seed=seed, device=device, use_model=model,
-                            log=_quiet if as_json else _log)
+                            log=_quiet if as_json else _log, speculators=speculators)
     except (Exception, Interrupted) as err:  # noqa: BLE001
         _fail(err)
     typer.echo(json.dumps(report.to_json(), indent=2) if as_json else "\n".join(report.lines()))
@@ -223,9 +239,10 @@ def verify(
 
 @app.command()
 def convert(
-    store: str = typer.Argument(..., help="Store path; a store written by several processes converts as one."),
-    out: str = typer.Option(..., "--out", help="Output directory, the `speculators train --data-path`. Re-running "
-                            "resumes."),
+    store: str = typer.Argument(..., metavar="STORE", help="Store path; a store written by several processes "
+                                "converts as one."),
+    out: str = typer.Option(..., "--out", metavar="DIR", help="Output directory, the `speculators train "
+                            "--data-path`. Re-running resumes."),
     fmt: Literal["speculators"] = typer.Option("speculators", "--format", help="Output format: speculators (Arrow "
                                                "rows + hs_{i}.safetensors)."),
     seed: int = typer.Option(0, help="Row shuffle seed (speculators validates on the last rows)."),

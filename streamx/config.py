@@ -154,6 +154,9 @@ class RegenerateConfig:
                        "file of the same settings is resumed: rows already in it are not generated again.")
     overwrite: bool = setting(False, "Delete an existing output of streamx regenerate (and its side files) and "
                               "start over; a file streamx did not write is never deleted.")
+    skip_duplicates: bool = setting(False, "Leave out rows whose prompt (every message but the assistant turns to "
+                                    "generate, and the tools) repeats an earlier row's: a greedy target answers them "
+                                    "alike. Reported, and listed in OUT.errors.jsonl as duplicate_prompt.")
     retry_errors: bool = setting(False, "Try again the rows an earlier run could not regenerate for a reason of "
                                  "their own (their data, a prompt too long): by default a rerun passes them over. "
                                  "Rows that failed for a server error or a timeout are always tried again.")

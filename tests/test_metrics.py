@@ -2,16 +2,29 @@
 
 import queue
 
+import streamx.pipeline.metrics as metrics
 from streamx.pipeline.metrics import QueueFill, Throughput
 
 
-def test_eta_comes_from_tokens_not_rows():
-    # 100 rows tokenized at 10 tokens each: 200 rows are ~2,000 tokens; 500 done in 5 s -> 15 s to go,
-    # although 150 of 200 rows are done (short rows first, as a length-sorted window runs them)
-    counts = Throughput(tokenized_rows=100, tokenized_tokens=1000, rows=150, real_tokens=500)
-    assert counts.eta_seconds(total_rows=200, elapsed=5.0) == 15.0
-    assert Throughput().eta_seconds(total_rows=200, elapsed=5.0) is None  # nothing measured yet
-    assert counts.eta_seconds(total_rows=None, elapsed=5.0) is None  # a streamed source: no total
+def test_eta_comes_from_tokens_and_the_rate_since_the_first_batch(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    counts = Throughput()
+    assert counts.status(200, elapsed=1.0) == "starting: tokenizing the first window of rows, then the first " \
+        "forward pass"  # not "0 tok/s"
+    counts.tokenized(100, 1000)
+    assert counts.status(200, elapsed=2.0) == "starting: the first forward pass"
+    assert counts.eta_seconds(200, elapsed=2.0) is None  # nothing measured yet
+    counts.forwarded(10, 100, 100)  # the first batch, 30 s in: it paid for the tokenizing and the warm-up
+    clock[0] = 105.0
+    counts.forwarded(140, 400, 400)  # 400 tokens in the 5 s since: 80 tokens/s (not 500 in 35 s)
+    assert counts.tokens_per_s(elapsed=35.0) == 80.0
+    # 100 rows tokenized at 10 tokens each: 200 rows are ~2,000 tokens, 1,500 to go, although 150 of 200 rows
+    # are done (short rows first, as a length-sorted window runs them)
+    assert counts.eta_seconds(total_rows=200, elapsed=35.0) == 1500 / 80
+    assert counts.eta_seconds(total_rows=None, elapsed=35.0) is None  # a streamed source: no total
+    counts.tokens_to_go = 3000  # what the sizing pass counted over every row, when it ran
+    assert counts.eta_seconds(total_rows=None, elapsed=35.0) == 2500 / 80
 
 
 def test_queue_fill_is_the_mean_occupancy_its_consumer_sees():
@@ -34,7 +47,7 @@ def test_progress_redraws_between_batches():
 
     counts = Throughput()
     with Progress(counts, total_rows=10, desc="test", disable=False, interval=0.02, terminal=True) as progress:
-        counts.rows, counts.real_tokens, counts.padded_tokens = 3, 300, 400  # no call into the bar
+        counts.forwarded(3, 300, 400)  # no call into the bar
         deadline = time.time() + 5
         while "pad eff" not in str(progress.bar.postfix) and time.time() < deadline:
             time.sleep(0.01)
@@ -50,8 +63,8 @@ def test_progress_in_a_log_is_plain_status_lines(capsys):
 
     counts = Throughput()
     assert Progress(counts, total_rows=10, desc="test", disable=False, terminal=False).interval == 30.0
+    counts.forwarded(3, 300, 300)  # before the ticker starts: every line has a rate
     with Progress(counts, total_rows=10, desc="test", disable=False, interval=0.02, terminal=False):
-        counts.rows, counts.real_tokens = 3, 300
         time.sleep(0.2)
         counts.rows = 10
     err = capsys.readouterr().err

@@ -275,6 +275,36 @@ def test_a_server_that_needs_a_key_gets_it_from_the_environment_and_the_key_is_w
     assert len(written) > 4 and not [p for p in written if key.encode() in p.read_bytes()]
 
 
+def test_skip_duplicates_leaves_out_rows_that_ask_what_an_earlier_row_asked(tmp_path):
+    """Rows whose prompt (all but the assistant turns) repeats an earlier row's are not sent: the first of each
+    is; the others are listed as duplicate_prompt, reported, and stay done on a rerun, which agrees on which
+    came first."""
+    ask = lambda *users: {"messages": [m for u in users for m in ({"role": "user", "content": u},  # noqa: E731
+                                                                  {"role": "assistant", "content": f"old {u}"})]}
+    rows = [ask("hi"), ask("how are you"), ask("hi"), ask("hi", "and you"), ask("how are you"), ask("bye")]
+    rows[2]["messages"][1]["content"] = "another old answer"  # the same prompt with another answer: a repeat
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    server = ScriptedServer([(200, completion())])
+    out = tmp_path / "out.jsonl"
+    args = ["--data", str(data), "--endpoint", server.url, "--model", "m", "--out", str(out), "--skip-duplicates"]
+    try:
+        first = subprocess.run([sys.executable, "-m", "streamx", "regenerate", "--no-progress", *args], env=ENV,
+                               capture_output=True, text=True, timeout=300)
+        again = subprocess.run([sys.executable, "-m", "streamx", "regenerate", "--no-progress", *args], env=ENV,
+                               capture_output=True, text=True, timeout=300)
+    finally:
+        server.close()
+    assert first.returncode == 0 and again.returncode == 0, first.stderr + again.stderr
+    assert sorted(r["source_row"] for r in read_rows(out)) == [0, 1, 3, 5]
+    errors = [json.loads(line) for line in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
+    assert sorted((e["source_row"], e["reason"]) for e in errors) == [(2, "duplicate_prompt"), (4, "duplicate_prompt")]
+    assert len(server.bodies) == 5  # rows 0, 1, 3 (two turns) and 5; none for the repeats, none on the rerun
+    for proc in (first, again):
+        assert "skipped 2 rows whose prompt repeats an earlier row's (--skip-duplicates" in proc.stdout
+        assert "errors:" not in proc.stdout
+
+
 def test_a_kept_alive_connection_the_server_dropped_is_reopened_without_a_retry():
     server = ScriptedServer([(200, completion())], drop_idle_connections=True)
     try:

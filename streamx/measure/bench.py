@@ -32,6 +32,7 @@ from ..config import RunConfig
 from ..data.batching import Batch
 from ..data.tokenize import Sample
 from ..model.capture import find_decoder
+from ..model.load import library_bars
 from ..model.packing import padded_attention
 from ..pipeline.plan import RunPlan, make_plan
 from ..pipeline.runner import run
@@ -216,8 +217,7 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
     unknown = set(modes) - set(MODES)
     if unknown or "streamx" not in modes:
         raise ValueError(f"modes must include streamx and be among {', '.join(MODES)}; got {', '.join(modes)}")
-    if not progress:
-        transformers.utils.logging.disable_progress_bar()
+    library_bars(progress)
     plan = make_plan(config, log=log)  # what `streamx run` would do, loaded once for every mode
     if not plan.packing.on:  # the forward pass over padded batches is forward_only itself
         modes = tuple(m for m in modes if m != "forward_padded")

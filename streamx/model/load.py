@@ -13,12 +13,14 @@ import importlib.metadata
 import os
 import re
 import shutil
+import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from huggingface_hub import try_to_load_from_cache
 from transformers import (
     AutoConfig,
@@ -71,6 +73,13 @@ def cache_dir() -> Path:
 
 def resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def library_bars(shown: bool) -> None:
+    """transformers' own bars (its weights loading) only on a terminal, and only where ours show: in a log
+    file they are carriage-return junk."""
+    if not shown or not sys.stderr.isatty():
+        transformers.utils.logging.disable_progress_bar()
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:

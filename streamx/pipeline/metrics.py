@@ -63,20 +63,44 @@ class QueueFill:
 class Throughput:
     """Rows and tokens through a run: tokenized (the producer runs ahead) and through the forward pass."""
 
+    tokens_to_go: int | None = None  # the sizing pass's tokens for this run to write (None: not sized)
     tokenized_rows: int = 0
     tokenized_tokens: int = 0
     rows: int = 0  # samples and rejects past the model stage
     real_tokens: int = 0
     padded_tokens: int = 0
+    first_batch: tuple[float, int] | None = None  # (when, real tokens) once the first batch was through
 
     def tokenized(self, rows: int, tokens: int) -> None:
         """Count what the producer hands over: a batch's samples and tokens, or a reject (one row, no tokens)."""
         self.tokenized_rows += rows
         self.tokenized_tokens += tokens
 
+    def forwarded(self, rows: int, real_tokens: int, padded_tokens: int) -> None:
+        """Count a batch through the model stage."""
+        self.rows += rows
+        self.real_tokens += real_tokens
+        self.padded_tokens += padded_tokens
+        if self.first_batch is None:
+            self.first_batch = (time.perf_counter(), self.real_tokens)
+
+    def tokens_per_s(self, elapsed: float) -> float:
+        """The rate since the first batch (the first one also pays the first window's tokenizing and the
+        forward's warm-up), or over `elapsed` until a second batch is through."""
+        if self.first_batch is not None:
+            since, tokens = self.first_batch
+            seconds = time.perf_counter() - since
+            if self.real_tokens > tokens and seconds > 0:
+                return (self.real_tokens - tokens) / seconds
+        return self.real_tokens / elapsed
+
     def status(self, total_rows: int | None, elapsed: float) -> str:
-        """tokens/s, padding efficiency and ETA, as the progress bar's postfix."""
-        parts = [f"{self.real_tokens / elapsed:,.0f} tok/s"]
+        """tokens/s, padding efficiency and ETA, as the progress bar's postfix; what is happening until the
+        first batch is through."""
+        if self.first_batch is None:
+            return ("starting: tokenizing the first window of rows, then the first forward pass"
+                    if not self.tokenized_rows else "starting: the first forward pass")
+        parts = [f"{self.tokens_per_s(elapsed):,.0f} tok/s"]
         if self.padded_tokens:
             parts.append(f"pad eff {self.real_tokens / self.padded_tokens:.1%}")
         eta = self.eta_seconds(total_rows, elapsed)
@@ -85,9 +109,14 @@ class Throughput:
         return ", ".join(parts)
 
     def eta_seconds(self, total_rows: int | None, elapsed: float) -> float | None:
-        """Seconds left, from tokens rather than rows (a row costs its length, and length-sorted windows
-        make the per-row rate swing): the tokens to go are estimated from the rows tokenized so far."""
-        if not (total_rows and self.tokenized_rows and self.real_tokens and elapsed > 0):
+        """Seconds left, from tokens rather than rows (a row costs its length, and length-sorted windows make
+        the per-row rate swing): the tokens to go are the sizing pass's, else estimated from the rows
+        tokenized so far."""
+        rate = self.tokens_per_s(elapsed)
+        if self.tokens_to_go is not None:
+            expected = self.tokens_to_go
+        elif total_rows and self.tokenized_rows:
+            expected = self.tokenized_tokens / self.tokenized_rows * total_rows
+        else:
             return None
-        expected = self.tokenized_tokens / self.tokenized_rows * total_rows
-        return max(0.0, expected - self.real_tokens) / (self.real_tokens / elapsed)
+        return max(0.0, expected - self.real_tokens) / rate if rate > 0 else None

@@ -72,6 +72,7 @@ class RunPlan:
     layout: Layout
     metadata: StoreMetadata
     rows_seen: int = 0  # the source rows batch_stream has passed, owned by this rank or not
+    tokens_to_write: int | None = None  # the sizing pass's estimate for the whole run (None: not sized)
 
     @property
     def source_rows(self) -> int:
@@ -153,12 +154,13 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     source = open_source(config.data, config.split, config.max_samples)
     record = regenerated(config.data)
     check_regenerated(config, record, log if rank.is_main else lambda m: None)
+    tokens_to_write = None
     if rank.is_main or rank.independent:  # torchrun's other ranks would race rank 0 creating the store
         output = preflight(config, rank.device(config.device), log if rank.is_main else lambda m: None)
         if loaded is None and rank.is_main:
             announce(config, source, output, rank.device(config.device), log)
             if config.space_check:
-                check_space(config, source, output, log)
+                tokens_to_write = check_space(config, source, output, log)
     model, tokenizer, info = loaded or load_model(config.model, config.dtype, rank.device(config.device),
                                                   config.attn_implementation, config.device_map,
                                                   config.random_weights, config.tokenizer)
@@ -172,7 +174,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor,
                          config.storage)
     return RunPlan(config, rank, source, layer_ids, packing, model, tokenizer, info, builder, layout,
-                   store_metadata(config, info, builder, layer_ids, layout, packing))
+                   store_metadata(config, info, builder, layer_ids, layout, packing), tokens_to_write=tokens_to_write)
 
 
 def preflight(config: RunConfig, device: str, log: Callable[[str], None] = lambda m: None) -> Output:
@@ -251,17 +253,19 @@ def announce(config: RunConfig, source: Source, output: Output, device: str, log
             "flash-linear-attention is not installed (pip install fla-core)")
 
 
-def check_space(config: RunConfig, source: Source, output: Output, log: Callable[[str], None]) -> None:
+def check_space(config: RunConfig, source: Source, output: Output, log: Callable[[str], None]) -> int | None:
     """Size the store from the tokenized rows (streamx.pipeline.estimate) and refuse to start when the output
-    filesystem cannot hold what is left to write."""
+    filesystem cannot hold what is left to write. Returns the tokens left to write (for the ETA), or None
+    where nothing was sized."""
     free = free_bytes(config.out)
     if free is None or source.num_rows is None:
         log("  space   not checked: " + ("an object store" if free is None else "a stream of unknown length"))
-        return
+        return None
     plan = estimate(config, source)
     size = plan.sizes[config.storage]
     done = 0 if config.overwrite else output.committed_rows
-    needed = round(size.bytes * max(0, source.num_rows - done) / max(1, source.num_rows))
+    left = max(0, source.num_rows - done) / max(1, source.num_rows)
+    needed = round(size.bytes * left)
     if config.overwrite and Path(config.out).is_dir():  # the old store's bytes are freed first
         free += sum(f.stat().st_size for f in Path(config.out).rglob("*") if f.is_file())
     how = "" if plan.exact else f", estimated from {plan.sampled_rows:,} rows"
@@ -269,6 +273,7 @@ def check_space(config: RunConfig, source: Source, output: Output, log: Callable
     if free < needed:
         raise StoreError(f"{config.out}: its filesystem has {gb(free)} free and the store needs about {gb(needed)}; "
                          "free space, choose another --out, use --storage fp8, or pass --no-space-check")
+    return round(plan.tokens * left)
 
 
 def fla_installed() -> bool:

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import transformers
 
 from ..base.progress import Progress
 from ..base.threads import SignalStop, Stopped, Worker, first_error, get, put
@@ -28,6 +27,7 @@ from ..config import RunConfig
 from ..data.tokenize import Reject
 from ..model.capture import LayerCapture, sample_is_finite
 from ..model.gather import select_gather_fn
+from ..model.load import library_bars
 from ..model.transfer import HostTransfer
 from ..store import DoneKeys, OwnedPart, SpaceGuard, Store, open_for_run, prepare
 from .metrics import QueueFill, StageTimes, Throughput
@@ -111,7 +111,8 @@ class Pipeline:
         self.to_write: queue.Queue = queue.Queue(maxsize=cfg.queue_batches)
         self.times = StageTimes()
         self.fill = {"batches": QueueFill(self.batches), "to_write": QueueFill(self.to_write)}
-        self.counts = Throughput()
+        tokens_to_go = None if plan.tokens_to_write is None else -(-plan.tokens_to_write // plan.rank.world_size)
+        self.counts = Throughput(tokens_to_go)  # (about this rank's share)
 
     def produce(self) -> None:
         """Producer thread: this rank's batches (RunPlan.batch_stream), pinned on CUDA."""
@@ -159,9 +160,7 @@ class Pipeline:
                 with self.times.measure("d2h", device):
                     host = transfer.start(states, finite, scales)
                 put(self.to_write, CapturedBatch(item.samples, host), self.failed)
-                self.counts.rows += len(item.samples)
-                self.counts.real_tokens += item.num_tokens
-                self.counts.padded_tokens += item.padded_tokens
+                self.counts.forwarded(len(item.samples), item.num_tokens, item.padded_tokens)
         put(self.to_write, None, self.failed)
 
     def next_batch(self) -> Any:
@@ -212,8 +211,7 @@ def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str],
     loads. SIGINT and SIGTERM end it early with what was written committed (`RunSummary.stopped_by`), unless
     `wind_up_on_signals` is off (a caller that runs many short runs, as bench, lets Ctrl-C stop it at once)."""
     started = time.perf_counter()
-    if not progress:
-        transformers.utils.logging.disable_progress_bar()  # its weight-loading bar too
+    library_bars(progress)
     cfg, rank = (config.config, config.rank) if isinstance(config, RunPlan) else \
         (config, init_from_env(config.rank, config.world_size))
     with OwnedPart(cfg.out, rank.part_name) as part:

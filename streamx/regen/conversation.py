@@ -9,6 +9,7 @@ the engine gives token ids).
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Generator
 from dataclasses import dataclass
 
@@ -57,6 +58,27 @@ def plan_turns(record: dict | None) -> tuple[list[dict | None], list | None]:
         raise RowError("no_prompt", "nothing but a system prompt before the first assistant turn")
     tools = record.get("tools")
     return items, tools if isinstance(tools, list) and tools else None
+
+
+class PromptRepeats:
+    """Which rows ask what an earlier row asked (--skip-duplicates): every message but the assistant turns to be
+    generated, and the tools. Rows are passed in source order, done or not, so a resume agrees on which came
+    first. Memory: a 64-bit key and the first row id per distinct prompt."""
+
+    def __init__(self) -> None:
+        self.first: dict[int, int] = {}
+
+    def earlier(self, row: Row) -> int | None:
+        """The row id of the first row with this row's prompt, when that is another row; None otherwise (and for
+        a row that is not a conversation, which fails on its own)."""
+        try:
+            items, tools = plan_turns(row.record)
+        except RowError:
+            return None
+        text = json.dumps([items, tools], sort_keys=True, ensure_ascii=False)
+        key = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+        first = self.first.setdefault(key, row.row_id)
+        return first if first != row.row_id else None
 
 
 def turn_seed(seed: int, row_id: int, turn: int) -> int:

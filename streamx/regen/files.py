@@ -129,6 +129,7 @@ def _source_row(line: bytes) -> int | None:
 
 # reasons that may pass on another try; every other reason is the row's own data (or the settings) and fails again
 TRANSIENT_REASONS = ("server_error", "bad_response", "timeout")
+DUPLICATE = "duplicate_prompt"  # left out by --skip-duplicates: done, as a reason of the row's own
 
 
 class ErrorFile:

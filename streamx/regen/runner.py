@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,11 +33,12 @@ from ..base.progress import Progress
 from ..base.threads import SignalStop
 from ..config import RegenerateConfig
 from ..data.provenance import fingerprint
-from ..data.source import open_source
-from ..model.load import EMBEDDED_MODEL
-from .conversation import Regenerated
+from ..data.source import Row, open_source
+from ..model.load import EMBEDDED_MODEL, library_bars
+from .conversation import PromptRepeats, Regenerated
 from .engines import Endpoints, LocalEngine, RowError, Sampling
 from .files import (
+    DUPLICATE,
     TRANSIENT_REASONS,
     ErrorFile,
     RowFile,
@@ -65,20 +66,27 @@ class RegenerateSummary:
     rows_with_token_ids: int = 0
     turns_not_verbatim: int = 0
     errors: Counter = field(default_factory=Counter)  # reason -> rows, this run's
+    duplicates: int = 0  # rows left out by --skip-duplicates, this run's
     resumed_rows: int = 0
     recorded_errors: Counter = field(default_factory=Counter)  # reason -> rows an earlier run could not regenerate
+    recorded_duplicates: int = 0  # rows an earlier run left out by --skip-duplicates
     seconds: float = 0.0
     stopped_by: str | None = None
     started: float = field(default_factory=time.perf_counter, repr=False)
 
     @property
     def done(self) -> int:  # rows this run has finished, written or not (the progress bar's count)
-        return self.rows + sum(self.errors.values())
+        return self.rows + sum(self.errors.values()) + self.duplicates
 
     def add(self, outcome: Regenerated | RowError) -> None:
-        if isinstance(outcome, RowError):
+        if isinstance(outcome, RowError) and outcome.reason == DUPLICATE:
+            self.duplicates += 1
+        elif isinstance(outcome, RowError):
             self.errors[outcome.reason] += 1
-            return
+        else:
+            self._add_row(outcome)
+
+    def _add_row(self, outcome: Regenerated) -> None:
         turns = outcome.row["turns"]
         self.rows += 1
         self.turns += len(turns)
@@ -127,6 +135,9 @@ class RegenerateSummary:
                "mask, tokens_verbatim false)"] if self.rows_with_token_ids else []),
             *([f"errors: {sum(self.errors.values()):,} rows ({errors}), in {errors_file}; "
                + self._retried_when()] if self.errors else []),
+            *([f"skipped {self.duplicates + self.recorded_duplicates:,} rows whose prompt repeats an earlier row's "
+               f"(--skip-duplicates; listed in {errors_file} as {DUPLICATE})"]
+              if self.duplicates + self.recorded_duplicates else []),
             *([f"skipped {sum(self.recorded_errors.values()):,} rows an earlier run could not regenerate for a reason "
                f"of their own ({_counts(self.recorded_errors)}; in {errors_file}): --retry-errors tries them again"]
               if self.recorded_errors else []),
@@ -158,6 +169,7 @@ def _counts(counts: Counter) -> str:
 def regenerate(cfg: RegenerateConfig, progress: bool = True, log: Callable[[str], None] = print,
                wind_up_on_signals: bool = True) -> RegenerateSummary:
     """Regenerate every assistant turn of `cfg.data` with the target model into `cfg.out` (resuming it)."""
+    library_bars(progress)
     source = open_source(cfg.data, cfg.split, cfg.max_samples)
     out = Path(cfg.out)
     if out.is_dir():
@@ -179,9 +191,21 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True, log: Callable[[str]
         if rows.done:
             log(f"resuming {out}: {len(rows.done):,} rows already there")
         errors = ErrorFile(errors_path, cfg.retry_errors)  # the transient errors of the last run are tried again
+        recorded = Counter(errors.reasons)
         summary = RegenerateSummary(str(out), engine.model, where, resumed_rows=len(rows.done),
-                                    recorded_errors=errors.reasons)
-        todo = (row for row in source if row.row_id not in rows.done and row.row_id not in errors.done)
+                                    recorded_duplicates=recorded.pop(DUPLICATE, 0), recorded_errors=recorded)
+        repeats = PromptRepeats() if cfg.skip_duplicates else None
+
+        def todo() -> Iterator[Row]:
+            for row in source:
+                first = repeats.earlier(row) if repeats is not None else None  # every row: the first stays first
+                if row.row_id in rows.done or row.row_id in errors.done:
+                    continue
+                if first is not None:
+                    take(row.row_id, RowError(DUPLICATE, f"the same prompt as row {first} (--skip-duplicates)"))
+                else:
+                    yield row
+
         total = None if source.num_rows is None else max(0, source.num_rows - len(rows.done) - len(errors.done))
 
         def take(row_id: int, outcome: Regenerated | RowError) -> None:
@@ -194,7 +218,7 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True, log: Callable[[str]
         try:
             with Progress(_Done(summary), total, "streamx regenerate", disable=not progress), \
                     SignalStop(signalled, log, enabled=wind_up_on_signals) as signals:
-                left = schedule(todo, engine_steps(engine, cfg.concurrency), cfg, take, signalled)
+                left = schedule(todo(), engine_steps(engine, cfg.concurrency), cfg, take, signalled)
         except BaseException:
             log(summary.written())
             raise

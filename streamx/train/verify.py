@@ -13,8 +13,10 @@ final norm, or states that belong to another sample.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -359,17 +361,71 @@ def _same_states(f: dict[str, torch.Tensor], s: Any) -> bool:
     return same
 
 
+def check_speculators(folder: Path) -> Check:
+    """speculators' own data path, in this environment, on the CPU: for each draft the folder's commands name,
+    its train and val loaders built as `speculators train` builds them (config resolution, hidden-states backend,
+    EAGLE-3's shift) and one batch read: no missing row, the draft's states finite and of its width."""
+    try:
+        from hs_connectors import HiddenStatesBackend
+        from speculators.models.eagle3.data import shift_batch
+        from speculators.train.config import TrainConfig
+        from speculators.train.dataloader import create_train_val_loaders
+    except ImportError as err:
+        return Check("speculators", False, f"speculators is not importable here ({err}): run verify --speculators in "
+                     "the environment that trains (docs/speculators.md)")
+    meta = json.loads((folder / META).read_text())
+    problems, read = [], []
+    for algo, argv in meta["speculators_train_argv"].items():
+        if "streamx.speculators_backend" in argv:
+            import streamx.speculators_backend  # noqa: F401 - registers the backend, as that launcher does
+        args = TrainConfig.resolve([*argv[argv.index("--data-path"):], "--num-workers", "0"]).flatten()
+        ids = args["target_layer_ids"]
+        try:
+            transfer = HiddenStatesBackend.registry[args["hidden_states_backend"]].from_train_args(
+                argparse.Namespace(**args), args["data_path"])
+            train, _ = create_train_val_loaders(
+                data_path=args["data_path"], total_seq_len=args["total_seq_len"],
+                hidden_states_dtype=getattr(torch, args["hidden_states_dtype"]), transfer=transfer,
+                vllm_endpoint=args["vllm_endpoint"], on_missing="raise",
+                verifier_name_or_path=args["verifier_name_or_path"], request_timeout=args["request_timeout"],
+                max_retries=args["max_retries"], generation_validation_retries=args["generation_validation_retries"],
+                max_consecutive_generation_failures=args["max_consecutive_generation_failures"],
+                hidden_size=meta["hidden_size"], num_target_layers=len(ids), num_workers=0,
+                prefetch_factor=args["prefetch_factor"], preprocess=shift_batch if algo == "eagle3" else None,
+                train_data_ratio=args["train_data_ratio"], seed=args["seed"])
+            with warnings.catch_warnings():  # speculators asks for pinned memory, which a CPU cannot give
+                warnings.filterwarnings("ignore", message=".*pin_memory.*")
+                batch = next(iter(train))
+        except Exception as err:  # noqa: BLE001 - whatever speculators raises is the finding
+            problems.append(f"{algo}: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}")
+            continue
+        states, width = batch["hidden_states"], len(ids) * meta["hidden_size"]
+        if batch["error_records"]:
+            problems.append(f"{algo}: {int(batch['error_records'])} rows of the first batch dropped by the loader")
+        elif states.shape[-1] != width or not bool(torch.isfinite(states.float()).all()):
+            problems.append(f"{algo}: states of width {states.shape[-1]} (want {width}: {len(ids)} ids x "
+                            f"{meta['hidden_size']}), finite: {bool(torch.isfinite(states.float()).all())}")
+        else:
+            read.append(f"{algo} {int((batch['document_ids'] != -1).sum())} tokens")
+    return Check("speculators", not problems, "speculators' loaders read a batch: " + ", ".join(read) if not
+                 problems else f"{len(problems)} of {len(meta['speculators_train_argv'])} drafts fail", problems)
+
+
 def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", use_model: bool = True,
-           log: Callable[[str], None] = print) -> Report:
+           log: Callable[[str], None] = print, speculators: bool = False) -> Report:
     """Check the store at `path`, or a folder `streamx convert` wrote: its files against the store it came
-    from, then that store (docs/verify.md says what each failure means)."""
+    from (`speculators`: and speculators' own loaders reading it, where speculators is installed), then that
+    store (docs/verify.md says what each failure means)."""
     if (Path(path) / META).exists():
         source = json.loads((Path(path) / META).read_text())["source"]["store"]
         local = local_path(source)
         if local is not None and not local.exists():
             raise StoreError(f"{path} was converted from {source}, which is not there: verify needs that store")
         store_report = verify(source, samples, seed, device, use_model, log)
-        return Report(path, [check_files(Path(path), open_store(source)), *store_report.checks])
+        loaders = [check_speculators(Path(path))] if speculators else []
+        return Report(path, [check_files(Path(path), open_store(source)), *loaders, *store_report.checks])
+    if speculators:
+        raise StoreError(f"{path} is a store: --speculators checks a folder `streamx convert` wrote")
     store = open_store(path)
     meta = store.metadata
     try:
