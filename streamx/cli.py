@@ -198,14 +198,27 @@ def plan(
 @app.command()
 def inspect(
     store: str = typer.Argument(..., metavar="STORE", help="Store path."),
+    sample: Optional[int] = typer.Option(None, "--sample", metavar="ROW", help="Show source row ROW's sample: its "
+                                         "text with the trained spans marked «...», and each slot's RMS, min, max."),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE", help="Draw the sample lengths, the trained "
+                                        "share and the per-layer token norms into FILE (.png, .svg, or .html: one "
+                                        "page); needs matplotlib (the plot extra)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full summary and metadata as JSON."),
 ) -> None:
-    """Show what a store holds: model, layers, counts, sizes, reject reasons."""
+    """Show what a store holds: model, layers, counts, lengths, sizes, reject reasons, completeness; or one
+    sample (--sample), or a picture (--plot)."""
+    from .measure.look import plot_store, sample_lines, store_tokenizer
     from .store import open_store, to_json
 
     try:
         opened = open_store(store)
-        text = to_json(opened.summary()) if as_json else "\n".join(opened.describe())
+        if sample is not None:
+            text = "\n".join(sample_lines(opened, sample, store_tokenizer(opened)))
+        else:
+            text = to_json(opened.summary()) if as_json else "\n".join(opened.describe())
+        if plot is not None:
+            plot_store(opened, str(plot))
+            text += f"\npicture: {plot}"
     except (Exception, Interrupted) as err:  # noqa: BLE001
         _fail(err)
     typer.echo(text)
@@ -282,17 +295,21 @@ def bench(
     skip_naive: bool = typer.Option(False, "--skip-naive/--with-naive", help="Leave out the (slow) naive per-sample "
                                     "mode."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full report as JSON here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE", help="Also draw tokens/s per mode and the "
+                                        "stages' busy time into FILE (.png, .svg, or .html); needs matplotlib."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Print each round as it finishes."),
 ) -> None:
     """Measure streamx against the plain forward pass and the naive per-sample approach, in one process.
     Temporary stores go in the folder of --out, whose plain write speed is measured in the same run."""
     from .measure.bench import MODES, format_report
     from .measure.bench import bench as run_bench
+    from .measure.look import plot_bench
 
     modes = tuple(m for m in MODES if not (skip_naive and m == "naive"))
     _measure(lambda scratch: run_bench(cfg, rounds=rounds, progress=progress, log=_log if progress else _quiet,
                                        modes=modes, out_dir=scratch, warmup_rounds=warmup_rounds),
-             format_report, cfg.out, json_out)
+             format_report, cfg.out, json_out, draw=None if plot is None else lambda report: plot_bench(report,
+                                                                                                        str(plot)))
 
 
 @app.command("bench-writer")
@@ -326,8 +343,8 @@ def bench_writer(
 
 
 def _measure(measure: Callable[[str | None], dict[str, Any]], render: Callable[[dict[str, Any]], str], out: str,
-             json_out: Path | None) -> None:
-    """Run a benchmark in the folder of `out` (its scratch files go there), save and print its report."""
+             json_out: Path | None, draw: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """Run a benchmark in the folder of `out` (its scratch files go there), save, draw and print its report."""
     local = local_path(out)
     scratch = str(local.parent) if local is not None else None
     try:
@@ -336,6 +353,8 @@ def _measure(measure: Callable[[str | None], dict[str, Any]], render: Callable[[
         report = measure(scratch)
         if json_out is not None:
             json_out.write_text(json.dumps(report, indent=2))
+        if draw is not None:
+            draw(report)
     except (Exception, Interrupted) as err:  # noqa: BLE001
         _fail(err)
     typer.echo(render(report))

@@ -51,6 +51,12 @@ def test_bench_report(tiny_chat_model_dir, chat_jsonl, tmp_path):
     json.dumps(report)  # serialisable for --json
     text = format_report(report)
     assert "streamx / forward_only" in text and "forward pass, packed / padded batches = " in text
+    from streamx.measure.look import plot_bench  # --plot: the same report as a picture
+
+    plot_bench(report, str(tmp_path / "bench.png"))
+    plot_bench(report, str(tmp_path / "bench.html"))
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "data:image/svg+xml;base64," in (tmp_path / "bench.html").read_text()
 
 
 def test_warm_up_visits_every_batch_shape_before_timing(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):

@@ -173,6 +173,53 @@ def test_inspect(tiny_chat_model_dir, chat_jsonl, tmp_path):
     assert data["tokens"] == sum(len(s.input_ids) for s in open_store(str(out)).samples())
 
 
+def test_inspect_shows_a_sample_with_its_trained_spans_and_draws_the_store(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    """--sample ROW: the text the tokenizer decodes, each trained run of tokens between « and », and each slot's
+    RMS, min and max; the plain summary gives the lengths and the trained share; --plot draws a PNG or a page."""
+    import base64
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "s.zarr"
+    run(small_config(tiny_chat_model_dir, chat_jsonl, out, max_samples=10), progress=False)
+    store = open_store(str(out))
+    row = int(store.row_ids()[3])
+    sample = store.sample(row)
+    ids, mask = sample.input_ids.tolist(), sample.loss_mask.tolist()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+    shown = cli("inspect", str(out), "--sample", str(row))
+    assert shown.returncode == 0, shown.stderr
+    body = shown.stdout.split("\n", 2)[2]  # after the heading and a blank line, up to the slots' table
+    text = body[: body.rindex(f"\n\n{'id':>6}")]
+    marked = [piece.split("»")[0] for piece in text.split("«")[1:]]
+    runs, k = [], 0  # the trained runs, decoded here on their own
+    while k < len(ids):
+        if mask[k]:
+            end = next((j for j in range(k, len(ids)) if not mask[j]), len(ids))
+            runs.append(tokenizer.decode(ids[k:end]))
+            k = end
+        else:
+            k += 1
+    assert marked == runs and text.replace("«", "").replace("»", "") == tokenizer.decode(ids)
+    for slot, layer_id in enumerate(store.layer_ids):
+        x = sample.hidden_states[:, slot].float()
+        want = f"{layer_id:>6}{float(x.pow(2).mean().sqrt()):>11.4g}{float(x.min()):>11.4g}{float(x.max()):>11.4g}"
+        assert want in shown.stdout.splitlines()
+    summary = cli("inspect", str(out)).stdout
+    lengths = store.index.lengths
+    assert f"min {lengths.min():,}, median {int(np.percentile(lengths, 50, method='lower')):,}" in summary
+    share = sum(int(s.loss_mask.sum()) for s in store.samples()) / store.num_tokens
+    assert f"trainable, {share:.1%})" in summary
+    for picture in ("look.png", "look.html"):
+        drawn = cli("inspect", str(out), "--plot", str(tmp_path / picture))
+        assert drawn.returncode == 0 and f"picture: {tmp_path / picture}" in drawn.stdout, drawn.stderr
+    assert (tmp_path / "look.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (tmp_path / "look.html").read_text()
+    svg = base64.b64decode(page.split("data:image/svg+xml;base64,")[1].split("'")[0])
+    assert b"<svg" in svg and b"token norms per layer id" in svg
+
+
 def test_progress_in_a_log_file_is_plain_lines(tiny_chat_model_dir, chat_jsonl, tmp_path):
     """stderr piped, as under Slurm or nohup: status lines end with a newline, never a carriage return."""
     args = [a for a in run_args(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr") if a != "--no-progress"]

@@ -308,7 +308,11 @@ class Store:
             + (f", {summary['duplicate_rows']} DUPLICATE rows" if summary["duplicate_rows"] else "")
             + (f"; {summary['duplicate_content_kept']:,} samples repeat an earlier row's content (streamx run "
                "--skip-duplicates leaves them out)" if summary["duplicate_content_kept"] else ""),
-            f"tokens       {summary['tokens']:,} ({summary['trainable_tokens']:,} trainable)",
+            f"tokens       {summary['tokens']:,} ({summary['trainable_tokens']:,} trainable, "
+            f"{summary['trainable_tokens'] / max(1, summary['tokens']):.1%})",
+            "lengths      " + ("no samples" if not len(self) else ", ".join(
+                f"{name} {int(v):,}" for name, v in zip(("min", "median", "p90", "p99", "max"), np.percentile(
+                    self.index.lengths, [0, 50, 90, 99, 100], method="lower"), strict=True)) + " tokens"),
             f"size         {gb(summary['hidden_state_bytes'])} of {meta.storage} hidden states{scales}, "
             f"{meta.bytes_per_token:,} bytes/token, chunks {meta.chunk_tokens} tokens, shards {meta.shard_tokens} "
             f"tokens, compressor {meta.compressor}",
