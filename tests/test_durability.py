@@ -266,6 +266,41 @@ def test_a_rank_that_never_ran_leaves_its_rows_missing_and_named(tiny_chat_model
         == list(range(40))
 
 
+def test_a_failed_command_leaves_no_lock_file_and_a_removed_lock_is_never_shared(tiny_chat_model_dir, chat_jsonl,
+                                                                                  tmp_path, monkeypatch):
+    """A command that fails before its output exists takes its lock file with it; a process that opened the
+    lock file just before its holder removed it takes the new one, never the removed one beside a third."""
+    import streamx.base.locks as locks
+
+    out = tmp_path / "out"
+    out.mkdir()
+    failed = [cli(*run_args(tiny_chat_model_dir, chat_jsonl, out / "s.zarr", layers="1,2")),  # after its part lock
+              cli("regenerate", "--data", chat_jsonl, "--out", str(out / "r.jsonl"), "--endpoint",
+                  "http://127.0.0.1:9/v1", "--no-progress"),
+              cli("convert", str(tmp_path / "none.zarr"), "--out", str(out / "spec"), "--no-progress")]
+    assert [p.returncode for p in failed] == [1, 1, 1] and "--any-layers" in failed[0].stderr
+    assert sorted(os.listdir(out)) == []
+
+    path, missing = tmp_path / ".x.streamx-lock", tmp_path / "x"
+    first = Lock(path, "x", guards=missing)
+    real_flock, calls = locks.fcntl.flock, []
+
+    def flock_after_the_holder_left(fd, op):
+        calls.append(fd)
+        if len(calls) == 1:
+            first.release()  # between the second process's open and its flock: the file goes
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(locks.fcntl, "flock", flock_after_the_holder_left)
+    second = Lock(path, "x", guards=missing)
+    assert len(calls) == 2 and os.fstat(second.fd).st_ino == os.stat(path).st_ino  # the file at path, not the old
+    with pytest.raises(locks.LockedError):
+        Lock(path, "x", guards=missing)
+    assert path.exists()  # the refused one did not remove the holder's file
+    second.release()
+    assert not path.exists()
+
+
 def test_a_lock_dies_with_its_process_and_convert_takes_one(tiny_chat_model_dir, chat_jsonl, tmp_path):
     """A convert into a folder another process is converting into is refused, naming it; once that process is
     killed (kill -9: no clean-up ran), the lock is gone and the convert runs."""

@@ -39,10 +39,26 @@ class LockedError(RuntimeError):
 
 class Lock:
     """An exclusive lock on `path`, taken at once or refused; released by `release()`, on leaving a `with`
-    block, or when this process ends."""
+    block, or when this process ends. With `guards` (the output it stands for), a release that finds no such
+    output (the command failed before making it) removes the lock file too, so that a failed command leaves
+    nothing behind; a process taking the lock checks that its file is still the one at `path`."""
 
-    def __init__(self, path: Path, what: str):
-        self.path, self.fd = path, None
+    def __init__(self, path: Path, what: str, guards: Path | None = None):
+        self.path, self.fd, self.guards = path, None, guards
+        for _ in range(100):  # a file its holder removed between our open and our flock: open the new one
+            self._take(what)
+            if self.fd is None or self._is_current():
+                break
+            self._close()
+
+    def _is_current(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self.fd).st_ino
+        except FileNotFoundError:
+            return False
+
+    def _take(self, what: str) -> None:
+        path = self.path
         try:
             make_dirs(path.parent)
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -56,10 +72,10 @@ class Lock:
                               f"process writing {what}", stacklevel=2)
                 return
             if not isinstance(err, BlockingIOError):
-                self.release()
+                self._close()
                 raise OSError(f"cannot lock {what} ({path}): {err.strerror or err}") from None
             holder = os.pread(self.fd, 1024, 0).decode(errors="replace").strip() or "a process that did not say"
-            self.release()
+            self._close()
             raise LockedError(f"{what} is being written by another process ({holder}); wait for it to end or stop "
                               "it, then run again") from None
         started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
@@ -69,7 +85,15 @@ class Lock:
 
     def release(self) -> None:
         if self.fd is not None:
+            if self.guards is not None and not self.guards.exists():  # removed while still held: no one else
+                self.path.unlink(missing_ok=True)                     # can have taken it meanwhile
             os.close(self.fd)  # closing the last descriptor drops the flock
+            self.fd = None
+
+    def _close(self) -> None:
+        """Give up a descriptor whose lock this process never took: the file stays, it is another's."""
+        if self.fd is not None:
+            os.close(self.fd)
             self.fd = None
 
     def __del__(self) -> None:  # a lock no one holds any more is given back, as its process's end would
@@ -80,8 +104,6 @@ class Lock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
 
 
 def lock_file(folder: str | Path, part: str = "") -> Path:

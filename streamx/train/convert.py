@@ -132,7 +132,7 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     `hidden_states` is the files' dtype, bf16 or fp8 (speculators' fp8 backend), by default the store's storage;
     or `store`: no hs files, speculators reads the store itself (streamx.speculators_backend). One convert at a
     time writes `out`: a second one is refused at once (streamx.base.locks)."""
-    with Lock(lock_file(out), f"the convert folder {out}"):
+    with Lock(lock_file(out), f"the convert folder {out}", guards=Path(out)):
         return _convert(store_path, out, seed, overwrite, workers, block_rows, progress, log, allow_random_weights,
                         hidden_states, allow_partial)
 
