@@ -43,7 +43,8 @@ def test_unknown_field_and_bad_values_are_one_line(tmp_path):
     config.write_text("token_budgett: 10\n")
     with pytest.raises(ValueError, match="unknown config field.*token_budgett"):
         load_config(config)
-    with pytest.raises(ValueError, match=r"--token-budget \(100\) must be >= --max-length \(200\), .*: add --token-budget 200"):
+    with pytest.raises(ValueError, match=r"--token-budget \(100\) must be >= --max-length \(200\), .*: add "
+                                         r"--token-budget 200"):
         load_config(None, token_budget=100, max_length=200)
     with pytest.raises(FileNotFoundError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")

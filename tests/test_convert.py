@@ -307,6 +307,9 @@ def test_cli_convert_prints_the_train_commands(tiny_store, tmp_path):
     model = open_store(tiny_store).metadata.model  # which weights speculators must load, said in words
     assert f"speculators loads the verifier {model['path']}" in result.stdout
     assert model["weights_fingerprint"][:12] in result.stdout
+    again = CliRunner().invoke(app, ["convert", str(out), "--out", str(tmp_path / "y")])  # a folder, not a store
+    assert again.exit_code == 1 and f"{out} is a folder `streamx convert` wrote (speculators training data), not a " \
+        f"store; it was converted from {Path(tiny_store).resolve()}" in again.stderr
     bad = CliRunner().invoke(app, ["convert", tiny_store, "--out", str(tmp_path / "x"), "--format", "eagle"])
     assert bad.exit_code == 2 and "'eagle' is not one of 'speculators'" in bad.output  # a Literal option
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from ..base.location import local_path
 from ..model.capture import find_decoder
@@ -236,13 +238,13 @@ def check_model(store: Store, model: nn.Module, positions: list[int], tolerance:
     """Each picked sample recomputed alone; a slot that does not match is named by what it matches instead."""
     ids, L = store.layer_ids, store.metadata.num_layers
     problems, references, stored = [], {}, {}
-    for k, pos in enumerate(positions):
+    log(f"verify: recomputing {len(positions)} samples alone with the model")
+    for pos in tqdm(positions, desc="verify", unit="sample", disable=not sys.stderr.isatty()):  # a bar, not lines
         try:
             sample = store.at(pos)
         except Exception as err:  # noqa: BLE001 - a damaged file; the read check names it
             problems.append(f"row {int(store.index.rows[pos])}: cannot be read ({type(err).__name__})")
             continue
-        log(f"verify: sample {k + 1}/{len(positions)} (row {sample.row_id}, {len(sample.input_ids):,} tokens)")
         references[pos] = reference_states(model, sample.input_ids)
         stored[pos] = sample
     positions, worst = list(stored), 0.0
