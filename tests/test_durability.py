@@ -369,16 +369,16 @@ def test_a_signal_after_the_last_batch_changes_nothing(tiny_chat_model_dir, chat
 
     close = PartWriter.close
 
-    def close_after_a_signal(self, complete=True):
+    def close_after_a_signal(self, complete=True, source_rows=None):
         os.kill(os.getpid(), signal.SIGINT)  # handled on the main thread, which waits for the writer
         time.sleep(0.5)
-        close(self, complete)
+        close(self, complete, source_rows)
 
     monkeypatch.setattr(PartWriter, "close", close_after_a_signal)
     out = tmp_path / "s.zarr"
     summary = run(small_config(tiny_chat_model_dir, chat_jsonl, out, max_samples=8), progress=False, log=lambda m: None)
-    assert summary.stopped_by is None and summary.samples == 8
-    assert open_store(str(out)).commits["part-00000"].closed
+    assert summary.stopped_by is None and summary.samples == 8 and summary.incomplete == []
+    assert open_store(str(out)).commits["part-00000"].closed and open_store(str(out)).completeness().complete
 
 
 def test_every_way_zarr_writes_a_local_store_is_durable(tmp_path, monkeypatch):
