@@ -7,6 +7,7 @@ and an unbatched greedy `generate` of each turn's prompt."""
 import http.server
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -699,6 +700,10 @@ def test_sigterm_stops_at_turn_boundaries_and_writes_every_finished_row(tmp_path
         ended = time.time()
         assert proc.returncode == 143, stderr
         assert "stopped by SIGTERM" in stdout and ended - sent < 5
+        # the next steps: the same command goes on; `streamx run` reads the rows so far only when told to
+        assert [line for line in stdout.splitlines() if line.startswith("next:")] == [
+            f"next: {shlex.join(['streamx', 'regenerate', '--no-progress', *args])}   (goes on)   |   to use the "
+            f"rows written so far: streamx run --data {out} --allow-partial --model m"]
         assert [when for when, _ in server.arrived if when > sent] == []  # no turn asked for after the signal
         assert [r["source_row"] for r in read_rows(out)] == [0]  # row 0 ended with its turn in flight; 1 did not
         again = cli(*args)
