@@ -379,7 +379,7 @@ def check_speculators(folder: Path) -> Check:
     problems, read = [], []
     for algo, argv in meta["speculators_train_argv"].items():
         if "streamx.speculators_backend" in argv:
-            import streamx.speculators_backend  # noqa: F401 - registers the backend, as that launcher does
+            from . import backend  # noqa: F401 - registers the streamx backend, as that launcher does
         args = TrainConfig.resolve([*argv[argv.index("--data-path"):], "--num-workers", "0"]).flatten()
         ids = args["target_layer_ids"]
         try:
