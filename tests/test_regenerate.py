@@ -813,6 +813,13 @@ def test_progress_shows_rows_tokens_and_the_eta():
     text = "\n".join(summary.lines())
     assert "wrote 4 rows (8 assistant turns)" in text and "finish reasons: length: 4, stop: 4" in text
     assert "truncated at --max-tokens: 4 turns kept" in text and "errors: 1 rows (no_prompt: 1)" in text
+    assert summary.lines()[-1] == "next: streamx run --data o.jsonl --model m"
+    summary.add(RowError("timeout", "no reply"))  # a row the next run tries again: the output is not complete yet
+    summary.complete = False
+    assert summary.lines(command="streamx regenerate X")[-2:] == [
+        "the output is unfinished (streamx run refuses it without --allow-partial)",
+        "next: streamx regenerate X   (goes on)   |   to use the rows written so far: streamx run --data o.jsonl "
+        "--allow-partial --model m"]
 
 
 def test_the_data_and_files_streamx_did_not_write_are_never_replaced(tmp_path):

@@ -72,6 +72,7 @@ class RegenerateSummary:
     recorded_duplicates: int = 0  # rows an earlier run left out by --skip-duplicates
     seconds: float = 0.0
     stopped_by: str | None = None
+    complete: bool = True  # no row left for a resume to write (none left by a signal, none failed on the server)
     started: float = field(default_factory=time.perf_counter, repr=False)
 
     @property
@@ -141,10 +142,11 @@ class RegenerateSummary:
             *([f"skipped {sum(self.recorded_errors.values()):,} rows an earlier run could not regenerate for a reason "
                f"of their own ({_counts(self.recorded_errors)}; in {errors_file}): --retry-errors tries them again"]
               if self.recorded_errors else []),
-            *([f"stopped by {self.stopped_by}: every row finished is written, the output is unfinished (streamx run "
-               f"refuses it without --allow-partial)", f"next: {command}   (goes on)   |   to use the rows written so "
-               f"far: streamx run --data {self.out} --allow-partial --model {self.model}"]
-              if self.stopped_by else [f"next: streamx run --data {self.out} --model {self.model}"]),
+            *([f"stopped by {self.stopped_by}: every row finished is written"] if self.stopped_by else []),
+            *(["the output is unfinished (streamx run refuses it without --allow-partial)",
+               f"next: {command}   (goes on)   |   to use the rows written so far: streamx run --data {self.out} "
+               f"--allow-partial --model {self.model}"]
+              if not self.complete else [f"next: streamx run --data {self.out} --model {self.model}"]),
         ]
 
     def _retried_when(self) -> str:
@@ -227,8 +229,8 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True, log: Callable[[str]
             errors.close()
         summary.seconds = time.perf_counter() - summary.started
         summary.stopped_by = signals.signal.name if signals.signal and left else None
-        complete = not left and not any(reason in TRANSIENT_REASONS for reason in summary.errors)
-        finish_settings(settings_path, complete)
+        summary.complete = not left and not any(reason in TRANSIENT_REASONS for reason in summary.errors)
+        finish_settings(settings_path, summary.complete)
     return summary
 
 
