@@ -119,6 +119,8 @@ def speculators_python(pytestconfig) -> str:
         fsspec = subprocess.run([str(python), "-c", "import fsspec; print(fsspec.__version__)"], check=True,
                                 capture_output=True, text=True).stdout.strip()
         subprocess.run([*pip, "install", *STREAMX_IN_SPECULATORS, f"s3fs=={fsspec}"], check=True, timeout=600)
+        # the distribution was named streamx before 0.4 (now streamx-hs): a venv built then still lists it
+        subprocess.run([*pip, "uninstall", "--yes", "streamx"], check=True, timeout=600, capture_output=True)
         subprocess.run([*pip, "install", "--no-deps", "--force-reinstall", REPO], check=True, timeout=600,
                        capture_output=True)
     return str(python)
