@@ -267,14 +267,18 @@ def resolve_layer_ids(layers: str, num_layers: int) -> list[int]:
 
 
 def untrainable_layers(ids: list[int], num_layers: int) -> str | None:
-    """Why speculators cannot train a draft from stored layer ids `ids` (None: it can): it needs id L, the
-    verifier's last state before the final norm, as the last slot, and at least one auxiliary id below it."""
+    """Why speculators cannot train a draft from stored layer ids `ids`, and the --layers to use instead (None:
+    it can): it needs id L, the verifier's last state before the final norm, as the last slot, and at least one
+    auxiliary id below it."""
     L = num_layers
+    eagle3 = ",".join(map(str, resolve_layer_ids("eagle3", L)))
     if L not in ids:
         return (f"layer ids {ids} lack {L}, the last layer's output before the final norm, which speculators needs as "
-                "the last slot to recompute the verifier's logits")
+                f"the last slot to recompute the verifier's logits; use --layers {','.join(map(str, [*ids, L]))} "
+                f"(or --layers eagle3 = {eagle3})")
     if ids == [L]:
-        return f"layer id {L} alone gives EAGLE-3 and DFlash drafts no auxiliary layers below it"
+        return (f"layer id {L} alone gives EAGLE-3 and DFlash drafts no auxiliary layers below it; use --layers "
+                f"{eagle3} (= --layers eagle3) or --layers dflash")
     return None
 
 

@@ -202,10 +202,7 @@ def check_trainable(config: RunConfig, layer_ids: list[int], num_layers: int) ->
     only once it is written."""
     problem = None if config.any_layers else untrainable_layers(layer_ids, num_layers)
     if problem:
-        fix = sorted({*layer_ids, num_layers}) if num_layers not in layer_ids else \
-            resolve_layer_ids("eagle3", num_layers)
-        raise ValueError(f"--layers {config.layers}: {problem}; use --layers {','.join(map(str, fix))} (or a preset: "
-                         "eagle3, dflash), or --any-layers to extract them for another use")
+        raise ValueError(f"--layers {config.layers}: {problem}; or --any-layers to extract them for another use")
 
 
 def check_regenerated(config: RunConfig, record: dict | None, log: Callable[[str], None]) -> None:

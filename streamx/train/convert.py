@@ -104,9 +104,7 @@ def check_store(store: Store) -> list[int]:
                            f"final norm; re-run `streamx run` with this streamx into a new --out")
     problem = untrainable_layers(ids, L)
     if problem:
-        fix = f"--layers {','.join(map(str, aux + [L]))} (or --layers eagle3 = {eagle3})" if aux else \
-            f"--layers eagle3 (= {eagle3}) or --layers dflash"
-        raise ConvertError(f"{store.path}: {problem}; re-run `streamx run {fix}` into a new --out")
+        raise ConvertError(f"{store.path}: {problem}, in a new `streamx run --out`")
     try:
         check_layer_ids(ids, L)
     except ValueError as err:
