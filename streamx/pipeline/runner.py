@@ -242,9 +242,12 @@ def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Ca
         pipeline.run()
     rank.barrier()  # the store is complete when every rank has closed its part
     written = writer.this_run()
-    store_samples, store_tokens = target.totals(rank.part_name, writer.commit, others_wrote=rank.world_size > 1)
-    # (independent ranks: the others may still be running; under torchrun every rank has closed by now)
-    incomplete = Store(cfg.out).completeness().problems() if rank.is_main or rank.independent else []
+    if rank.is_main or rank.independent:  # the whole store, read once: its totals and what it still lacks
+        final = Store(cfg.out)  # (independent ranks: the others may still be running)
+        store_samples, store_tokens, incomplete = len(final), final.num_tokens, final.completeness().problems()
+    else:  # torchrun's other ranks say only their own line
+        store_samples, store_tokens = target.totals(rank.part_name, writer.commit, others_wrote=True)
+        incomplete = []
     return RunSummary(
         out=cfg.out, layer_ids=plan.layer_ids, num_layers=plan.info.num_layers, samples=written.samples,
         tokens=written.tokens, trainable_tokens=written.trainable_tokens, duplicates=written.duplicates,
