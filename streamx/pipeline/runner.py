@@ -246,7 +246,7 @@ def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Ca
         final = Store(cfg.out)  # (independent ranks: the others may still be running)
         store_samples, store_tokens, incomplete = len(final), final.num_tokens, final.completeness().problems()
     else:  # torchrun's other ranks say only their own line
-        store_samples, store_tokens = target.totals(rank.part_name, writer.commit, others_wrote=True)
+        store_samples, store_tokens = target.totals()
         incomplete = []
     return RunSummary(
         out=cfg.out, layer_ids=plan.layer_ids, num_layers=plan.info.num_layers, samples=written.samples,

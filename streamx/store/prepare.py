@@ -166,18 +166,16 @@ def check_compatible(theirs: dict[str, Any], path: str, compat: Compat, unknown:
 @dataclass
 class RunStore:
     """A prepared store opened by one writer process (a torchrun rank): the source rows some part has
-    already committed, as a sample or a reject, which the run must skip; the commit records it opened
-    with. The process's own part is `OwnedPart.open`'s."""
+    already committed, as a sample or a reject, which the run must skip, and their content keys. The process's
+    own part is `OwnedPart.open`'s."""
 
     root: zarr.Group
     done_rows: RowSet
-    commits: dict[str, Commit]  # each part's record when opened
     done_keys: DoneKeys | None  # the done rows' content keys (None: a part from before streamx recorded them)
 
-    def totals(self, part: str, commit: Commit, others_wrote: bool) -> tuple[int, int]:
-        """(samples, tokens) of the whole store once `part` has committed `commit`: from the records held,
-        or read afresh when other processes wrote their own parts meanwhile."""
-        commits = part_commits(self.root) if others_wrote else {**self.commits, part: commit}
+    def totals(self) -> tuple[int, int]:
+        """(samples, tokens) of the whole store as its commit records stand now (every part, read afresh)."""
+        commits = part_commits(self.root)
         return sum(c.samples for c in commits.values()), sum(c.tokens for c in commits.values())
 
 
@@ -188,7 +186,7 @@ def open_for_run(path: str, metadata: StoreMetadata, root: zarr.Group | None = N
         root = zarr.open_group(_writable(path), mode="r+")
         _check_compatible(root, path, metadata)
     store = Store(path, root)
-    return RunStore(root, store.done_row_ids(), dict(store.commits), store.done_keys())
+    return RunStore(root, store.done_row_ids(), store.done_keys())
 
 
 class OwnedPart:
