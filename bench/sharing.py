@@ -15,6 +15,11 @@ kind of sharing alone would save:
     python bench/sharing.py --data chats.jsonl --fan-out      # one row per assistant turn, as speculators writes
     python bench/sharing.py --system-prompt-words 200        # every row behind one long system prompt
 
+Beside the trie, what `streamx run --sharing on` computes and stores of the same rows: the sharing it finds
+within each sorting window (--sort-window), trees cut to --token-budget (a cut tree recomputes the segments
+its pieces start with), with and without common leading runs (packed models that continue a prefix's state,
+and the others).
+
 Prints one JSON document (--json FILE also writes it).
 """
 
@@ -22,6 +27,7 @@ import argparse
 import json
 from pathlib import Path
 
+from streamx.data.sharing import pieces, share
 from streamx.data.source import Row, open_source
 from streamx.data.tokenize import Reject, SampleBuilder
 from streamx.model.load import model_tokenizer, resolve_model_path
@@ -80,6 +86,14 @@ def measure(token_rows: list[tuple], min_shared: list[int]) -> dict:
             "shared_leading_prefix": leading}
 
 
+def streamx_computes(samples: list, sort_window: int, token_budget: int, min_shared: int | None) -> int:
+    """The tokens `streamx run --sharing on` computes and stores (streamx.data.sharing), window by window."""
+    windows: dict[int, list] = {}
+    for sample in samples:
+        windows.setdefault(sample.row_id // sort_window, []).append(sample)
+    return sum(p.num_tokens for rows in windows.values() for p in pieces(share(rows, min_shared), token_budget))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -89,6 +103,9 @@ def main() -> None:
     parser.add_argument("--fan-out", action="store_true", help="one row per assistant turn")
     parser.add_argument("--system-prompt-words", type=int, default=0, help="give every row this long a system prompt")
     parser.add_argument("--min-shared", default="8,16,32,64,128", help="shared leading prefix lengths to measure")
+    parser.add_argument("--sort-window", type=int, default=1024)
+    parser.add_argument("--token-budget", type=int, default=4096)
+    parser.add_argument("--min-shared-tokens", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     rows = list(open_source(args.data, max_samples=args.max_samples))
@@ -101,6 +118,11 @@ def main() -> None:
     report = {"data": args.data, "fan_out": args.fan_out, "system_prompt_words": args.system_prompt_words,
               "samples": len(samples),
               **measure([tuple(s.input_ids.tolist()) for s in samples], [int(m) for m in args.min_shared.split(",")])}
+    total = report["row_tokens"]
+    for name, min_shared in (("streamx_leading_runs", args.min_shared_tokens), ("streamx_prefix_rows", None)):
+        computed = streamx_computes(samples, args.sort_window, args.token_budget, min_shared)
+        report[name] = {"computed_tokens": computed, "share": computed / total,
+                        "vs_trie": computed / report["trie_tokens"]}
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

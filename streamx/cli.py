@@ -271,6 +271,10 @@ def convert(
                                               "--random-weights anyway (for testing the output, not for training)."),
     allow_partial: bool = typer.Option(False, "--allow-partial", help="Convert an unfinished store (a run still "
                                        "going, stopped or killed: some of its data missing) as far as it goes."),
+    merge_prefix_rows: bool = typer.Option(False, "--merge-prefix-rows", help="Fold each row that is a prefix of "
+                                           "another row (fanned-out turns, agent steps, duplicates) into that row, "
+                                           "with the union of their loss masks: training then computes each token "
+                                           "once too. Off: every row stays a row, as the data has it."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Write a store as speculators training data and print the `speculators train` flags to use."""
@@ -279,7 +283,7 @@ def convert(
     try:
         summary = run_convert(store, out, seed=seed, overwrite=overwrite, workers=workers, progress=progress,
                               log=_log, allow_random_weights=allow_random_weights, hidden_states=hidden_states,
-                              allow_partial=allow_partial)
+                              allow_partial=allow_partial, merge_prefix_rows=merge_prefix_rows)
     except (Exception, Interrupted) as err:  # noqa: BLE001
         _fail(err)
     typer.echo("\n".join(summary.lines(store)))

@@ -21,6 +21,7 @@ Kernel = Literal["auto", "torch", "triton"]
 Compressor = Literal["none", "zstd", "shuffle-lz4", "shuffle-zstd", "bitshuffle-lz4", "bitshuffle-zstd"]
 StorageName = Literal["bf16", "fp8"]
 PackingSetting = Literal["on", "off"]
+SharingSetting = Literal["on", "off"]
 Thinking = Literal["auto", "on", "off"]
 Reasoning = Literal["keep", "drop"]
 TruncatedTurns = Literal["keep", "drop-turn", "drop-row"]
@@ -95,6 +96,15 @@ class RunConfig:
     packing: PackingSetting = setting("on", "on: the samples of a forward pass side by side in one sequence, no "
                                       "padding, where a check at start proves this model keeps them apart (else "
                                       "padded batches, with the reason logged); off: right-padded batches.")
+    sharing: SharingSetting = setting("on", "on: each token that rows share computed and stored once: a row that "
+                                      "is a prefix of another row (duplicates too) is not computed, and, packed, a "
+                                      "common leading run of --min-shared-tokens (system prompts, a shared history) "
+                                      "is computed once and the rows continue from its state, where a check at start "
+                                      "proves this model gives them their states alone (else only the prefix rows, "
+                                      "with the reason logged). Found within each --sort-window. Readers see whole "
+                                      "rows either way. off: every row computed in full (the reference; stores "
+                                      "written before streamx 0.5 resume with it).")
+    min_shared_tokens: int = setting(16, "The shortest common leading run of tokens that --sharing computes once.")
     max_batch_size: int = setting(256, "Max samples per forward pass.")
     sort_window: int = setting(1024, "Consecutive source rows sorted by length together before batching (more: "
                                "less padding, more host memory).")
@@ -119,7 +129,8 @@ class RunConfig:
 
     def validate(self) -> None:
         check_choices(self)
-        for name in ("max_length", "token_budget", "max_batch_size", "sort_window", "queue_batches"):
+        for name in ("max_length", "token_budget", "max_batch_size", "sort_window", "queue_batches",
+                     "min_shared_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         for name in ("chunk_tokens", "shard_tokens"):

@@ -26,7 +26,7 @@ def test_padded_batch_is_right_padded_and_indexes_each_real_token():
         assert batch.attention_mask[b].tolist() == [1] * T + [0] * (7 - T)
         real += [b * 7 + t for t in range(T)]
     assert batch.token_index.tolist() == real
-    assert batch.sample_index.tolist() == [0] * 5 + [1] * 2 + [2] * 7
+    assert batch.segment_index.tolist() == [0] * 5 + [1] * 2 + [2] * 7
     assert torch.equal(batch.input_ids.flatten()[batch.token_index], torch.cat([s.input_ids for s in samples]))
 
 
@@ -37,7 +37,7 @@ def test_packed_batch_restarts_positions_and_marks_boundaries():
     assert batch.position_ids.tolist() == [list(range(5)) + list(range(2)) + list(range(7))]
     assert batch.cu_seq_lens.tolist() == [0, 5, 7, 14] and batch.cu_seq_lens.dtype == torch.int32
     assert batch.token_index.tolist() == list(range(14)) and batch.padded_tokens == 14
-    assert batch.sample_index.tolist() == [0] * 5 + [1] * 2 + [2] * 7
+    assert batch.segment_index.tolist() == [0] * 5 + [1] * 2 + [2] * 7
     assert batch.input_ids.dtype == batch.position_ids.dtype == batch.token_index.dtype == torch.int64
 
 

@@ -12,7 +12,7 @@ from streamx.store import open_store
 
 def test_bench_report(tiny_chat_model_dir, chat_jsonl, tmp_path):
     cfg = load_config(None, model=tiny_chat_model_dir, data=chat_jsonl, max_samples=12, layers="1,4",
-                      token_budget=512, max_length=256)
+                      token_budget=512, max_length=256, sharing="on", chunk_tokens=16, shard_tokens=64)
     report = bench(cfg, rounds=2, progress=False, out_dir=str(tmp_path), ceiling_bytes=64 << 20)
     expected_tokens = sum(len(s.input_ids) for s in _stored(cfg, tmp_path))
     assert report["workload"]["samples"] == 12 and report["workload"]["tokens"] == expected_tokens
@@ -20,8 +20,10 @@ def test_bench_report(tiny_chat_model_dir, chat_jsonl, tmp_path):
         m = report[mode]
         assert m["tokens_per_s"] > 0 and m["samples_per_s"] > 0 and m["peak_rss_bytes"] > 0
         assert abs(m["tokens_per_s"] / m["samples_per_s"] - expected_tokens / 12) < 1e-6 * expected_tokens
-    # streamx stores K x H x 2 bytes per token plus ids, masks and metadata; forward_only writes nothing
-    assert report["streamx"]["bytes_written_per_token"] >= 2 * 64 * 2
+    # streamx stores K x H x 2 bytes per token it computed plus ids, masks and metadata; forward_only writes nothing
+    computed_share = report["workload"]["computed_tokens"] / expected_tokens
+    assert report["streamx"]["bytes_written_per_token"] >= 2 * 64 * 2 * computed_share
+    assert report["streamx_unshared"]["bytes_written_per_token"] >= 2 * 64 * 2
     assert report["forward_only"]["bytes_written_per_token"] == 0
     assert report["naive"]["bytes_written_per_token"] >= 2 * 64 * 2
     assert set(report["streamx"]["stage_seconds"]) >= {"source_tokenize", "forward", "gather", "write"}
@@ -30,7 +32,10 @@ def test_bench_report(tiny_chat_model_dir, chat_jsonl, tmp_path):
                                                "write speed)")
     assert report["streamx"]["write_ceiling_bytes_per_s"] > 0 and report["streamx"]["writer_bytes_per_s"] > 0
     w = report["workload"]
-    assert w["model_flops_per_real_token"] * expected_tokens == w["model_flops_per_round"] > 0
+    assert w["model_flops_per_real_token"] * w["computed_tokens"] == w["model_flops_per_round"] > 0
+    # sharing on: the rows' shared system prompt is computed and stored once, against the same run with it off
+    assert w["computed_tokens"] < expected_tokens and w["sharing"] == "on"
+    assert report["ratios"]["bytes_shared_vs_unshared"] < 1
     for mode in ("forward_only", "streamx"):  # same model FLOPs, each mode's own time
         m = report[mode]
         flops = m["model_tflops_per_s"] * 1e12 * m["seconds"]
@@ -40,7 +45,7 @@ def test_bench_report(tiny_chat_model_dir, chat_jsonl, tmp_path):
     r = report["ratios"]
     # a ratio is the other mode's time over streamx's for the same tokens: from the rounds' own figures
     seconds = {mode: sum(expected_tokens / x for x in report[mode]["rounds_tokens_per_s"]) for mode in MODES}
-    for mode in ("forward_only", "forward_padded", "naive"):
+    for mode in ("forward_only", "forward_padded", "streamx_unshared", "naive"):
         assert r[f"streamx_vs_{mode}"] == pytest.approx(seconds[mode] / seconds["streamx"], rel=1e-9)
     assert report["config"]["max_samples"] == 12 and report["machine"]["torch"]
     # packed by default: the run and the plain forward compute no padding; forward_padded runs the same samples
@@ -51,6 +56,7 @@ def test_bench_report(tiny_chat_model_dir, chat_jsonl, tmp_path):
     json.dumps(report)  # serialisable for --json
     text = format_report(report)
     assert "streamx / forward_only" in text and "forward pass, packed / padded batches = " in text
+    assert "streamx / streamx_unshared = " in text
     from streamx.measure.look import plot_bench  # --plot: the same report as a picture
 
     plot_bench(report, str(tmp_path / "bench.png"))

@@ -11,7 +11,7 @@ from torch import nn
 
 from streamx.data.batching import make_batch
 from streamx.data.tokenize import Sample
-from streamx.model.capture import LAYER_PATHS, LayerCapture, LayerDiscoveryError, find_decoder, sample_is_finite
+from streamx.model.capture import LAYER_PATHS, LayerCapture, LayerDiscoveryError, find_decoder, segment_is_finite
 from streamx.model.gather import gather_into_torch
 
 BF16_ULP = 2.0**-7  # relative spacing of bf16
@@ -95,11 +95,11 @@ def test_layer_id_errors_name_the_range():
         LayerCapture(nn.Linear(2, 2), [0], gather_into_torch)
 
 
-def test_non_finite_samples_are_flagged():
+def test_non_finite_segments_are_flagged():
     packed = torch.randn(10, 2, 8).to(torch.bfloat16)
     packed[6, 1, 3] = float("inf")
-    sample_index = torch.tensor([0] * 4 + [1] * 3 + [2] * 3)
-    assert sample_is_finite(packed, sample_index, 3).tolist() == [True, False, True]
+    segment_index = torch.tensor([0] * 4 + [1] * 3 + [2] * 3)
+    assert segment_is_finite(packed, segment_index, 3).tolist() == [True, False, True]
 
 
 @pytest.mark.parametrize("path", LAYER_PATHS)

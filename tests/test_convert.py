@@ -61,7 +61,7 @@ def test_output_is_the_store_in_speculators_format(tiny_store, tmp_path):
     summary = convert(tiny_store, str(out), seed=0, block_rows=5, progress=False)
     store = open_store(tiny_store)
     n = len(store)
-    assert summary.rows == n and summary.skipped == {} and summary.tokens == store.num_tokens
+    assert summary.rows == n and summary.skipped == {} and summary.tokens == store.row_tokens
 
     ds = load_from_disk(str(out))
     assert ds.column_names == ["input_ids", "loss_mask", "seq_len"] and len(ds) == n
@@ -97,7 +97,7 @@ def test_output_is_the_store_in_speculators_format(tiny_store, tmp_path):
     meta = json.loads((out / "streamx_meta.json").read_text())
     assert meta["layer_ids"] == LAYERS and meta["target_layer_ids"] == [1, 2] and meta["num_layers"] == 4
     assert meta["last_id_is_pre_norm"] and meta["layer_convention"] == "speculators"
-    assert meta["counts"] == {"rows": n, "tokens": store.num_tokens, "skipped": 0,
+    assert meta["counts"] == {"rows": n, "tokens": store.row_tokens, "skipped": 0,
                               "trainable_tokens": int(sum(s.loss_mask.sum() for s in stored.values()))}
     assert meta["source"]["store"] == str(Path(tiny_store).resolve())
     for algo in ("eagle3", "dflash"):
@@ -379,11 +379,11 @@ def test_speculators_trains_eagle3_and_dflash_on_converted_data(smollm2_dir, spe
         assert r["aux_features"] == len(aux) * 576
         assert r["rows"] == {"train": int(n * 0.9), "val": n - int(n * 0.9)} and r["val_start"] == int(n * 0.9)
         shifted = n if algo == "eagle3" else 0  # EAGLE-3 drops one token per row at load time
-        assert sum(r["tokens_loaded"].values()) == store.num_tokens - shifted and r["dropped_rows"] == 0
+        assert sum(r["tokens_loaded"].values()) == store.row_tokens - shifted and r["dropped_rows"] == 0
         assert math.isfinite(r["loss"]) and r["loss"] > 0
         assert r["grads"] > 0 and r["grads_finite"] and r["grad_norm"] > 0
         t = r["targets"]
-        assert t["rows"] == n and t["tokens"] == store.num_tokens
+        assert t["rows"] == n and t["tokens"] == store.row_tokens
         # the slot speculators loads as the verifier's last state is its pre-norm output, within 2 bf16 ulps (fp8:
         # 3 mantissa bits, one scale per token over every slot; measured 0.0099 against bf16's 0.0027)
         assert t["last_slot_vs_pre_norm_rel"] < (2**-5 if fp8 else 2**-7)

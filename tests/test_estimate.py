@@ -23,8 +23,8 @@ def on_disk(path) -> tuple[int, int]:
 
 @pytest.mark.parametrize("storage", ["bf16", "fp8"])
 def test_estimate_is_the_store_a_run_writes(tiny_chat_model_dir, chat_jsonl, tmp_path, storage):
-    cfg = small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", storage=storage)
-    est = estimate(cfg)
+    cfg = small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", storage=storage, sharing="off")
+    est = estimate(cfg)  # (with --sharing the rows' tokens and the stored ones differ: the test below)
     summary = run(cfg, progress=False, log=lambda m: None)
     store = open_store(cfg.out)
     assert est.exact and est.rows == est.sampled_rows == sum(1 for _ in open(chat_jsonl))
@@ -35,6 +35,23 @@ def test_estimate_is_the_store_a_run_writes(tiny_chat_model_dir, chat_jsonl, tmp
     assert size.files == files and abs(size.bytes - nbytes) / nbytes < 0.01, (size, nbytes, files)
     assert size.bytes_per_token == store.metadata.bytes_per_token
     assert est.sizes["fp8"].bytes < 0.6 * est.sizes["bf16"].bytes
+
+
+def test_the_estimate_with_sharing_is_what_a_shared_run_computes_and_stores(tiny_chat_model_dir, chat_jsonl,
+                                                                            tmp_path):
+    """--sharing on: the plan counts the tokens a run computes and stores, with leading runs shared (packed, the
+    model continues them) and with prefix rows only (padded); the row tokens stay the rows'."""
+    for packing in ("on", "off"):
+        cfg = small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / f"{packing}.zarr", sharing="on",
+                           packing=packing)
+        est = estimate(cfg)
+        summary = run(cfg, progress=False, log=lambda m: None)
+        store = open_store(cfg.out)
+        assert est.tokens == store.row_tokens == summary.row_tokens
+        stored = est.shared.leading_runs if packing == "on" else est.shared.prefix_rows
+        assert stored == store.num_tokens == summary.real_tokens
+        assert packing == "off" or stored < est.shared.prefix_rows  # the chats' system prompt, once a batch
+    assert est.shared.prefix_rows == est.shared.leading_runs  # padded: no leading runs are shared
 
 
 def test_a_sample_of_rows_is_spread_and_scaled(tiny_chat_model_dir, chat_jsonl, tmp_path):
@@ -94,10 +111,13 @@ def test_plan_command(tiny_chat_model_dir, chat_jsonl, tmp_path):
             "--layers", "0,2,4", "--max-length", "256", "--token-budget", "512"]
     text = CliRunner().invoke(app, [*args, "--tokens-per-s", "100"])
     assert text.exit_code == 0, text.output
-    est = estimate(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", chunk_tokens=0, shard_tokens=0))
+    est = estimate(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", chunk_tokens=0, shard_tokens=0,
+                                sort_window=1024))  # the plan command's own settings
     assert f"tokens       {est.tokens:,} ({est.trainable_tokens:,} trainable)" in text.stdout
-    assert "<- --storage" in text.stdout.splitlines()[5] and "fits" in text.stdout
-    seconds = round(est.tokens / 100)
+    assert "<- --storage" in next(line for line in text.stdout.splitlines() if line.startswith("  bf16"))
+    assert "fits" in text.stdout
+    assert f"sharing      {est.shared.leading_runs:,} tokens computed and stored" in text.stdout
+    seconds = round(est.shared.prefix_rows / 100)  # what the forward computes, at most, with sharing on
     assert f"time         {seconds // 60} min {seconds % 60:02d} s at 100 tokens/s (given)" in text.stdout
 
     calibrated = CliRunner().invoke(app, [*args, "--storage", "fp8", "--calibrate", "--json", "--sample-rows", "24"])
@@ -120,7 +140,7 @@ def test_plan_counts_duplicates_and_sizes_the_store_without_them(tiny_chat_model
     run(cfg, progress=False, log=lambda m: None)
     store = open_store(cfg.out)
     assert est.duplicates == 10 and est.rejects == {"duplicate_content": 10}
-    assert (est.samples, est.tokens) == (len(store), store.num_tokens) == (len(rows), store.num_tokens)
+    assert (est.samples, est.tokens) == (len(store), store.row_tokens) == (len(rows), store.row_tokens)
     sampled_est = estimate(cfg, sample_rows=len(rows) // 2, count_duplicates=True)  # repeats counted over every row
     assert sampled_est.duplicates == 10 and sampled_est.samples == len(rows)
     assert estimate(cfg.replace(skip_duplicates=False), count_duplicates=True).samples == len(rows) + 10

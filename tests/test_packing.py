@@ -126,7 +126,7 @@ def test_pack_window_fills_batches_first_fit_within_budget():
     assert batch.cu_seq_lens.tolist() == [0, *torch.cumsum(torch.tensor(n), 0).tolist()]
     assert batch.position_ids[0].tolist() == [t for k in n for t in range(k)]
     assert torch.equal(batch.token_index, torch.arange(sum(n)))
-    assert batch.sample_index.tolist() == [b for b, k in enumerate(n) for _ in range(k)]
+    assert batch.segment_index.tolist() == [b for b, k in enumerate(n) for _ in range(k)]
 
 
 def test_run_packs_by_default_and_records_it(tiny_chat_model_dir, chat_jsonl, tmp_path):

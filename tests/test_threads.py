@@ -48,6 +48,7 @@ def test_a_failed_write_gives_its_host_buffer_back():
     """On CUDA the model stage waits for a free pinned buffer: one kept by a failed write would be lost."""
     import torch
 
+    from streamx.data.batching import make_packed_batch
     from streamx.data.tokenize import Sample
     from streamx.model.transfer import HostBatch
     from streamx.pipeline.metrics import StageTimes
@@ -57,7 +58,7 @@ def test_a_failed_write_gives_its_host_buffer_back():
     class FullDisk:
         storage = BF16
 
-        def append(self, *args):
+        def append_batch(self, *args):
             raise OSError(28, "No space left on device")
 
     released = []
@@ -66,7 +67,7 @@ def test_a_failed_write_gives_its_host_buffer_back():
                      release=lambda: released.append(True))
     stage = WriterStage(FullDisk(), set(), RejectRate(0.5), StageTimes())
     with pytest.raises(OSError, match="No space"):
-        stage.write(CapturedBatch([sample], host))
+        stage.write(CapturedBatch(make_packed_batch([sample]), host))
     assert released == [True]
 
 

@@ -15,63 +15,95 @@ Either way rejects pass straight through, and batches depend only on the window'
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
 
+from .sharing import Piece, Segment, pieces, row_ranges, share
 from .source import Row
 from .tokenize import Reject, Sample
 
 
 @dataclass
 class Batch:
-    samples: list[Sample]
+    """One forward pass: the sequences it computes (segments: a row each, or with --sharing a row's part that
+    other rows share), and the rows it serves, each a run of ranges over the computed tokens."""
+
+    samples: list[Sample]  # the rows it serves, in the order they are stored
     input_ids: torch.Tensor  # int64 [B, S] right-padded, or [1, N] packed
     attention_mask: torch.Tensor | None  # int64 [B, S]; None when packed
-    token_index: torch.Tensor  # int64 [N]: flat b * S + t of every real token, sample after sample
-    sample_index: torch.Tensor  # int64 [N]: which sample (0..B-1) each real token belongs to
-    position_ids: torch.Tensor | None = None  # packed: int64 [1, N], 0.. for each sample
-    cu_seq_lens: torch.Tensor | None = None  # packed: int32 [B + 1], where each sample starts, then N
+    token_index: torch.Tensor  # int64 [N]: flat b * S + t of every computed token, segment after segment
+    segment_index: torch.Tensor  # int64 [N]: which segment (0..B-1) each computed token belongs to
+    segment_lengths: list[int]
+    row_ranges: list[list[tuple[int, int]]]  # per sample: (first computed token, length) of each of its parts
+    position_ids: torch.Tensor | None = None  # packed: int64 [1, N], each segment from its first token's position
+    cu_seq_lens: torch.Tensor | None = None  # packed: int32 [B + 1], where each segment starts, then N
+    segment_parents: list[int] | None = None  # packed, with shared prefixes: the segment each continues (-1: none)
 
     @property
     def packed(self) -> bool:
         return self.cu_seq_lens is not None
 
     def pin_memory(self) -> None:
-        for name in ("input_ids", "attention_mask", "token_index", "sample_index", "position_ids", "cu_seq_lens"):
+        for name in ("input_ids", "attention_mask", "token_index", "segment_index", "position_ids", "cu_seq_lens"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).pin_memory())
 
     def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor | int]:
         """The decoder's keyword arguments: ids with their padding mask, or with the packed boundaries
-        (flash-attention's and flash-linear-attention's names, which transformers passes down)."""
+        (flash-attention's and flash-linear-attention's names, which transformers passes down). A segment that
+        continues another gets its ancestors' keys from streamx.model.packing (`segment_parents`)."""
         inputs: dict[str, torch.Tensor | int] = {"input_ids": self.input_ids.to(device, non_blocking=True)}
         if not self.packed:
             inputs["attention_mask"] = self.attention_mask.to(device, non_blocking=True)
             return inputs
         cu = self.cu_seq_lens.to(device, non_blocking=True)
-        longest = max(self.lengths)
+        longest = max(self.segment_lengths)
         return {**inputs, "position_ids": self.position_ids.to(device, non_blocking=True), "cu_seq_lens_q": cu,
                 "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
     @property
     def shape_key(self) -> tuple:
-        """What a forward's kernels depend on: the padded shape, or the packed samples' lengths."""
-        return ("packed", *self.lengths) if self.packed else tuple(self.input_ids.shape)
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(s.input_ids) for s in self.samples]
+        """What a forward's kernels depend on: the padded shape, or the packed segments' lengths (and tree)."""
+        if not self.packed:
+            return tuple(self.input_ids.shape)
+        return ("packed", *self.segment_lengths, *(("tree", *self.segment_parents) if self.segment_parents else ()))
 
     @property
     def num_tokens(self) -> int:
+        """Tokens computed (and stored)."""
         return int(self.token_index.numel())
+
+    @property
+    def row_tokens(self) -> int:
+        """Tokens of the rows served."""
+        return sum(len(s.input_ids) for s in self.samples)
 
     @property
     def padded_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def computed_ids(self) -> np.ndarray:
+        """The token ids of the computed tokens, in order (what the store keeps beside their states)."""
+        return self.input_ids.numpy().reshape(-1)[self.token_index.numpy()]
+
+    def stored_loss_mask(self) -> np.ndarray:
+        """uint8 [N]: 1 where some row served trains on the computed token (a shared token: the union)."""
+        mask = np.zeros(self.num_tokens, dtype=np.uint8)
+        for sample, ranges in zip(self.samples, self.row_ranges, strict=True):
+            own, done = sample.loss_mask.numpy(), 0
+            for start, n in ranges:
+                mask[start : start + n] |= own[done : done + n].astype(np.uint8)
+                done += n
+        return mask
+
+    def row_segments(self) -> list[list[int]]:
+        """The segments each row served reads."""
+        segment_of = self.segment_index.numpy()
+        return [[int(segment_of[start]) for start, _ in ranges] for ranges in self.row_ranges]
 
 
 # Batches are built with numpy: the producer thread must not run a multi-threaded torch op (repeat_interleave,
@@ -79,60 +111,117 @@ class Batch:
 # the run; with more OpenMP threads than cores, libgomp stops spin-waiting and the model's CPU forward pass
 # slows by ~5% (bench/RESULTS.md, "A CPU forward pass beside the pipeline's threads").
 
+def alone(samples: list[Sample]) -> list[Piece]:
+    """Each sample computed on its own (no sharing): one piece of one segment each."""
+    return [Piece([leaf], [(s, leaf)]) for s in samples for leaf in [Segment(len(s.input_ids), s, leaf=s)]]
+
+
+def _served(pieces: list[Piece], starts: dict[int, int]) -> tuple[list[Sample], list[list[tuple[int, int]]]]:
+    rows = [(sample, leaf) for piece in pieces for sample, leaf in piece.rows]
+    return [s for s, _ in rows], [row_ranges(len(s.input_ids), leaf, starts) for s, leaf in rows]
+
+
 def make_batch(samples: list[Sample], pad_token_id: int) -> Batch:
-    lengths = np.array([len(s.input_ids) for s in samples])
-    B, S = len(samples), int(lengths.max())
+    return padded_batch(alone(samples), pad_token_id)
+
+
+def padded_batch(pieces: list[Piece], pad_token_id: int) -> Batch:
+    """Right-padded rows, one per segment (pieces of parentless segments: padded batches hand no state over)."""
+    segments = [s for p in pieces for s in p.segments]
+    if any(s.parent is not None for s in segments):
+        raise ValueError("a padded batch cannot continue a segment from another")
+    lengths = np.array([s.length for s in segments])
+    B, S = len(segments), int(lengths.max())
     input_ids = np.full((B, S), pad_token_id, dtype=np.int64)
     attention_mask = np.zeros((B, S), dtype=np.int64)
-    for b, sample in enumerate(samples):
-        input_ids[b, : lengths[b]] = sample.input_ids.numpy()
+    for b, segment in enumerate(segments):
+        input_ids[b, : lengths[b]] = segment.source.input_ids.numpy()[: lengths[b]]
         attention_mask[b, : lengths[b]] = 1
+    starts = _starts(segments)
+    samples, ranges = _served(pieces, starts)
     return Batch(samples, torch.from_numpy(input_ids), torch.from_numpy(attention_mask),
-                 torch.from_numpy(np.flatnonzero(attention_mask)), _sample_index(lengths))
+                 torch.from_numpy(np.flatnonzero(attention_mask)), _segment_index(lengths), lengths.tolist(), ranges)
 
 
 def make_packed_batch(samples: list[Sample]) -> Batch:
-    lengths = np.array([len(s.input_ids) for s in samples])
-    cu_seq_lens = np.zeros(len(samples) + 1, dtype=np.int32)
+    return packed_batch(alone(samples))
+
+
+def packed_batch(pieces: list[Piece]) -> Batch:
+    """The pieces' segments side by side in one row, each at its own positions (a continuing segment from its
+    parent's end)."""
+    segments = [s for p in pieces for s in p.segments]
+    lengths = np.array([s.length for s in segments])
+    cu_seq_lens = np.zeros(len(segments) + 1, dtype=np.int32)
     np.cumsum(lengths, out=cu_seq_lens[1:])
     token_index = np.arange(cu_seq_lens[-1], dtype=np.int64)
-    position_ids = token_index - np.repeat(cu_seq_lens[:-1], lengths)
-    input_ids = np.concatenate([s.input_ids.numpy() for s in samples])
+    depths = np.array([s.depth for s in segments])
+    position_ids = token_index - np.repeat(cu_seq_lens[:-1] - depths, lengths)
+    input_ids = np.concatenate([s.source.input_ids.numpy()[s.depth : s.end] for s in segments])
+    number = {id(s): k for k, s in enumerate(segments)}
+    parents = [number[id(s.parent)] if s.parent is not None else -1 for s in segments]
+    samples, ranges = _served(pieces, _starts(segments))
     return Batch(samples, torch.from_numpy(input_ids)[None], None, torch.from_numpy(token_index),
-                 _sample_index(lengths), torch.from_numpy(position_ids)[None], torch.from_numpy(cu_seq_lens))
+                 _segment_index(lengths), lengths.tolist(), ranges, torch.from_numpy(position_ids)[None],
+                 torch.from_numpy(cu_seq_lens), parents if any(p >= 0 for p in parents) else None)
 
 
-def _sample_index(lengths: np.ndarray) -> torch.Tensor:
+def _starts(segments: list[Segment]) -> dict[int, int]:
+    """Each segment's first computed token (by id), segment after segment."""
+    out, start = {}, 0
+    for s in segments:
+        out[id(s)] = start
+        start += s.length
+    return out
+
+
+def _segment_index(lengths: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths))
+
+
+T = TypeVar("T")
+
+
+def first_fit(items: list[T], size: Callable[[T], int], count: Callable[[T], int], token_budget: int,
+              max_batch_size: int) -> list[list[T]]:
+    """Longest first, each item joins the first batch with room for its tokens and its sequences."""
+    groups: list[list[T]] = []
+    room: list[int] = []
+    seqs: list[int] = []
+    for item in sorted(items, key=size, reverse=True):
+        n, c = size(item), count(item)
+        k = next((i for i, r in enumerate(room) if r >= n and seqs[i] + c <= max_batch_size), None)
+        if k is None:
+            groups.append([])
+            room.append(token_budget)
+            seqs.append(0)
+            k = len(groups) - 1
+        groups[k].append(item)
+        room[k] -= n
+        seqs[k] += c
+    return groups
 
 
 def pack_window(samples: list[Sample], token_budget: int, max_batch_size: int) -> list[list[Sample]]:
     """First fit, longest first: each sample joins the first batch with room for its tokens."""
-    groups: list[list[Sample]] = []
-    room: list[int] = []
-    for sample in sorted(samples, key=lambda s: len(s.input_ids), reverse=True):
-        n = len(sample.input_ids)
-        k = next((i for i, r in enumerate(room) if r >= n and len(groups[i]) < max_batch_size), None)
-        if k is None:
-            groups.append([])
-            room.append(token_budget)
-            k = len(groups) - 1
-        groups[k].append(sample)
-        room[k] -= n
+    return first_fit(samples, lambda s: len(s.input_ids), lambda s: 1, token_budget, max_batch_size)
+
+
+def cut(items: list[T], size: Callable[[T], int], token_budget: int, max_batch_size: int) -> list[list[T]]:
+    """Longest first, each batch takes items while batch x longest fits the budget."""
+    groups: list[list[T]] = []
+    for item in sorted(items, key=size, reverse=True):
+        group = groups[-1] if groups else None
+        if group and len(group) < max_batch_size and (len(group) + 1) * size(group[0]) <= token_budget:
+            group.append(item)
+        else:
+            groups.append([item])
     return groups
 
 
 def cut_window(samples: list[Sample], token_budget: int, max_batch_size: int) -> list[list[Sample]]:
     """Longest first, each batch takes samples while batch x longest fits the budget."""
-    ordered = sorted(samples, key=lambda s: len(s.input_ids), reverse=True)
-    groups: list[list[Sample]] = []
-    for sample in ordered:
-        group = groups[-1] if groups else None
-        if group and len(group) < max_batch_size and (len(group) + 1) * len(group[0].input_ids) <= token_budget:
-            group.append(sample)
-        else:
-            groups.append([sample])
-    return groups
+    return cut(samples, lambda s: len(s.input_ids), token_budget, max_batch_size)
 
 
 def iter_windows(rows: Iterable[Row], sort_window: int) -> Iterator[list[Row]]:
@@ -152,8 +241,11 @@ def iter_windows(rows: Iterable[Row], sort_window: int) -> Iterator[list[Row]]:
 
 
 def iter_batches(items: list[Sample | Reject], token_budget: int, max_batch_size: int,
-                 pad_token_id: int, packed: bool = False) -> Iterator[Batch | Reject]:
-    """One window's samples as batches, packed or padded; rejects pass straight through."""
+                 pad_token_id: int, packed: bool = False, sharing: bool = False,
+                 min_shared_tokens: int | None = None) -> Iterator[Batch | Reject]:
+    """One window's samples as batches, packed or padded; rejects pass straight through. With `sharing`, rows
+    that are prefixes of others (duplicates too) are served by those rows' states (streamx.data.sharing), and,
+    packed, common leading runs of `min_shared_tokens` (None: none) are computed once."""
     samples = []
     for item in items:
         if isinstance(item, Reject):
@@ -162,7 +254,11 @@ def iter_batches(items: list[Sample | Reject], token_budget: int, max_batch_size
             raise ValueError(f"row {item.row_id}: {len(item.input_ids)} tokens exceed token_budget {token_budget}")
         else:
             samples.append(item)
+    units = pieces(share(samples, min_shared_tokens if packed else None), token_budget) if sharing \
+        else alone(samples)
     if packed:
-        yield from (make_packed_batch(group) for group in pack_window(samples, token_budget, max_batch_size))
+        groups = first_fit(units, lambda p: p.num_tokens, lambda p: len(p.segments), token_budget, max_batch_size)
+        yield from (packed_batch(group) for group in groups)
     else:
-        yield from (make_batch(group, pad_token_id) for group in cut_window(samples, token_budget, max_batch_size))
+        yield from (padded_batch(group, pad_token_id) for group in cut(units, lambda p: p.num_tokens, token_budget,
+                                                                       max_batch_size))

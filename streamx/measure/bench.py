@@ -1,11 +1,14 @@
 """`streamx bench`: the full pipeline against the plain forward pass and the naive per-sample approach.
 
-Three modes run in one process on the same samples and device, in rounds whose order rotates so
+The modes run in one process on the same samples and device, in rounds whose order rotates so
 that machine drift hits all of them equally:
-  forward_only  the decoder over the same length-bucketed batches, nothing captured or written
-  streamx       the full pipeline (pipeline.run) into a temporary store
-  naive         what HF-based dumpers do: per sample, the CausalLM with output_hidden_states=True,
-                selected layers taken from the tuple, one safetensors file written synchronously
+  forward_only      the decoder over the run's batches, nothing captured or written
+  forward_padded    the same samples in padded batches (when the run packs)
+  streamx           the full pipeline (pipeline.run) into a temporary store
+  streamx_unshared  the same with --sharing off: every row computed in full (when the run shares)
+  naive             what HF-based dumpers do: per sample, the CausalLM with output_hidden_states=True,
+                    selected layers taken from the tuple, one safetensors file written synchronously
+Rates count the rows' tokens (what every mode delivers), so that sharing shows as speed.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from ..pipeline.runner import run
 from .ceilings import host_copy_gb_per_s, matmul_peak_tflops
 from .writebench import write_ceiling
 
-MODES = ("forward_only", "forward_padded", "streamx", "naive")  # forward_padded: only when the run packs
+MODES = ("forward_only", "forward_padded", "streamx", "streamx_unshared", "naive")  # (see above: when)
 
 
 class PeakRSS:
@@ -164,10 +167,16 @@ class Workload:
 
     @property
     def samples(self) -> list[Sample]:
-        return [s for b in self.batches for s in b.samples]
+        return sorted((s for b in self.batches for s in b.samples), key=lambda s: s.row_id)
 
     @property
     def tokens(self) -> int:
+        """The rows' tokens: what every mode delivers."""
+        return sum(b.row_tokens for b in self.batches)
+
+    @property
+    def computed_tokens(self) -> int:
+        """What the run's batches compute (fewer than the rows' tokens where rows share)."""
         return sum(b.num_tokens for b in self.batches)
 
     @property
@@ -191,10 +200,10 @@ def run_mode(mode: str, work: Workload, scratch: Path, r: int) -> tuple[dict[str
     if mode == "forward_padded":  # the same samples in padded batches, as --packing off runs them
         with padded_attention(plan.model):
             return forward_only(plan.model, work.padded_batches, plan.device), None
-    if mode == "streamx":
+    if mode in ("streamx", "streamx_unshared"):
         store = scratch / f"round{r}.zarr"
-        summary = run(plan.with_output(str(store), overwrite=True), progress=False, log=lambda m: None,
-                      wind_up_on_signals=False)
+        summary = run((plan if mode == "streamx" else plan.unshared()).with_output(str(store), overwrite=True),
+                      progress=False, log=lambda m: None, wind_up_on_signals=False)
         written = _dir_bytes(store)
         shutil.rmtree(store)  # a round's store can be GBs: keep one at a time
         return {"bytes_written": written}, summary
@@ -221,6 +230,8 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
     plan = make_plan(config, log=log)  # what `streamx run` would do, loaded once for every mode
     if not plan.packing.on:  # the forward pass over padded batches is forward_only itself
         modes = tuple(m for m in modes if m != "forward_padded")
+    if not plan.sharing.on:  # streamx computes every row in full already
+        modes = tuple(m for m in modes if m != "streamx_unshared")
     work = Workload.build(plan, padded="forward_padded" in modes)
     work.warm_up(padded="forward_padded" in modes)
     device = plan.device
@@ -244,7 +255,7 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
                 if r < warmups:
                     log(f"warm-up round {r + 1}/{warmups} {mode:<12} {real / seconds:10,.0f} tokens/s (not counted)")
                     continue
-                if summary is not None:
+                if summary is not None and mode == "streamx":
                     for k, v in summary.stage_seconds.items():
                         stages[k] = stages.get(k, 0.0) + v
                     fills = summary.queue_fill
@@ -277,8 +288,8 @@ def report(work: Workload, modes: tuple[str, ...], totals: dict[str, dict[str, A
             "rounds_tokens_per_s": [real / seconds for seconds in t["rounds"]],  # drift shows here
             "spread": (max(t["rounds"]) - min(t["rounds"])) / (t["seconds"] / rounds),  # of round times
             "seconds": t["seconds"] / rounds,
-            "padding_efficiency": 1.0 if mode == "naive" else real / sum(
-                b.padded_tokens for b in (work.padded_batches if mode == "forward_padded" else work.batches)),
+            "padding_efficiency": 1.0 if mode in ("naive", "streamx_unshared") else _padding_efficiency(
+                work.padded_batches if mode == "forward_padded" else work.batches),
             "peak_rss_bytes": t["peak_rss_bytes"],
             "peak_device_bytes": t["peak_device_bytes"],
             "bytes_written_per_token": t["bytes_written"] / real,
@@ -291,7 +302,7 @@ def report(work: Workload, modes: tuple[str, ...], totals: dict[str, dict[str, A
     s = out["streamx"]
     s["stage_seconds"] = busy
     s["queue_fill"] = fills
-    state_bytes = real * plan.layout.bytes_per_token  # per round
+    state_bytes = work.computed_tokens * plan.layout.bytes_per_token  # per round
     s["write_ceiling_bytes_per_s"] = ceiling
     s["host_copy_bytes_per_s"] = ceilings["host_copy_gb_per_s"] * 1e9 if ceilings["host_copy_gb_per_s"] else None
     s["writer_bytes_per_s"] = state_bytes / busy["write"] if busy.get("write") else None
@@ -300,14 +311,18 @@ def report(work: Workload, modes: tuple[str, ...], totals: dict[str, dict[str, A
     s["bottleneck"] = bottleneck(busy, state_bytes, ceiling, plan.device.type == "cuda")
     out["ratios"] = {f"streamx_vs_{m}": out["streamx"]["tokens_per_s"] / out[m]["tokens_per_s"]
                      for m in modes if m != "streamx"}
+    if "streamx_unshared" in out:
+        out["ratios"]["bytes_shared_vs_unshared"] = (out["streamx"]["bytes_written_per_token"]
+                                                     / out["streamx_unshared"]["bytes_written_per_token"])
     if "forward_padded" in out and "forward_only" in out:
         out["ratios"]["packed_vs_padded_forward"] = (out["forward_only"]["tokens_per_s"]
                                                      / out["forward_padded"]["tokens_per_s"])
-    out["workload"] = {"samples": samples, "tokens": real, "padded_tokens": sum(b.padded_tokens for b in work.batches),
+    out["workload"] = {"samples": samples, "tokens": real, "computed_tokens": work.computed_tokens,
+                       "sharing": str(plan.sharing), "padded_tokens": sum(b.padded_tokens for b in work.batches),
                        "batches": len(work.batches), "batch_shapes": len(work.flops_by_shape),
                        "packing": str(plan.packing), "layer_ids": plan.layer_ids, "rounds": rounds,
                        "warmup_rounds": warmups, "model_flops_per_round": work.round_flops,
-                       "model_flops_per_real_token": work.round_flops / real}
+                       "model_flops_per_real_token": work.round_flops / work.computed_tokens}
     out["ceilings"] = ceilings
     out["machine"] = machine()
     info = plan.info
@@ -316,6 +331,10 @@ def report(work: Workload, modes: tuple[str, ...], totals: dict[str, dict[str, A
                     "random_weights": info.random_weights}
     out["config"] = plan.config.to_dict()
     return out
+
+
+def _padding_efficiency(batches: list[Batch]) -> float:
+    return sum(b.num_tokens for b in batches) / sum(b.padded_tokens for b in batches)
 
 
 def bottleneck(busy: dict[str, float], state_bytes: int, ceiling: float, cuda: bool) -> str:
@@ -350,11 +369,16 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{m['bytes_written_per_token']:>10,.0f}")
     lines.append(", ".join(f"streamx / {k.removeprefix('streamx_vs_')} = {v:.3f}x" for k, v in report["ratios"].items()
                            if k.startswith("streamx_vs_")))
+    if "bytes_shared_vs_unshared" in report["ratios"]:
+        lines.append(f"sharing ({w['sharing']}): {w['computed_tokens']:,} of {w['tokens']:,} row tokens computed and "
+                     f"stored ({w['computed_tokens'] / w['tokens']:.1%}); streamx / streamx_unshared = "
+                     f"{report['ratios']['streamx_vs_streamx_unshared']:.3f}x the speed, "
+                     f"{report['ratios']['bytes_shared_vs_unshared']:.3f}x the bytes")
     if "packed_vs_padded_forward" in report["ratios"]:
         lines.append(f"forward pass, packed / padded batches = {report['ratios']['packed_vs_padded_forward']:.3f}x "
                      f"(padding efficiency {report['forward_padded']['padding_efficiency']:.1%} when padded)")
     peak = report["ceilings"]["bf16_matmul_peak_tflops"]
-    lines.append(f"model FLOPs: {_flop(w['model_flops_per_real_token'])} per real token (padding included); "
+    lines.append(f"model FLOPs: {_flop(w['model_flops_per_real_token'])} per computed token (padding included); "
                  + "; ".join(f"{mode} {_flop(report[mode]['model_tflops_per_s'] * 1e12)}/s"
                              + (f" ({report[mode]['fraction_of_matmul_peak']:.0%} of the bf16 matmul peak, "
                                 f"{peak:.0f} TFLOP/s measured in this run)" if peak else "")

@@ -96,7 +96,7 @@ def plot_store(store: Store, path: str) -> None:
 def plot_bench(report: dict[str, Any], path: str) -> None:
     """Tokens/s of each mode and the streamx stages' busy time, as `streamx bench` measured them."""
     plt = _pyplot()
-    modes = [m for m in ("forward_only", "forward_padded", "streamx", "naive") if m in report]
+    modes = [m for m in ("forward_only", "forward_padded", "streamx", "streamx_unshared", "naive") if m in report]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     a.bar(modes, [report[m]["tokens_per_s"] for m in modes])
     a.set(title="tokens/s per mode", ylabel="tokens/s")
@@ -123,7 +123,7 @@ def save_figure(fig: Any, path: str, title: str) -> None:
 
 
 def _share(store: Store) -> float:
-    return sum(c.trainable_tokens for c in store.commits.values()) / max(1, store.num_tokens)
+    return sum(c.trainable_tokens for c in store.commits.values()) / max(1, store.row_tokens)
 
 
 def _pyplot() -> Any:

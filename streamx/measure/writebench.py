@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..base.threads import Worker, put
+from ..data.batching import make_packed_batch
 from ..data.tokenize import REJECT_REASONS, Sample
 from ..model.transfer import HostBatch
 from ..pipeline.metrics import QueueFill, StageTimes
@@ -75,7 +76,8 @@ def _batches(w: WriteWorkload, nbytes: int, seed: int) -> Iterator[CapturedBatch
             ids = torch.from_numpy(rng.integers(0, 150_000, n))
             samples.append(Sample(row_id, ids, (ids % 2).long()))
             used, remaining, row_id = used + n, remaining - n, row_id + 1
-        yield CapturedBatch(samples, HostBatch(pool[:used], torch.ones(len(samples), dtype=torch.bool)))
+        yield CapturedBatch(make_packed_batch(samples), HostBatch(pool[:used],
+                                                                  torch.ones(len(samples), dtype=torch.bool)))
 
 
 def _plain_pass(directory: Path, batches: list[CapturedBatch], file_bytes: int) -> int:
@@ -132,7 +134,7 @@ def _process(rank: int, w: WriteWorkload, directory: str, barrier, results) -> N
     try:
         nbytes = w.total_bytes // (barrier.parties)
         batches = list(_batches(w, nbytes, seed=rank))
-        state_bytes = sum(len(s.input_ids) for b in batches for s in b.samples) * w.token_bytes
+        state_bytes = sum(b.batch.num_tokens for b in batches) * w.token_bytes
         file_bytes = make_layout(w.num_slots, w.hidden_size).shard_tokens * w.token_bytes
         scratch = Path(directory) / f"p{rank}"
         passes = [("warmup", "plain")] + [(r, m) for r in range(w.rounds)

@@ -130,10 +130,10 @@ class LayerCapture:
         self.close()
 
 
-def sample_is_finite(states: torch.Tensor, sample_index: torch.Tensor, num_samples: int) -> torch.Tensor:
-    """[B] bool: every captured value of sample b is finite (NaN/Inf samples are rejected, not stored).
-    sample_index [N] maps each token to its sample; computed on the host, so no device sync here."""
+def segment_is_finite(states: torch.Tensor, segment_index: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """[B] bool: every captured value of segment b is finite (rows reading NaN/Inf are rejected, not stored).
+    segment_index [N] maps each token to its segment; computed on the host, so no device sync here."""
     token_ok = torch.isfinite(states).flatten(1).all(dim=1)
-    bad = torch.zeros(num_samples, device=states.device, dtype=torch.int32)
-    bad.index_add_(0, sample_index.to(states.device, non_blocking=True), (~token_ok).to(torch.int32))
+    bad = torch.zeros(num_segments, device=states.device, dtype=torch.int32)
+    bad.index_add_(0, segment_index.to(states.device, non_blocking=True), (~token_ok).to(torch.int32))
     return bad == 0

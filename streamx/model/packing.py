@@ -23,6 +23,7 @@ uses padded batches and says why (in the log and the store's metadata).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,30 +31,71 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..data.batching import make_packed_batch
+from ..data.batching import Batch, make_packed_batch, packed_batch
+from ..data.sharing import pieces, share
 from ..data.tokenize import Sample
 from .capture import find_decoder
 
 PACKED_SDPA = "streamx_packed_sdpa"
 NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")  # transformers' own packed (varlen) paths
-PROBE_LENGTHS = (48, 24)  # a first sample, then the one that must not see it
+PROBE_LENGTHS = (48, 24)  # a first sample, then the one that must not see it (and, for shared prefixes, a prefix
+# and a first rest)
 UNSUPPORTED = ("sliding_window", "softcap", "s_aux")  # attention features the per-segment path does not implement
 
 
 class _Segments:
-    """The host copy of the running batch's boundaries: `cu_seq_lens_q` lives on the device, and reading
-    it there in every layer would stall the GPU, so it is read once per batch."""
+    """The host copy of the running batch's segments: `cu_seq_lens_q` lives on the device, and reading it there
+    in every layer would stall the GPU, so it is read once per batch. A segment that continues another (shared
+    prefixes, streamx.data.sharing) starts at a position past 0; its parent is the nearest segment before it
+    that ends at that position (batches lay each tree out parents first), so the positions, which a pre-hook
+    on the decoder takes (`take_positions`), say the whole tree."""
 
     tensor: torch.Tensor | None = None
     bounds: list[int] = []
+    parents: list[int] | None = None  # None: no segment continues another
+    positions: torch.Tensor | None = None  # the running forward's position_ids
+    keys: dict = {}  # (segment, device) -> the token indices its queries attend to: its ancestors', then its own
 
     @classmethod
     def of(cls, cu_seq_lens: torch.Tensor) -> list[int]:
         if cu_seq_lens is not cls.tensor:
-            cls.tensor, cls.bounds = cu_seq_lens, cu_seq_lens.tolist()
+            cls.tensor, cls.bounds, cls.keys = cu_seq_lens, cu_seq_lens.tolist(), {}
+            cls.parents = cls._parents(cls.bounds)
         return cls.bounds
+
+    @classmethod
+    def take_positions(cls, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        cls.positions = kwargs.get("position_ids")
+        cls.tensor = None  # a new forward: read its boundaries afresh
+
+    @classmethod
+    def _parents(cls, bounds: list[int]) -> list[int] | None:
+        if cls.positions is None or len(bounds) < 2:
+            return None
+        firsts = cls.positions[0, bounds[:-1]].tolist()
+        if not any(firsts):
+            return None
+        parents, ending_at = [], {}  # depth -> the last segment ending there
+        for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+            parents.append(ending_at[firsts[s]] if firsts[s] else -1)
+            if firsts[s] and parents[-1] < 0:
+                raise ValueError(f"packed segment {s} starts at position {firsts[s]} after no segment ending there")
+            ending_at[firsts[s] + b - a] = s
+        return parents
+
+    @classmethod
+    def key_index(cls, segment: int, device: torch.device) -> torch.Tensor:
+        """The tokens segment `segment` attends to, its ancestors' first."""
+        if (segment, device) not in cls.keys:
+            ranges, s = [], segment
+            while s >= 0:
+                ranges.append(torch.arange(cls.bounds[s], cls.bounds[s + 1]))
+                s = cls.parents[s]
+            cls.keys[(segment, device)] = torch.cat(ranges[::-1]).to(device)
+        return cls.keys[(segment, device)]
 
 
 def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -68,8 +110,17 @@ def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
     if cu_seq_lens is None:  # one sample (e.g. an unbatched forward)
         return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
     bounds = _Segments.of(cu_seq_lens)
-    outputs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
-                                      is_causal=True, **kwargs)[0] for a, b in zip(bounds, bounds[1:], strict=False)]
+    outputs = []
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        if _Segments.parents is None or _Segments.parents[s] < 0:
+            outputs.append(sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
+                                                  is_causal=True, **kwargs)[0])
+            continue
+        keys = _Segments.key_index(s, key.device)  # its ancestors' keys, then its own: causal, aligned at the end
+        mask = torch.ones(b - a, len(keys), dtype=torch.bool, device=query.device).tril(len(keys) - (b - a))
+        outputs.append(sdpa_attention_forward(module, query[:, :, a:b], key.index_select(2, keys),
+                                              value.index_select(2, keys), mask[None, None], is_causal=False,
+                                              **kwargs)[0])
     return torch.cat(outputs, dim=1), None
 
 
@@ -81,13 +132,17 @@ _BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_lengt
 
 class SampleWise:
     """Runs the decoder's sequence-mixing layers (gated delta-net linear attention with its causal conv1d)
-    once per sample of a packed row, so that each starts from a clean state whatever kernels transformers
-    found; everything else still runs over the whole row. A pre-hook on the decoder takes each forward's
-    boundaries (`cu_seq_lens_q`); a forward without them (padded batches) runs the layers as they are."""
+    once per segment of a packed row, so that each starts from a clean state whatever kernels transformers
+    found; everything else still runs over the whole row. A segment that continues another (a shared prefix,
+    streamx.data.sharing) starts from that segment's final states instead, its conv window's inputs and its
+    recurrent state, handed over through a transformers cache of the layer as generation would. A pre-hook on
+    the decoder takes each forward's boundaries (`cu_seq_lens_q`); a forward without them (padded batches)
+    runs the layers as they are."""
 
     def __init__(self, model: nn.Module):
         decoder = find_decoder(model).module
         self.modules = sequence_mixers(model)
+        self.config = model.config.get_text_config()
         self.bounds: list[int] | None = None
         self._hook = decoder.register_forward_pre_hook(self._take_bounds, with_kwargs=True)
         self._own_forwards = [module.__dict__.get("forward") for module in self.modules]  # e.g. accelerate's hooks
@@ -107,7 +162,19 @@ class SampleWise:
             args = args[1:] if args and hidden is args[0] else args
             for name in _BOUNDARY_KWARGS:  # each call sees one plain sequence
                 kwargs.pop(name, None)
-            outputs = [forward(hidden[:, a:b], *args, **kwargs) for a, b in zip(bounds, bounds[1:], strict=False)]
+            parents = _Segments.parents or [-1] * (len(bounds) - 1)
+            continued = set(parents)
+            ends: dict[int, Cache] = {}  # segment -> its final states, for the segments that continue it
+            outputs = []
+            for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+                cache = None
+                if parents[s] >= 0:
+                    cache = handed_over(ends[parents[s]])
+                elif s in continued:
+                    cache = DynamicCache(config=self.config)
+                outputs.append(forward(hidden[:, a:b], *args, **{**kwargs, **({"cache": cache} if cache else {})}))
+                if s in continued:
+                    ends[s] = cache
             if not all(isinstance(out, torch.Tensor) for out in outputs):
                 raise NotImplementedError(f"sample-wise layers return tensors; got {type(outputs[0]).__name__}")
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
@@ -121,6 +188,11 @@ class SampleWise:
                 del module.forward  # back to the class's own
             else:
                 module.forward = forward
+
+
+def handed_over(cache: Cache) -> Cache:
+    """A segment's final states for one segment that continues it (a copy: its siblings continue them too)."""
+    return copy.deepcopy(cache)
 
 
 def sequence_mixers(model: nn.Module) -> list[nn.Module]:
@@ -193,6 +265,9 @@ def enable(model: nn.Module) -> str | None:
         return f"attention implementation {before} has no packed path (sdpa or flash_attention_2/3 have)"
     if before in (None, "sdpa"):
         model.set_attn_implementation(PACKED_SDPA)
+    if getattr(model, "_streamx_positions", None) is None:  # before SampleWise's hook, which reads the segments
+        model._streamx_positions = find_decoder(model).module.register_forward_pre_hook(_Segments.take_positions,
+                                                                                        with_kwargs=True)
     leak = probe(model)
     if leak is not None and not sample_wise_layers(model) and sequence_mixers(model):
         model._streamx_sample_wise = SampleWise(model)  # the model's own kernels mix samples: one at a time
@@ -210,30 +285,78 @@ def disable(model: nn.Module) -> None:
     if wrapper is not None:
         wrapper.remove()
         del model._streamx_sample_wise
+    hook = getattr(model, "_streamx_positions", None)
+    if hook is not None:
+        hook.remove()
+        del model._streamx_positions
+
+
+def _random_samples(model: nn.Module, lengths: tuple[int, ...]) -> list[Sample]:
+    vocab = model.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(0)
+    return [Sample(i, torch.randint(0, vocab, (n,), generator=g), torch.ones(n, dtype=torch.long))
+            for i, n in enumerate(lengths)]
+
+
+def _difference(batch: Batch, rows: list[Sample], model: nn.Module) -> tuple[int, float] | str:
+    """Run `batch` and each of `rows` alone; the layer output where their states differ most, and by how much
+    (relative to the largest state), or why the batch could not run."""
+    device = next(model.parameters()).device
+    decoder = find_decoder(model).module
+    try:
+        together = decoder(**batch.model_inputs(device), use_cache=False, output_hidden_states=True).hidden_states
+    except (NotImplementedError, TypeError, ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    worst = (0, 0.0)
+    for row, ranges in zip(batch.samples, batch.row_ranges, strict=True):
+        if not any(row is r for r in rows):
+            continue
+        alone = decoder(input_ids=row.input_ids[None].to(device), use_cache=False, output_hidden_states=True)
+        index = torch.cat([torch.arange(a, a + n) for a, n in ranges]).to(device)
+        for layer, (t, a) in enumerate(zip(together, alone.hidden_states, strict=True)):
+            got, want = t[0].index_select(0, index).float(), a[0].float()
+            error = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
+            if not error <= worst[1]:
+                worst = (layer, error)
+    return worst
+
+
+def _tolerance(model: nn.Module) -> float:
+    return 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2  # a leak moves states by O(1)
 
 
 @torch.inference_mode()
 def probe(model: nn.Module) -> str | None:
     """Run two unrelated samples packed and each alone; None when the second one's states at every layer
     are the same both ways (up to rounding), else where they differ."""
-    device = next(model.parameters()).device
-    vocab = model.config.get_text_config().vocab_size
-    g = torch.Generator().manual_seed(0)
-    first, second = (Sample(i, torch.randint(0, vocab, (n,), generator=g), torch.ones(n, dtype=torch.long))
-                     for i, n in enumerate(PROBE_LENGTHS))
-    decoder = find_decoder(model).module
-    try:
-        packed = decoder(**make_packed_batch([first, second]).model_inputs(device), use_cache=False,
-                         output_hidden_states=True).hidden_states
-        alone = decoder(input_ids=second.input_ids[None].to(device), use_cache=False,
-                        output_hidden_states=True).hidden_states
-    except (NotImplementedError, TypeError, ValueError, RuntimeError) as err:
-        return f"the packed forward failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
-    tolerance = 1e-3 if packed[0].dtype == torch.float32 else 5e-2  # a leak moves states by O(1)
-    for layer, (p, a) in enumerate(zip(packed, alone, strict=True)):
-        got, want = p[0, PROBE_LENGTHS[0]:].float(), a[0].float()
-        error = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
-        if not error <= tolerance:
-            return (f"a sample's states depend on the sample packed before it (layer output {layer}: relative "
-                    f"difference {error:.2g}); this model's layers or kernels do not reset at sample boundaries")
+    first, second = _random_samples(model, PROBE_LENGTHS)
+    found = _difference(make_packed_batch([first, second]), [second], model)
+    if isinstance(found, str):
+        return f"the packed forward failed ({found})"
+    layer, error = found
+    if not error <= _tolerance(model):
+        return (f"a sample's states depend on the sample packed before it (layer output {layer}: relative "
+                f"difference {error:.2g}); this model's layers or kernels do not reset at sample boundaries")
+    return None
+
+
+@torch.inference_mode()
+def probe_continuation(model: nn.Module) -> str | None:
+    """Run two rows that share a leading run as a segment tree (the run once, each rest continuing from its
+    state: streamx.data.sharing) and each alone; None when every layer's states of both rows are the same both
+    ways (up to rounding), else why they are not. Call it on a model `enable` set up."""
+    prefix, first, second = _random_samples(model, PROBE_LENGTHS + (16,))
+    rows = [Sample(i, ids, torch.ones(len(ids), dtype=torch.long))
+            for i, ids in enumerate(torch.cat([prefix.input_ids, rest.input_ids]) for rest in (first, second))]
+    batch = packed_batch(pieces(share(rows, 1), len(prefix.input_ids) * 4))
+    if batch.segment_parents is None:
+        raise AssertionError("the probe's rows must share their leading run")
+    found = _difference(batch, rows, model)
+    if isinstance(found, str):
+        return f"the forward with a shared prefix failed ({found})"
+    layer, error = found
+    if not error <= _tolerance(model):
+        return (f"a row continued from a shared prefix's state differs from the row computed alone (layer output "
+                f"{layer}: relative difference {error:.2g}); this model's layers do not continue from the prefix's "
+                "state")
     return None

@@ -17,8 +17,9 @@ import numpy as np
 from ..base.units import gb
 from ..config import RunConfig, resolve_layer_ids
 from ..data.batching import iter_windows
+from ..data.sharing import pieces, share
 from ..data.source import Source, open_source
-from ..data.tokenize import Reject, Repeats, SampleBuilder
+from ..data.tokenize import Reject, Repeats, Sample, SampleBuilder
 from ..model.load import model_tokenizer, read_text_config, resolve_model_path
 from ..store import STORAGES, Layout, free_bytes, make_layout
 from ..store.format import (
@@ -26,6 +27,7 @@ from ..store.format import (
     INDEX_CHUNK,
     REJECT_ARRAYS,
     SAMPLE_ARRAYS,
+    SHARING_ARRAYS,
     TOKEN_ID_ARRAYS,
     entry_bytes,
 )
@@ -43,6 +45,14 @@ class StoreSize:
 
 
 @dataclass
+class SharedTokens:
+    """The tokens --sharing on computes and stores, of all the rows' tokens, found as the run finds them."""
+
+    prefix_rows: int  # when only duplicates and prefix rows are shared (the model cannot continue a state)
+    leading_runs: int  # when common leading runs are computed once too (packed, and the model's probe passes)
+
+
+@dataclass
 class Estimate:
     rows: int | None  # source rows (None: a stream whose length is not known)
     sampled_rows: int  # rows tokenized
@@ -52,6 +62,7 @@ class Estimate:
     trainable_tokens: int
     longest_sample: int  # tokens, in the sample
     duplicates: int | None  # samples whose content repeats an earlier row's (None: not counted)
+    shared: SharedTokens | None  # what --sharing on computes and stores (None: off, or estimated from a sample)
     layer_ids: list[int]
     num_layers: int
     hidden_size: int
@@ -76,7 +87,8 @@ def store_size(layout: Layout, tokens: int, samples: int, rejects: int) -> Store
               + shards * token_arrays * shard_index_bytes(shard // chunk)
               + samples * entry_bytes(SAMPLE_ARRAYS) + rejects * entry_bytes(REJECT_ARRAYS))
     index_files = len(SAMPLE_ARRAYS) * -(-samples // INDEX_CHUNK) + len(REJECT_ARRAYS) * -(-rejects // INDEX_CHUNK)
-    arrays = token_arrays + len(SAMPLE_ARRAYS) + len(REJECT_ARRAYS)
+    # --sharing's arrays hold only their fill values where no row shares (no chunk files): the unshared bound
+    arrays = token_arrays + len(SAMPLE_ARRAYS) + len(REJECT_ARRAYS) + len(SHARING_ARRAYS)
     nbytes += GROUP_METADATA_BYTES + arrays * ARRAY_METADATA_BYTES
     return StoreSize(nbytes, GROUP_DOCUMENTS + arrays + shards * token_arrays + index_files, layout.bytes_per_token)
 
@@ -111,7 +123,12 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
         for window in iter_windows(rows if exact else source, 1024):
             repeats |= {row for row, (_, again) in seen.of(window).items() if again}
     samples, tokens, trainable, longest, rejects, duplicates = 0, 0, 0, 0, {}, 0
+    shared = SharedTokens(0, 0) if exact and config.sharing == "on" else None
+    window: list[Sample] = []
     for row in rows:
+        if shared is not None and window and row.row_id // config.sort_window != window[0].row_id // config.sort_window:
+            shared = _add_shared(shared, window, config)
+            window = []
         item = builder(row)
         if exact and row.row_id in repeats and not isinstance(item, Reject):  # as the run marks them
             duplicates += 1
@@ -121,9 +138,12 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
             rejects[item.reason] = rejects.get(item.reason, 0) + 1
             continue
         samples += 1
+        window.append(item)
         tokens += len(item.input_ids)
         trainable += int(item.loss_mask.sum())
         longest = max(longest, len(item.input_ids))
+    if shared is not None and window:
+        shared = _add_shared(shared, window, config)
     scale = (total / len(rows)) if total and rows else 1.0
     if not exact and repeats:  # sampled: the repeats were counted over every row
         duplicates = len(repeats)
@@ -133,11 +153,21 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
     rejects = {reason: round(n * scale) for reason, n in rejects.items()}
     if not exact and repeats and config.skip_duplicates:
         rejects["duplicate_content"] = duplicates
+    stored = shared.prefix_rows if shared is not None else tokens  # (leading runs may not be shared: the bound)
     sizes = {storage: store_size(make_layout(len(layer_ids), H, config.chunk_tokens, config.shard_tokens,
-                                             config.compressor, storage), tokens, samples, sum(rejects.values()))
+                                             config.compressor, storage), stored, samples, sum(rejects.values()))
              for storage in STORAGES}
     return Estimate(total, len(rows), samples, rejects, tokens, trainable, longest,
-                    duplicates if count_duplicates and total is not None else None, layer_ids, L, H, sizes)
+                    duplicates if count_duplicates and total is not None else None, shared, layer_ids, L, H, sizes)
+
+
+def _add_shared(shared: SharedTokens, window: list[Sample], config: RunConfig) -> SharedTokens:
+    """One sorting window's rows as --sharing groups them (streamx.data.sharing), with and without leading runs."""
+    def computed(min_shared: int | None) -> int:
+        return sum(p.num_tokens for p in pieces(share(window, min_shared), config.token_budget))
+
+    leading = config.min_shared_tokens if config.packing == "on" else None
+    return SharedTokens(shared.prefix_rows + computed(None), shared.leading_runs + computed(leading))
 
 
 @dataclass
@@ -155,7 +185,8 @@ class Forecast:
 
     @property
     def seconds(self) -> float | None:
-        return self.estimate.tokens / self.tokens_per_s if self.tokens_per_s else None
+        e = self.estimate  # the forward pass computes what sharing leaves (at most the prefix rows' bound)
+        return (e.shared.prefix_rows if e.shared else e.tokens) / self.tokens_per_s if self.tokens_per_s else None
 
     def to_json(self) -> dict[str, Any]:
         return {**self.estimate.to_json(), "storage": self.config.storage, "free_bytes": self.free,
@@ -175,6 +206,12 @@ class Forecast:
                   "out)")] if e.duplicates else []),
             f"tokens       {e.tokens:,} ({e.trainable_tokens:,} trainable); longest sample "
             f"{e.longest_sample:,}",
+            *([f"sharing      {e.shared.leading_runs:,} tokens computed and stored "
+               f"({e.shared.leading_runs / max(1, e.tokens):.1%}) where the model continues shared prefixes, else "
+               f"{e.shared.prefix_rows:,} ({e.shared.prefix_rows / max(1, e.tokens):.1%}: prefix rows and duplicates "
+               "only; the store below)"] if e.shared is not None else
+              ["sharing      on: not estimated from a sample of the rows (the store below is the unshared bound)"]
+              if config.sharing == "on" else []),
             f"layers       {e.layer_ids} of {e.num_layers}, hidden {e.hidden_size}",
             "storage      bytes/token   store        files" + ("   (uncompressed: an upper bound)"
                                                               if config.compressor != "none" else ""),

@@ -67,32 +67,37 @@ class Throughput:
     tokenized_rows: int = 0
     tokenized_tokens: int = 0
     rows: int = 0  # samples and rejects past the model stage
-    real_tokens: int = 0
+    real_tokens: int = 0  # computed (with --sharing, fewer than the rows')
     padded_tokens: int = 0
-    first_batch: tuple[float, int] | None = None  # (when, real tokens) once the first batch was through
+    row_tokens: int = 0  # the tokens of the rows served: what the sizing pass counts
+    first_batch: tuple[float, int, int] | None = None  # (when, real tokens, row tokens) after the first batch
 
     def tokenized(self, rows: int, tokens: int) -> None:
         """Count what the producer hands over: a batch's samples and tokens, or a reject (one row, no tokens)."""
         self.tokenized_rows += rows
         self.tokenized_tokens += tokens
 
-    def forwarded(self, rows: int, real_tokens: int, padded_tokens: int) -> None:
-        """Count a batch through the model stage."""
+    def forwarded(self, rows: int, real_tokens: int, padded_tokens: int, row_tokens: int | None = None) -> None:
+        """Count a batch through the model stage (`row_tokens`: its rows' tokens, when not `real_tokens`)."""
         self.rows += rows
         self.real_tokens += real_tokens
         self.padded_tokens += padded_tokens
+        self.row_tokens += real_tokens if row_tokens is None else row_tokens
         if self.first_batch is None:
-            self.first_batch = (time.perf_counter(), self.real_tokens)
+            self.first_batch = (time.perf_counter(), self.real_tokens, self.row_tokens)
 
     def tokens_per_s(self, elapsed: float) -> float:
         """The rate since the first batch (the first one also pays the first window's tokenizing and the
         forward's warm-up), or over `elapsed` until a second batch is through."""
+        return self._rate(self.real_tokens, 1, elapsed)
+
+    def _rate(self, tokens: int, which: int, elapsed: float) -> float:
         if self.first_batch is not None:
-            since, tokens = self.first_batch
+            since, first = self.first_batch[0], self.first_batch[which]
             seconds = time.perf_counter() - since
-            if self.real_tokens > tokens and seconds > 0:
-                return (self.real_tokens - tokens) / seconds
-        return self.real_tokens / elapsed
+            if tokens > first and seconds > 0:
+                return (tokens - first) / seconds
+        return tokens / elapsed
 
     def status(self, total_rows: int | None, elapsed: float) -> str:
         """tokens/s, padding efficiency and ETA, as the progress bar's postfix; what is happening until the
@@ -112,11 +117,11 @@ class Throughput:
         """Seconds left, from tokens rather than rows (a row costs its length, and length-sorted windows make
         the per-row rate swing): the tokens to go are the sizing pass's, else estimated from the rows
         tokenized so far."""
-        rate = self.tokens_per_s(elapsed)
+        rate = self._rate(self.row_tokens, 2, elapsed)  # rows' tokens, as the sizing pass counts them
         if self.tokens_to_go is not None:
             expected = self.tokens_to_go
         elif total_rows and self.tokenized_rows:
             expected = self.tokenized_tokens / self.tokenized_rows * total_rows
         else:
             return None
-        return max(0.0, expected - self.real_tokens) / rate if rate > 0 else None
+        return max(0.0, expected - self.row_tokens) / rate if rate > 0 else None

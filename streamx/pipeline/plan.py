@@ -29,6 +29,7 @@ from ..base.units import gb
 from ..config import RunConfig, resolve_layer_ids, untrainable_layers
 from ..data.batching import Batch, iter_batches, iter_windows
 from ..data.provenance import fingerprint, regenerated
+from ..data.sharing import Sharing
 from ..data.source import Row, Source, open_source
 from ..data.tokenize import REJECT_REASONS, Reject, Repeats, Sample, SampleBuilder, vocabulary_fingerprint
 from ..model.load import (
@@ -40,7 +41,7 @@ from ..model.load import (
     resolve_dtype,
     resolve_model_path,
 )
-from ..model.packing import Packing
+from ..model.packing import Packing, probe_continuation
 from ..model.packing import configure as configure_packing
 from ..store import (
     Compat,
@@ -65,6 +66,7 @@ class RunPlan:
     source: Source
     layer_ids: list[int]  # speculators convention, ascending (docs/layers.md)
     packing: Packing  # packed or padded batches (streamx.model.packing.configure)
+    sharing: Sharing  # what rows share is computed once (streamx.data.sharing)
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     info: ModelInfo
@@ -89,8 +91,10 @@ class RunPlan:
     def batches(self, samples: list[Sample | Reject], packed: bool | None = None) -> Iterator[Batch | Reject]:
         """A window's samples as the run batches them (packed when packing is on), or as asked."""
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        return iter_batches(samples, self.config.token_budget, self.config.max_batch_size, pad_id,
-                            packed=self.packing.on if packed is None else packed)
+        packed = self.packing.on if packed is None else packed
+        return iter_batches(samples, self.config.token_budget, self.config.max_batch_size, pad_id, packed=packed,
+                            sharing=self.sharing.on,
+                            min_shared_tokens=self.sharing.min_shared_tokens if packed else None)
 
     def batch_stream(self, done: Collection[int] = frozenset(), packed: bool | None = None,
                      times: StageTimes | None = None, done_keys: DoneKeys | None = None) -> Iterator[Batch | Reject]:
@@ -137,6 +141,13 @@ class RunPlan:
         item.duplicate = repeat
         return item
 
+    def unshared(self) -> RunPlan:
+        """The same plan with --sharing off: every row computed in full (bench's A/B arm)."""
+        config = self.config.replace(sharing="off")
+        compat = dataclasses.replace(self.metadata.compat, sharing="off")
+        return dataclasses.replace(self, config=config, sharing=Sharing(False), metadata=dataclasses.replace(
+            self.metadata, config=config.to_dict(), sharing="off", compat=compat))
+
     def with_output(self, out: str, overwrite: bool = False) -> RunPlan:
         """The same plan into another store (bench's rounds): nothing is loaded, probed or fingerprinted again."""
         config = self.config.replace(out=out, overwrite=overwrite)
@@ -154,6 +165,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     source = open_source(config.data, config.split, config.max_samples)
     record = regenerated(config.data)
     check_regenerated(config, record, log if rank.is_main else lambda m: None)
+    config = resume_unshared(config, log if rank.is_main else lambda m: None)
     tokens_to_write = None
     if rank.is_main or rank.independent:  # torchrun's other ranks would race rank 0 creating the store
         output = preflight(config, rank.device(config.device), log if rank.is_main else lambda m: None)
@@ -167,14 +179,29 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     check_trainable(config, layer_ids, info.num_layers)
     packing = configure_packing(model, config.packing)
+    sharing = decide_sharing(config, packing, model)
     if rank.is_main and loaded is None:
         log(f"  packing {packing.note()}")
+        log(f"  sharing {sharing.note()}")
     check_vocabulary(config.data, record, tokenizer)
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
     layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor,
                          config.storage)
-    return RunPlan(config, rank, source, layer_ids, packing, model, tokenizer, info, builder, layout,
-                   store_metadata(config, info, builder, layer_ids, layout, packing), tokens_to_write=tokens_to_write)
+    return RunPlan(config, rank, source, layer_ids, packing, sharing, model, tokenizer, info, builder, layout,
+                   store_metadata(config, info, builder, layer_ids, layout, packing, sharing),
+                   tokens_to_write=tokens_to_write)
+
+
+def decide_sharing(config: RunConfig, packing: Packing, model: PreTrainedModel) -> Sharing:
+    """--sharing on this model: prefix rows always; common leading runs where the packed forward continues a
+    segment from another's state (padded batches hand no state over), proved by a probe."""
+    if config.sharing == "off":
+        return Sharing(False)
+    if not packing.on:
+        return Sharing(True, None, "padded batches hand no state from one segment to another, so leading runs "
+                                   "are computed in every row")
+    why = probe_continuation(model)
+    return Sharing(True, config.min_shared_tokens) if why is None else Sharing(True, None, why)
 
 
 def preflight(config: RunConfig, device: str, log: Callable[[str], None] = lambda m: None) -> Output:
@@ -193,8 +220,21 @@ def preflight(config: RunConfig, device: str, log: Callable[[str], None] = lambd
                       layer_ids=layer_ids, tokenization=builder.fingerprint, data=config.data, split=config.split,
                       storage=config.storage, skip_duplicates=config.skip_duplicates,
                       data_fingerprint=fingerprint(config.data))
-        check_compatible(output.compat, config.out, ours, unknown=("model", "packing"))
+        check_compatible(output.compat, config.out, ours, unknown=("model", "packing", "sharing"))
     return output
+
+
+def resume_unshared(config: RunConfig, log: Callable[[str], None]) -> RunConfig:
+    """A store made with every row in full (--sharing off, or before streamx shared tokens) resumes as it was
+    made: the same command goes on where it stopped, and the store equals an uninterrupted run."""
+    if config.sharing == "off" or config.overwrite:
+        return config
+    output = Output.read(config.out)
+    if not output.is_store or output.compat.get("sharing", "off") != "off":
+        return config
+    log(f"  note    {config.out} computes every row in full (--sharing off, or written before streamx shared "
+        "tokens): it resumes so")
+    return config.replace(sharing="off")
 
 
 def check_trainable(config: RunConfig, layer_ids: list[int], num_layers: int) -> None:
@@ -279,7 +319,7 @@ def fla_installed() -> bool:
 
 
 def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, layer_ids: list[int],
-                   layout: Layout, packing: Packing) -> StoreMetadata:
+                   layout: Layout, packing: Packing, sharing: Sharing) -> StoreMetadata:
     template = builder.tokenizer.chat_template or ""
     return StoreMetadata(
         layer_ids=layer_ids,
@@ -290,6 +330,7 @@ def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, l
         compressor=layout.compressor,
         storage=layout.storage.name,
         packing=str(packing),
+        sharing=str(sharing),
         model=asdict(info),
         tokenizer={"name_or_path": builder.tokenizer.name_or_path, "fingerprint": builder.fingerprint,
                    "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()},
@@ -302,5 +343,6 @@ def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, l
         compat=Compat(model=info.weights_fingerprint, compute_dtype=info.dtype, layer_ids=layer_ids,
                       tokenization=builder.fingerprint, data=config.data, split=config.split,
                       storage=layout.storage.name, packing=packing.setting,
-                      skip_duplicates=config.skip_duplicates, data_fingerprint=fingerprint(config.data)),
+                      skip_duplicates=config.skip_duplicates, data_fingerprint=fingerprint(config.data),
+                      sharing=sharing.setting),
     )

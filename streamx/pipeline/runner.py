@@ -25,7 +25,7 @@ from ..base.threads import SignalStop, Stopped, Worker, first_error, get, put
 from ..base.units import gb
 from ..config import RunConfig
 from ..data.tokenize import Reject
-from ..model.capture import LayerCapture, sample_is_finite
+from ..model.capture import LayerCapture, segment_is_finite
 from ..model.gather import select_gather_fn
 from ..model.load import library_bars
 from ..model.transfer import HostTransfer
@@ -42,7 +42,7 @@ class RunSummary:
     layer_ids: list[int]
     num_layers: int
     samples: int  # committed by this run (this process's part)
-    tokens: int
+    tokens: int  # stored (with --sharing, each token rows share once)
     trainable_tokens: int
     duplicates: int  # committed samples whose content repeats an earlier row's (kept: --skip-duplicates off)
     rejects: int
@@ -58,6 +58,7 @@ class RunSummary:
     store_samples: int = 0  # the whole store after this run
     store_tokens: int = 0
     rank: int = 0  # this process's rank under torchrun
+    row_tokens: int = 0  # the committed samples' tokens, as if nothing were shared
     stopped_by: str | None = None  # the signal that ended the run early (SIGINT, SIGTERM), None when it ran to the end
     incomplete: list[str] = field(default_factory=list)  # why the store does not hold all its data yet (empty: it does)
 
@@ -85,7 +86,7 @@ class RunSummary:
                     *(ending if self.stopped_by else [])]
         resumed = f"; {self.resumed_rows:,} rows were already committed" if self.resumed_rows else ""
         return [
-            f"committed {self.samples:,} samples ({self.tokens:,} tokens, {self.trainable_tokens:,} trainable) in "
+            f"committed {self.samples:,} samples ({self.row_tokens:,} tokens, {self.trainable_tokens:,} trainable) in "
             f"{self.seconds:.0f} s; rejected {self.rejects:,} ({rejects})",
             *([f"{self.duplicates:,} of these samples repeat an earlier row's content (--skip-duplicates leaves such "
                "rows out)"] if self.duplicates else []),
@@ -93,6 +94,8 @@ class RunSummary:
             "before the final norm)",
             f"hidden states written: {gb(self.hidden_bytes)}; padding efficiency {self.padding_efficiency:.1%}"
             + resumed,
+            *([f"sharing: {self.row_tokens:,} row tokens computed and stored as {self.tokens:,} "
+               f"({self.tokens / max(1, self.row_tokens):.1%})"] if self.row_tokens != self.tokens else []),
             f"store: {self.out} ({self.store_samples:,} samples, {self.store_tokens:,} tokens in total)",
             *ending,
         ]
@@ -152,15 +155,15 @@ class Pipeline:
                 states = torch.empty((item.num_tokens, K, H), dtype=torch.bfloat16, device=device)
                 with self.times.measure("forward", device):
                     capture.forward(item, states)
-                    finite = sample_is_finite(states, item.sample_index, len(item.samples))
+                    finite = segment_is_finite(states, item.segment_index, len(item.segment_lengths))
                 scales = None
                 if storage.scaled:  # on the device, so the host copy and the writer move half the bytes
                     with self.times.measure("quantize", device):
                         states, scales = storage.encode(states)
                 with self.times.measure("d2h", device):
                     host = transfer.start(states, finite, scales)
-                put(self.to_write, CapturedBatch(item.samples, host), self.failed)
-                self.counts.forwarded(len(item.samples), item.num_tokens, item.padded_tokens)
+                put(self.to_write, CapturedBatch(item, host), self.failed)
+                self.counts.forwarded(len(item.samples), item.num_tokens, item.padded_tokens, item.row_tokens)
         put(self.to_write, None, self.failed)
 
     def next_batch(self) -> Any:
@@ -244,13 +247,14 @@ def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Ca
     written = writer.this_run()
     if rank.is_main or rank.independent:  # the whole store, read once: its totals and what it still lacks
         final = Store(cfg.out)  # (independent ranks: the others may still be running)
-        store_samples, store_tokens, incomplete = len(final), final.num_tokens, final.completeness().problems()
+        store_samples, store_tokens, incomplete = len(final), final.row_tokens, final.completeness().problems()
     else:  # torchrun's other ranks say only their own line
         store_samples, store_tokens = target.totals()
         incomplete = []
     return RunSummary(
         out=cfg.out, layer_ids=plan.layer_ids, num_layers=plan.info.num_layers, samples=written.samples,
-        tokens=written.tokens, trainable_tokens=written.trainable_tokens, duplicates=written.duplicates,
+        tokens=written.tokens, row_tokens=written.samples_tokens, trainable_tokens=written.trainable_tokens,
+        duplicates=written.duplicates,
         rejects=written.rejects,
         reject_counts=written.reject_counts, hidden_bytes=written.tokens * plan.layout.bytes_per_token,
         real_tokens=pipeline.counts.real_tokens, padded_tokens=pipeline.counts.padded_tokens,

@@ -32,20 +32,55 @@ import numpy as np
 import zarr
 
 from ..base.threads import get
-from ..data.tokenize import REJECT_REASONS, Reject, Sample
+from ..data.batching import Batch
+from ..data.tokenize import REJECT_REASONS, Reject
 from ..model.transfer import HostBatch
 from ..store import Commit, SpaceGuard, StoreError
-from ..store.format import REJECT_ARRAYS, SAMPLE_ARRAYS, part_storage
+from ..store.format import (
+    RANGE_ARRAYS,
+    REJECT_ARRAYS,
+    ROW_MASK_ARRAYS,
+    SAMPLE_ARRAYS,
+    SHARING_ARRAYS,
+    SHARING_SAMPLE_ARRAYS,
+    part_storage,
+)
 from ..store.shards import ShardSink, shard_sink
 from .metrics import QueueFill, StageTimes
 
 
 @dataclass
 class CapturedBatch:
-    """A forward's captured states on their way to the store: the samples, and their states on the host."""
+    """A forward's captured states on their way to the store: the batch (its rows and where each lies in the
+    computed tokens), and the computed tokens' states on the host."""
 
-    samples: list[Sample]  # row ids, input ids and loss masks, in the batch's token order
-    host: HostBatch  # their hidden states [N, K, H] as stored (bf16 or fp8, + scales) and per-sample finite flags
+    batch: Batch
+    host: HostBatch  # the states [N, K, H] as stored (bf16 or fp8, + scales) and per-segment finite flags
+
+
+@dataclass
+class RowOfBatch:
+    """A row to store, as ranges (first token, length) of its batch's computed tokens."""
+
+    row_id: int
+    ranges: list[tuple[int, int]]
+    loss_mask: np.ndarray  # its own, over its tokens
+    duplicate: bool = False
+    content_key: int = 0
+
+
+@dataclass
+class PendingRow:
+    """A sample appended and not yet committed."""
+
+    row_id: int
+    ranges: list[tuple[int, int]]  # (first token in the part, length), in order
+    length: int
+    trainable: int
+    duplicate: bool
+    content_key: int
+    own_mask: np.ndarray | None  # its loss mask, where it differs from the stored tokens' over its ranges
+    end: int  # the end of the tokens appended with it: committed once the shards hold them
 
 
 class PartWriter:
@@ -70,6 +105,7 @@ class PartWriter:
         self.commit.closed, self.commit.writer = False, self.writer
         self._last_writer = self.opened.writer  # who wrote the record as it stands
         self.sizes = {name: arr.shape[0] for name, arr in self.arrays.items()}
+        self.shares = all(name in self.arrays for name in SHARING_ARRAYS)  # a part from before --sharing: no
         committed = self.commit.tokens
         self.flushed = committed // self.shard * self.shard  # tokens handed to the committer in whole shards
         self.end = committed  # tokens appended so far (committed + pending)
@@ -79,8 +115,7 @@ class PartWriter:
             self.sinks[name] = shard_sink(arr, self.flushed)
             if committed > self.flushed:  # the committed part of the last, partial shard
                 self.sinks[name].write(arr[self.flushed : committed])
-        self.pending_samples: list[tuple[int, int, int, int, int, int]] = []  # row_id, offset, length, trainable,
-        # duplicate, content key
+        self.pending_samples: list[PendingRow] = []
         self.pending_rejects: list[Reject] = []
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamx-commit")
         self._committing: Future | None = None
@@ -89,14 +124,32 @@ class PartWriter:
 
     def append(self, row_id: int, input_ids: np.ndarray, loss_mask: np.ndarray, hidden_bits: np.ndarray,
                hidden_scales: np.ndarray | None = None, duplicate: bool = False, content_key: int = 0) -> None:
-        """One sample: its token ids, loss mask, hidden states as stored (bf16 or fp8 bit patterns) and, for fp8
-        storage, its per-token scales; `duplicate`: its content repeats an earlier row's (counted in the commit);
-        `content_key`: its row's (tokenize.content_key)."""
-        T = len(input_ids)
-        self.pending_samples.append((row_id, self.end, T, int(loss_mask.sum()), int(duplicate), content_key))
+        """One sample that shares nothing: its token ids, loss mask, hidden states as stored (bf16 or fp8 bit
+        patterns) and, for fp8 storage, its per-token scales; `duplicate`: its content repeats an earlier row's
+        (counted in the commit); `content_key`: its row's (tokenize.content_key)."""
+        row = RowOfBatch(row_id, [(0, len(input_ids))], loss_mask, duplicate, content_key)
+        self.append_batch(input_ids, loss_mask, hidden_bits, hidden_scales, [row])
+
+    def append_batch(self, input_ids: np.ndarray, loss_mask: np.ndarray, hidden_bits: np.ndarray,
+                     hidden_scales: np.ndarray | None, rows: list[RowOfBatch]) -> None:
+        """A batch's computed tokens, stored once whatever rows read them, and its rows, each made of ranges of
+        them. `loss_mask`: 1 where some row reading a token trains on it; a row whose own mask differs keeps it.
+        Each row is committed as soon as the shards hold the tokens it reads (rows in order of their last)."""
+        first = self.end
         values = {"hidden_states": hidden_bits, "hidden_states_scales": hidden_scales, "input_ids": input_ids,
                   "loss_mask": loss_mask}
-        done = 0
+        written = 0
+        for row in sorted(rows, key=lambda r: max(a + n for a, n in r.ranges)):
+            needed = max(a + n for a, n in row.ranges)
+            if needed > written:
+                self._write_tokens({name: v[written:needed] for name, v in values.items() if v is not None})
+                written = needed
+            self._add_row(row, [(first + a, n) for a, n in row.ranges], loss_mask)
+        if written < len(input_ids):
+            self._write_tokens({name: v[written:] for name, v in values.items() if v is not None})
+
+    def _write_tokens(self, values: dict[str, np.ndarray]) -> None:
+        T, done = len(values["input_ids"]), 0
         while done < T:
             n = min(T - done, self.shard - (self.end - self.flushed))
             for name, sink in self.sinks.items():
@@ -105,6 +158,16 @@ class PartWriter:
             done += n
             if self.end - self.flushed == self.shard:
                 self._end_shard(self.shard)
+
+    def _add_row(self, row: RowOfBatch, ranges: list[tuple[int, int]], stored_mask: np.ndarray) -> None:
+        mask = np.ascontiguousarray(row.loss_mask, dtype=np.uint8)
+        there = np.concatenate([stored_mask[a : a + n] for a, n in row.ranges])
+        own = None if np.array_equal(there, mask) else mask
+        if (len(ranges) > 1 or own is not None) and not self.shares:
+            raise StoreError(f"{self.part.path} was created before streamx shared tokens between rows: resume it with "
+                             "--sharing off")
+        self.pending_samples.append(PendingRow(row.row_id, ranges, sum(n for _, n in ranges), int(mask.sum()),
+                                               row.duplicate, row.content_key, own, self.end))
 
     def reject(self, reject: Reject) -> None:
         self.pending_rejects.append(reject)
@@ -136,7 +199,7 @@ class PartWriter:
         finishers = [sink.seal(self.flushed, tokens) for sink in self.sinks.values()] if tokens else []
         self.flushed += tokens
         ready = 0
-        while ready < len(self.pending_samples) and sum(self.pending_samples[ready][1:3]) <= self.flushed:
+        while ready < len(self.pending_samples) and self.pending_samples[ready].end <= self.flushed:
             ready += 1
         samples, self.pending_samples = self.pending_samples[:ready], self.pending_samples[ready:]
         rejects, self.pending_rejects = self.pending_rejects, []
@@ -151,7 +214,7 @@ class PartWriter:
 
     # -- storage (the committer thread)
 
-    def _publish(self, stop: int, finishers: list[Callable[[], None]], samples: list[tuple[int, ...]],
+    def _publish(self, stop: int, finishers: list[Callable[[], None]], samples: list[PendingRow],
                  rejects: list[Reject]) -> None:
         self._fence()
         for name in self.sinks:
@@ -166,7 +229,11 @@ class PartWriter:
     def _committed_size(self, name: str) -> int:
         if name in self.sinks:
             return self.commit.tokens
-        return self.commit.samples if name in SAMPLE_ARRAYS else self.commit.rejects
+        if name in RANGE_ARRAYS:
+            return self.commit.ranges
+        if name in ROW_MASK_ARRAYS:
+            return self.commit.row_masks
+        return self.commit.samples if name in SAMPLE_ARRAYS or name in SHARING_SAMPLE_ARRAYS else self.commit.rejects
 
     def _grow(self, name: str, stop: int) -> None:
         """Make room for `stop` entries. Arrays grow by doubling (a resize is a metadata write, as dear
@@ -182,20 +249,47 @@ class PartWriter:
         self._grow(name, start + len(values))
         self.arrays[name][start : start + len(values)] = values
 
-    def _commit(self, samples: list[tuple[int, ...]], rejects: list[Reject]) -> None:
+    def _commit(self, samples: list[PendingRow], rejects: list[Reject]) -> None:
         if not samples and not rejects:
             return
         c = self.commit
         if samples:
-            columns = list(zip(*samples, strict=True))
-            rows, offsets, lengths, trainable, duplicates = (np.array(col, dtype=np.int64) for col in columns[:5])
-            keys = np.array(columns[5], dtype=np.uint64)
-            for name, values in zip(SAMPLE_ARRAYS, (rows, offsets, lengths, keys), strict=True):
-                self._write(name, c.samples, values)
+            shared = [r for r in samples if len(r.ranges) > 1]
+            masks = [r for r in samples if r.own_mask is not None]
+            starts = np.zeros(len(samples), dtype=np.int64)
+            counts = np.zeros(len(samples), dtype=np.int64)
+            mask_offsets = np.full(len(samples), -1, dtype=np.int64)
+            ranges, range_at, own, mask_at = [], c.ranges, [], c.row_masks
+            for i, row in enumerate(samples):
+                if len(row.ranges) > 1:
+                    starts[i], counts[i] = range_at, len(row.ranges)
+                    ranges += row.ranges
+                    range_at += len(row.ranges)
+                if row.own_mask is not None:
+                    mask_offsets[i] = mask_at
+                    own.append(row.own_mask)
+                    mask_at += len(row.own_mask)
+            columns = {"sample_row_id": [r.row_id for r in samples], "sample_offset": [r.ranges[0][0] for r in samples],
+                       "sample_length": [r.length for r in samples]}
+            for name, values in columns.items():
+                self._write(name, c.samples, np.array(values, dtype=np.int64))
+            self._write("sample_content_key", c.samples, np.array([r.content_key for r in samples], dtype=np.uint64))
+            if shared or masks or self.shares:
+                self._write("sample_range_start", c.samples, starts)
+                self._write("sample_range_count", c.samples, counts)
+                self._write("sample_mask_offset", c.samples, mask_offsets)
+            if ranges:
+                table = np.array(ranges, dtype=np.int64)
+                self._write("range_offset", c.ranges, table[:, 0])
+                self._write("range_length", c.ranges, table[:, 1])
+            if own:
+                self._write("row_loss_mask", c.row_masks, np.concatenate(own))
             c.samples += len(samples)
-            c.tokens = int(offsets[-1] + lengths[-1])
-            c.trainable_tokens += int(trainable.sum())
-            c.duplicates += int(duplicates.sum())
+            c.ranges, c.row_masks = range_at, mask_at
+            c.tokens = max(c.tokens, samples[-1].end)
+            c.row_tokens = c.samples_tokens + sum(r.length for r in samples)
+            c.trainable_tokens += sum(r.trainable for r in samples)
+            c.duplicates += sum(int(r.duplicate) for r in samples)
         if rejects:
             rows = np.array([r.row_id for r in rejects], dtype=REJECT_ARRAYS["reject_row_id"])
             codes = np.array([REJECT_REASONS.index(r.reason) for r in rejects], dtype=REJECT_ARRAYS["reject_reason"])
@@ -289,21 +383,26 @@ class WriterStage:
             finally:  # the pinned buffer goes back to the ring even when the write fails
                 batch.host.release()
 
-    def _append(self, batch: CapturedBatch) -> None:
-        hidden_bits = self.writer.storage.to_bits(batch.host.hidden)
-        scales = None if batch.host.scales is None else batch.host.scales.numpy()
-        offset = 0
-        for sample, finite in zip(batch.samples, batch.host.finite.tolist(), strict=True):
-            T = len(sample.input_ids)
+    def _append(self, captured: CapturedBatch) -> None:
+        """The batch's computed tokens, once, then each of its rows not committed before, as ranges of them; a
+        row with a NaN or Inf among its states is a reject."""
+        batch = captured.batch
+        finite = captured.host.finite.tolist()
+        rows = []
+        for sample, ranges, segments in zip(batch.samples, batch.row_ranges, batch.row_segments(), strict=True):
             if sample.row_id in self.done:
-                pass
-            elif finite:
-                mask = sample.loss_mask.numpy().astype(np.uint8)
-                self.writer.append(sample.row_id, sample.input_ids.numpy(), mask, hidden_bits[offset : offset + T],
-                                   None if scales is None else scales[offset : offset + T], sample.duplicate,
-                                   sample.content_key)
-                self.rate.accept()
+                continue
+            if all(finite[s] for s in segments):
+                rows.append((sample, ranges))
             else:
                 self.reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states",
                                    sample.content_key))
-            offset += T
+        if not rows:
+            return
+        hidden_bits = self.writer.storage.to_bits(captured.host.hidden)
+        scales = None if captured.host.scales is None else captured.host.scales.numpy()
+        self.writer.append_batch(batch.computed_ids(), batch.stored_loss_mask(), hidden_bits, scales,
+                                 [RowOfBatch(sample.row_id, ranges, sample.loss_mask.numpy(), sample.duplicate,
+                                             sample.content_key) for sample, ranges in rows])
+        for _ in rows:
+            self.rate.accept()

@@ -10,6 +10,14 @@
         sample_offset  int64  [N]         first token of each sample in this part
         sample_length  int64  [N]
         sample_content_key uint64 [N]     its row's content key (tokenize.content_key; 0: none)
+        sample_range_start int64 [N]      --sharing: its first entry in the range table, when it has several
+        sample_range_count int64 [N]      0: its tokens are sample_length tokens from sample_offset; else so many
+                                          ranges, in order, from range_offset/range_length[sample_range_start:]
+        sample_mask_offset int64 [N]      -1: its loss mask is loss_mask over its tokens; else its own, in
+                                          row_loss_mask[offset : offset + sample_length]
+        range_offset   int64  [G]         ranges of rows that share tokens with other rows (a shared prefix)
+        range_length   int64  [G]
+        row_loss_mask  uint8  [M]         the own loss masks of rows whose mask differs from loss_mask's
         reject_row_id  int64  [R]
         reject_reason  uint8  [R]         index into metadata["reject_reasons"]
         reject_content_key uint64 [R]
@@ -18,7 +26,11 @@ Only the prefixes named by a part's commit record are valid: anything beyond was
 a run that stopped before committing it and is overwritten on resume. Readers use the read API
 (streamx.store.reader), never the arrays' shapes.
 
-Format streamx-store/2 added fp8 storage; /1 stores (bf16 only) are read and resumed as they are.
+With --sharing (format streamx-store/3), a row that is a prefix of another, or that starts like others, reads
+the tokens they share where they lie once: its states are the concatenation of its ranges, and the token
+arrays' loss_mask is, on a shared token, the union of the masks of the rows that read it (each row keeps its
+own mask where it differs). Format /2 added fp8 storage; /1 and /2 stores are read and resumed as they are
+(their parts lack the range arrays: every sample is contiguous).
 """
 
 from __future__ import annotations
@@ -35,8 +47,8 @@ import zarr
 
 from .fp8 import FP8, dequantize_fp8, quantize_fp8
 
-STORE_FORMAT = "streamx-store/2"
-READABLE_FORMATS = ("streamx-store/1", STORE_FORMAT)
+STORE_FORMAT = "streamx-store/3"
+READABLE_FORMATS = ("streamx-store/1", "streamx-store/2", STORE_FORMAT)
 PARTS = "parts"
 GROUP_DOCUMENTS = 3  # zarr.json of the store, of parts/ and of the part
 INDEX_CHUNK = 65536  # entries per chunk of the per-sample / per-reject index arrays
@@ -46,6 +58,11 @@ SAMPLE_ARRAYS = {"sample_row_id": "int64", "sample_offset": "int64", "sample_len
                  "sample_content_key": "uint64"}
 REJECT_ARRAYS = {"reject_row_id": "int64", "reject_reason": "uint8", "reject_content_key": "uint64"}
 CONTENT_KEY_ARRAYS = ("sample_content_key", "reject_content_key")
+# --sharing's (streamx >= 0.5): where each row's tokens lie when it shares them, and the rows' own masks
+SHARING_SAMPLE_ARRAYS = {"sample_range_start": "int64", "sample_range_count": "int64", "sample_mask_offset": "int64"}
+RANGE_ARRAYS = {"range_offset": "int64", "range_length": "int64"}
+ROW_MASK_ARRAYS = {"row_loss_mask": "uint8"}
+SHARING_ARRAYS = (*SHARING_SAMPLE_ARRAYS, *RANGE_ARRAYS, *ROW_MASK_ARRAYS)
 TOKEN_ID_ARRAYS = {"input_ids": "int64", "loss_mask": "uint8"}
 SCALE_DTYPE = "float32"  # hidden_states_scales, one per token (fp8 storage)
 
@@ -160,13 +177,15 @@ class Compat:
     packing: str = "off"  # on or off: packed and padded forwards round differently, so a resume must not mix them
     skip_duplicates: bool = False  # a resume must not mix kept repeats with left-out ones
     data_fingerprint: str = ""  # data.provenance.fingerprint: the same bytes wherever they lie ("": not local)
+    sharing: str = "off"  # data.sharing.Sharing.setting: which rows are computed together decides their rounding
 
     def differences(self, theirs: dict[str, Any], unknown: Collection[str] = ()) -> list[str]:
         """What differs from a store's record `theirs`, one "field: store has X, this run Y" each; the fields in
         `unknown` are not compared (not known yet: a check before the model loads)."""
         ours = asdict(self)
-        # records from before fp8 storage, packing, --skip-duplicates and data fingerprints
-        theirs = {"storage": BF16.name, "packing": "off", "skip_duplicates": False, "data_fingerprint": "", **theirs}
+        # records from before fp8 storage, packing, --skip-duplicates, data fingerprints and sharing
+        theirs = {"storage": BF16.name, "packing": "off", "skip_duplicates": False, "data_fingerprint": "",
+                  "sharing": "off", **theirs}
         if theirs["data_fingerprint"] and ours["data_fingerprint"]:  # the data is its bytes, not its path
             theirs, ours = {**theirs, "data": None}, {**ours, "data": None}
         else:
@@ -227,6 +246,7 @@ class StoreMetadata:
     last_id_is_pre_norm: bool = True
     storage: str = "bf16"  # a STORAGES name
     packing: str = "off"  # "on": packed forwards; "off"; "off: why" when the model cannot keep packed samples apart
+    sharing: str = "off"  # data.sharing.Sharing as recorded: "off", "on", or "rows: why" (no shared leading runs)
 
     @property
     def num_slots(self) -> int:  # K
@@ -266,8 +286,11 @@ class Commit:
     """A part's attrs["commit"]: how much of its arrays is valid. Replaced atomically, as one document."""
 
     samples: int = 0
-    tokens: int = 0
+    tokens: int = 0  # tokens stored (the token arrays' committed length)
     trainable_tokens: int = 0
+    row_tokens: int | None = None  # the samples' tokens (None: a record from before --sharing, where they are `tokens`)
+    ranges: int = 0  # entries of the range table in use
+    row_masks: int = 0  # entries of row_loss_mask in use
     duplicates: int = 0  # samples whose content repeats an earlier row's (kept: --skip-duplicates was off)
     rejects: int = 0
     reject_counts: dict[str, int] = field(default_factory=dict)
@@ -276,6 +299,11 @@ class Commit:
     source_rows: int | None = None  # the data's rows (up to --max-samples), recorded by that close (streamx >= 0.4)
     updated: str | None = None
     writer: dict[str, Any] | None = None  # who made this commit: {"id", "host", "pid"} (pipeline.writer's fencing)
+
+    @property
+    def samples_tokens(self) -> int:
+        """The committed samples' tokens, shared or not."""
+        return self.tokens if self.row_tokens is None else self.row_tokens
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -289,6 +317,8 @@ class Commit:
         """What was committed after `earlier` (this part's record when a run opened it)."""
         return Commit(samples=self.samples - earlier.samples, tokens=self.tokens - earlier.tokens,
                       trainable_tokens=self.trainable_tokens - earlier.trainable_tokens,
+                      row_tokens=self.samples_tokens - earlier.samples_tokens, ranges=self.ranges - earlier.ranges,
+                      row_masks=self.row_masks - earlier.row_masks,
                       duplicates=self.duplicates - earlier.duplicates,
                       rejects=self.rejects - earlier.rejects,
                       reject_counts={k: n - earlier.reject_counts.get(k, 0) for k, n in self.reject_counts.items()
@@ -321,10 +351,11 @@ def create_part(root: zarr.Group, name: str, layout: Layout) -> zarr.Group:
     token_arrays = {**({"hidden_states_scales": SCALE_DTYPE} if layout.storage.scaled else {}), **TOKEN_ID_ARRAYS}
     for array, dtype in token_arrays.items():
         part.create_array(array, shape=(0,), dtype=dtype, chunks=(c,), shards=(s,), compressors=None, fill_value=0)
-    for array, dtype in {**SAMPLE_ARRAYS, **REJECT_ARRAYS}.items():
+    for array, dtype in {**SAMPLE_ARRAYS, **REJECT_ARRAYS, **SHARING_SAMPLE_ARRAYS, **RANGE_ARRAYS,
+                         **ROW_MASK_ARRAYS}.items():
         part.create_array(array, shape=(0,), dtype=dtype, chunks=(INDEX_CHUNK,), compressors=codecs("zstd"),
-                          fill_value=0)
-    part.attrs["commit"] = Commit().to_json()
+                          fill_value=-1 if array == "sample_mask_offset" else 0)  # no chunk files when unshared
+    part.attrs["commit"] = Commit(row_tokens=0).to_json()
     return part
 
 

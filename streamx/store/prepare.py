@@ -157,8 +157,9 @@ def check_compatible(theirs: dict[str, Any], path: str, compat: Compat, unknown:
     differences = compat.differences(theirs, unknown)
     if differences:
         # e.g. a hybrid model's store from before its linear-attention layers could pack
-        resume = f", --packing {theirs.get('packing', 'off')} to resume it" if differences[0].startswith("packing:") \
-            and len(differences) == 1 else ""
+        setting = differences[0].split(":")[0]
+        resume = f", --{setting} {theirs.get(setting, 'off').split(':')[0].replace('rows', 'on')} to resume it" \
+            if setting in ("packing", "sharing") and len(differences) == 1 else ""
         raise StoreError(f"{path} was written by an incompatible run ({'; '.join(differences)}); pass --overwrite "
                          f"to start over{resume}, or choose another --out")
 
@@ -176,7 +177,7 @@ class RunStore:
     def totals(self) -> tuple[int, int]:
         """(samples, tokens) of the whole store as its commit records stand now (every part, read afresh)."""
         commits = part_commits(self.root)
-        return sum(c.samples for c in commits.values()), sum(c.tokens for c in commits.values())
+        return sum(c.samples for c in commits.values()), sum(c.samples_tokens for c in commits.values())
 
 
 def open_for_run(path: str, metadata: StoreMetadata, root: zarr.Group | None = None) -> RunStore:

@@ -22,7 +22,15 @@ import zarr
 from .. import __version__
 from ..base.location import local_path, zarr_path
 from ..base.units import gb
-from .format import CONTENT_KEY_ARRAYS, READABLE_FORMATS, Commit, StoreError, StoreMetadata, committed_parts
+from .format import (
+    CONTENT_KEY_ARRAYS,
+    READABLE_FORMATS,
+    SHARING_ARRAYS,
+    Commit,
+    StoreError,
+    StoreMetadata,
+    committed_parts,
+)
 from .shards import ShardFiles, streamable_dir
 
 
@@ -43,6 +51,9 @@ class SampleIndex:
     parts: np.ndarray  # its part's number (in Store.parts order)
     offsets: np.ndarray  # its first token in that part
     lengths: np.ndarray
+    range_starts: np.ndarray  # where its ranges start in its part's range table (with --sharing)
+    range_counts: np.ndarray  # 0: its tokens are `lengths` tokens from `offsets`; else its ranges
+    mask_offsets: np.ndarray  # -1: its loss mask is the stored tokens'; else where its own is in row_loss_mask
 
 
 class RowSet(Collection[int]):
@@ -142,15 +153,25 @@ class Store:
         self.storage = self.metadata.layout.storage
         self.parts, self.incomplete_parts = committed_parts(root)
         self.commits = {name: Commit.from_json(part.attrs["commit"]) for name, part in self.parts.items()}
-        rows, offsets, lengths, part_ids = [], [], [], []
+        columns: dict[str, list[np.ndarray]] = {name: [] for name in ("rows", "parts", "offsets", "lengths",
+                                                                    "range_starts", "range_counts", "mask_offsets")}
+        self._range_tables: list[np.ndarray] = []  # per part: [G, 2] (offset, length) of the shared rows' ranges
         for i, (name, part) in enumerate(self.parts.items()):
-            n = self.commits[name].samples
-            rows.append(part["sample_row_id"][:n])
-            offsets.append(part["sample_offset"][:n])
-            lengths.append(part["sample_length"][:n])
-            part_ids.append(np.full(n, i))
-        self.index = SampleIndex(*(np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)
-                                   for xs in (rows, part_ids, offsets, lengths)))
+            commit = self.commits[name]
+            n = commit.samples
+            columns["rows"].append(part["sample_row_id"][:n])
+            columns["parts"].append(np.full(n, i))
+            columns["offsets"].append(part["sample_offset"][:n])
+            columns["lengths"].append(part["sample_length"][:n])
+            shares = all(array in part for array in SHARING_ARRAYS)  # parts from before --sharing: contiguous
+            columns["range_starts"].append(part["sample_range_start"][:n] if shares else np.zeros(n, dtype=np.int64))
+            columns["range_counts"].append(part["sample_range_count"][:n] if shares else np.zeros(n, dtype=np.int64))
+            columns["mask_offsets"].append(part["sample_mask_offset"][:n] if shares else np.full(n, -1))
+            self._range_tables.append(np.stack([part["range_offset"][: commit.ranges],
+                                                part["range_length"][: commit.ranges]], axis=1) if commit.ranges
+                                      else np.zeros((0, 2), dtype=np.int64))
+        self.index = SampleIndex(*(np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, dtype=np.int64)
+                                   for xs in columns.values()))
         self._by_row = np.argsort(self.index.rows, kind="stable")
         self._part_list = list(self.parts.values())
         self._ranges: dict[tuple[int, str], Callable[[int, int], np.ndarray]] = {}
@@ -164,7 +185,13 @@ class Store:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens stored: with --sharing, each token that rows share once."""
         return sum(c.tokens for c in self.commits.values())
+
+    @property
+    def row_tokens(self) -> int:
+        """The samples' tokens, as if nothing were shared."""
+        return sum(c.samples_tokens for c in self.commits.values())
 
     def row_ids(self) -> np.ndarray:
         """Committed source rows, ascending."""
@@ -186,11 +213,10 @@ class Store:
     def at(self, position: int, raw: bool = False, slots: Sequence[int] | None = None) -> StoredSample:
         """The sample at `position` of `index` (store order); `raw` and `slots` as for `sample`."""
         input_ids, loss_mask = self.tokens_at(position)
-        part, a, b = self._span(position)
-        bits = self._read(part, "hidden_states", a, b)
+        bits = self.read_tokens(position, "hidden_states")
         if slots is not None and list(slots) != list(range(bits.shape[1])):  # a subset or another order: a copy
             bits = bits[:, list(slots)]
-        scales = self._read(part, "hidden_states_scales", a, b) if self.storage.scaled else None
+        scales = self.read_tokens(position, "hidden_states_scales") if self.storage.scaled else None
         if raw:
             hidden, scales = self.storage.from_bits(bits), None if scales is None else torch.from_numpy(scales)
         else:
@@ -200,15 +226,34 @@ class Store:
 
     def tokens_at(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The token ids and loss mask (int64) of the sample at `position`, without its states."""
-        part, a, b = self._span(position)
-        return (torch.from_numpy(self._read(part, "input_ids", a, b)),
-                torch.from_numpy(self._read(part, "loss_mask", a, b).astype(np.int64)))
+        ids = self.read_tokens(position, "input_ids")
+        at = int(self.index.mask_offsets[position])  # (in range: read_tokens checked it)
+        if at < 0:
+            mask = self.read_tokens(position, "loss_mask")
+        else:  # its own mask: the stored tokens' is the union of the masks of the rows that share them
+            mask = self._part_list[int(self.index.parts[position])]["row_loss_mask"][at : at + len(ids)]
+        return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))
 
-    def _span(self, position: int) -> tuple[int, int, int]:
+    def ranges(self, position: int) -> list[tuple[int, int]]:
+        """Where the sample at `position` lies in its part's token arrays: (first token, end) of each of its
+        ranges, in order (one, unless it shares tokens with other rows: --sharing)."""
         if not 0 <= position < len(self):
             raise IndexError(f"position {position} out of range for a store of {len(self)} samples")
-        a = int(self.index.offsets[position])
-        return int(self.index.parts[position]), a, a + int(self.index.lengths[position])
+        count = int(self.index.range_counts[position])
+        if count == 0:
+            a = int(self.index.offsets[position])
+            return [(a, a + int(self.index.lengths[position]))]
+        start = int(self.index.range_starts[position])
+        table = self._range_tables[int(self.index.parts[position])][start : start + count]
+        return [(int(a), int(a + n)) for a, n in table]
+
+    def read_tokens(self, position: int, name: str) -> np.ndarray:
+        """One token array's values over the sample at `position`: a view of the shard files where its tokens
+        lie in one range of one shard, else joined."""
+        spans = self.ranges(position)
+        part = int(self.index.parts[position])
+        pieces = [self._read(part, name, a, b) for a, b in spans]
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def _read(self, part: int, name: str, a: int, b: int) -> np.ndarray:
         """Tokens a..b of one of a part's token arrays: straight from the shard files where the layout allows
@@ -275,7 +320,8 @@ class Store:
         return {
             "path": self.path,
             "samples": len(self),
-            "tokens": self.num_tokens,
+            "tokens": self.row_tokens,  # the samples' (as if nothing were shared)
+            "stored_tokens": self.num_tokens,
             "trainable_tokens": sum(c.trainable_tokens for c in self.commits.values()),
             "duplicate_content_kept": sum(c.duplicates for c in self.commits.values()),  # samples repeating a row
             "rejected": sum(counts.values()),
@@ -310,6 +356,8 @@ class Store:
                "--skip-duplicates leaves them out)" if summary["duplicate_content_kept"] else ""),
             f"tokens       {summary['tokens']:,} ({summary['trainable_tokens']:,} trainable, "
             f"{summary['trainable_tokens'] / max(1, summary['tokens']):.1%})",
+            f"sharing      {meta.sharing}: {self.row_tokens:,} row tokens computed and stored as {self.num_tokens:,} "
+            f"({self.num_tokens / max(1, self.row_tokens):.1%}); rows read whole",
             "lengths      " + ("no samples" if not len(self) else ", ".join(
                 f"{name} {int(v):,}" for name, v in zip(("min", "median", "p90", "p99", "max"), np.percentile(
                     self.index.lengths, [0, 50, 90, 99, 100], method="lower"), strict=True)) + " tokens"),

@@ -37,6 +37,7 @@ from ..config import check_layer_ids, resolve_layer_ids, untrainable_layers
 from ..store import STORAGES, Storage, Store, StoredSample, open_store
 from . import files, folder
 from .folder import FROM_STORE, HS_DIR, META, STORE_ROWS, WORK
+from .merge import PrefixFolds, prefix_folds
 from .meta import NAMES, draft_layer_ids, folder_meta, train_commands
 
 FORMATS = ("speculators",)
@@ -123,26 +124,34 @@ def training_order(row_ids: np.ndarray, seed: int) -> np.ndarray:
 def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, workers: int = 4,
             block_rows: int = BLOCK_ROWS, progress: bool = True, log: Callable[[str], None] = print,
             allow_random_weights: bool = False, hidden_states: str | None = None,
-            allow_partial: bool = False) -> ConvertSummary:
+            allow_partial: bool = False, merge_prefix_rows: bool = False) -> ConvertSummary:
     """Write the speculators training data for `store_path` into `out`; re-running resumes an interrupted convert.
     An unfinished store (a part still open, rows of its data missing: `Store.completeness`) is refused unless
-    `allow_partial`.
+    `allow_partial`. `merge_prefix_rows`: each row that is a prefix of another row (a duplicate too) is folded into
+    it, with the union of their loss masks (streamx.train.merge); by default every row stays a row.
     `hidden_states` is the files' dtype, bf16 or fp8 (speculators' fp8 backend), by default the store's storage;
     or `store`: no hs files, speculators reads the store itself (streamx.speculators_backend). One convert at a
     time writes `out`: a second one is refused at once (streamx.base.locks)."""
     with Lock(lock_file(out), f"the convert folder {out}", guards=Path(out)):
         return _convert(store_path, out, seed, overwrite, workers, block_rows, progress, log, allow_random_weights,
-                        hidden_states, allow_partial)
+                        hidden_states, allow_partial, merge_prefix_rows)
 
 
 def _convert(store_path: str, out: str, seed: int, overwrite: bool, workers: int, block_rows: int, progress: bool,
              log: Callable[[str], None], allow_random_weights: bool, hidden_states: str | None,
-             allow_partial: bool) -> ConvertSummary:
+             allow_partial: bool, merge_prefix_rows: bool) -> ConvertSummary:
     started = time.perf_counter()
     store, aux, files_as = _open_source(store_path, out, hidden_states, allow_random_weights, allow_partial, log)
     all_rows = store.row_ids()
     order = training_order(all_rows, seed)
-    identity = _identity(store, order, seed, block_rows, files_as)
+    identity = _identity(store, order, seed, block_rows, files_as)  # the store's rows (the backend checks them)
+    folds = prefix_folds(store) if merge_prefix_rows else PrefixFolds({})
+    folded = folds.folded
+    if merge_prefix_rows:  # the same order, less the rows folded into others
+        order = order[~np.isin(order, np.array(sorted(folded), dtype=order.dtype))]
+        identity["merged_prefix_rows"] = len(folded)
+        log(f"--merge-prefix-rows: {len(folded):,} rows are prefixes of (or repeat) another row and fold into "
+            f"{len(folds.into):,} rows, their loss masks joined")
     out_dir = Path(out)
     try:
         complete = folder.prepare(out_dir, identity, order.size, overwrite, hs_files=files_as is not None)
@@ -151,7 +160,7 @@ def _convert(store_path: str, out: str, seed: int, overwrite: bool, workers: int
     if complete is not None:
         log(f"{out} already holds this conversion; nothing to do")
         return _summary(complete, out, 0, time.perf_counter() - started, already_complete=True)
-    blocks, kept = _write_blocks(store, order, out_dir, files_as, workers, block_rows, progress)
+    blocks, kept = _write_blocks(store, order, out_dir, files_as, workers, block_rows, progress, folds)
     meta, skipped = _finish(store, out_dir, blocks, all_rows, identity, aux, files_as, progress)
     if skipped:
         log(f"skipped {len(skipped)} rows: {_reasons(skipped)} (listed in {META})")
@@ -190,7 +199,7 @@ def _open_source(store_path: str, out: str, hidden_states: str | None, allow_ran
 
 
 def _write_blocks(store: Store, order: np.ndarray, out_dir: Path, files_as: Storage | None, workers: int,
-                  block_rows: int, progress: bool) -> tuple[list[Path], int]:
+                  block_rows: int, progress: bool, folds: PrefixFolds) -> tuple[list[Path], int]:
     """Every block of the training order: its hs files (unless `files_as` is None) and its block file, which
     a resumed convert reads instead of the store. Returns the block files and the hs files found written."""
     work, hs_dir = out_dir / WORK, out_dir / HS_DIR
@@ -207,10 +216,10 @@ def _write_blocks(store: Store, order: np.ndarray, out_dir: Path, files_as: Stor
                 bar.update(rows.size)
             else:  # not done, or hs files were deleted since
                 if files_as is None:
-                    block, n_kept = _token_block(store, rows, start, bar.update), 0
+                    block, n_kept = _token_block(store, rows, start, bar.update, folds), 0
                 else:
                     block, n_kept = _convert_block(store, rows, start, K, H, files_as, hs_dir, pool, depth,
-                                                   bar.update)
+                                                   bar.update, folds)
                 write_file(path, lambda tmp, blk=block: _write_block(tmp, blk))
                 kept += n_kept
             blocks.append(path)
@@ -289,10 +298,12 @@ def token_problem(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> str | Non
     return None
 
 
-def training_sample(store: Store, K: int, H: int, files_as: Storage, row: int) -> tuple[int, StoredSample, str | None]:
+def training_sample(store: Store, K: int, H: int, files_as: Storage, row: int,
+                    folds: PrefixFolds = PrefixFolds({})) -> tuple[int, StoredSample, str | None]:
     """Read one sample with its states as the files hold them (bf16, or fp8 values and scales), and say what,
-    if anything, makes it unusable for training."""
+    if anything, makes it unusable for training; its loss mask joins those of the rows folded into it."""
     s = store.sample(row, raw=files_as.scaled)  # an fp8 store's own bytes, never quantised twice
+    s.loss_mask = folds.loss_mask(store, row, s.loss_mask)
     if files_as.scaled and s.hidden_states_scales is None:  # from a bf16 store
         s.hidden_states, s.hidden_states_scales = files_as.encode(s.hidden_states)
     problem = token_problem(s.input_ids, s.loss_mask)
@@ -305,13 +316,14 @@ def training_sample(store: Store, K: int, H: int, files_as: Storage, row: int) -
     return row, s, problem
 
 
-def _token_block(store: Store, rows: np.ndarray, start: int, tick: Callable[[int], Any]) -> _Block:
+def _token_block(store: Store, rows: np.ndarray, start: int, tick: Callable[[int], Any], folds: PrefixFolds) -> _Block:
     """A block's token columns alone (--hidden-states store): the ids and masks are read, the states are not
     (streamx verify checks those)."""
     ids, masks, kept, skipped = [], [], [], []
     for row in rows.tolist():
         tick(1)
         input_ids, loss_mask = store.tokens_at(store.position(row))
+        loss_mask = folds.loss_mask(store, row, loss_mask)
         problem = token_problem(input_ids, loss_mask)
         if problem:
             skipped.append((row, problem))
@@ -330,12 +342,13 @@ def _block(start: int, ids: list[np.ndarray], masks: list[np.ndarray], rows: lis
 
 
 def _convert_block(store: Store, rows: np.ndarray, start: int, K: int, H: int, files_as: Storage, hs_dir: Path,
-                   pool: ThreadPoolExecutor, depth: int, tick: Callable[[int], Any]) -> tuple[_Block, int]:
+                   pool: ThreadPoolExecutor, depth: int, tick: Callable[[int], Any],
+                   folds: PrefixFolds) -> tuple[_Block, int]:
     """Training indices are given in order to the rows that pass validation, so they are the same on every run."""
     ids, masks, kept_rows, skipped = [], [], [], []
     writes: deque[Future] = deque()
     index, kept = start, 0
-    read = lambda r: training_sample(store, K, H, files_as, int(r))  # noqa: E731 - one line, used once
+    read = lambda r: training_sample(store, K, H, files_as, int(r), folds)  # noqa: E731 - one line, used once
     for row, s, problem in _prefetch(pool, read, rows, depth):
         tick(1)
         if problem:

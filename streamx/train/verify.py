@@ -100,20 +100,28 @@ def check_complete(store: Store) -> Check:
 
 
 def check_index(store: Store) -> Check:
-    """Each sample's tokens lie inside its part's committed tokens, and no two samples share a token."""
+    """Each sample's tokens lie inside its part's committed tokens, as many as its length; no two samples share a
+    token unless the store shares them (--sharing)."""
     problems = []
+    shares = store.metadata.sharing != "off"
     for i, name in enumerate(store.parts):
+        tokens = store.commits[name].tokens
+        for pos in np.flatnonzero(store.index.parts == i).tolist():
+            ranges = store.ranges(pos)
+            if any(b <= a or a < 0 or b > tokens for a, b in ranges) or \
+                    sum(b - a for a, b in ranges) != int(store.index.lengths[pos]):
+                problems.append(f"{name}: sample {pos} spans tokens {ranges} of {tokens:,}, its length "
+                                f"{int(store.index.lengths[pos])}")
+        if shares:
+            continue
         mine = store.index.parts == i
         offsets, lengths = store.index.offsets[mine], store.index.lengths[mine]
-        tokens = store.commits[name].tokens
         order = np.argsort(offsets, kind="stable")
         starts, ends = offsets[order], offsets[order] + lengths[order]
-        for k in np.flatnonzero((lengths[order] < 1) | (starts < 0) | (ends > tokens)):
-            problems.append(f"{name}: sample {int(order[k])} spans tokens {starts[k]}..{ends[k]} of {tokens:,}")
         for k in np.flatnonzero(starts[1:] < ends[:-1]):
             problems.append(f"{name}: samples at tokens {starts[k]} and {starts[k + 1]} overlap")
-    return _check("index", problems, f"{len(store):,} samples in range and disjoint", len(store),
-                  "samples out of place")
+    return _check("index", problems, f"{len(store):,} samples in range" + ("" if shares else " and disjoint"),
+                  len(store), "samples out of place")
 
 
 def check_rows(store: Store) -> Check:
@@ -126,25 +134,30 @@ def check_rows(store: Store) -> Check:
     return _check("rows", problems, f"{len(store):,} samples, every row once", len(store), "rows duplicated")
 
 
-def _sample_bounds(store: Store, part: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(store positions, offsets, lengths) of a part's samples, by offset."""
+def _spans(store: Store, part: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(store positions, first token, end token) of the tokens each of a part's samples reads, by first token
+    (a sample that shares tokens reads them where they lie, within the tokens its batch stored)."""
     mine = np.flatnonzero(store.index.parts == part)
-    order = mine[np.argsort(store.index.offsets[mine], kind="stable")]
-    return order, store.index.offsets[order], store.index.lengths[order]
+    firsts, ends = store.index.offsets[mine].copy(), store.index.offsets[mine] + store.index.lengths[mine]
+    for k in np.flatnonzero(store.index.range_counts[mine]).tolist():
+        ranges = store.ranges(int(mine[k]))
+        firsts[k], ends[k] = min(a for a, _ in ranges), max(b for _, b in ranges)
+    order = np.argsort(firsts, kind="stable")
+    return mine[order], firsts[order], ends[order]
 
 
-def _blocks(store: Store) -> Iterator[tuple[str, np.ndarray, np.ndarray, int, Any]]:
-    """Each part in reads of whole samples: (part name, store positions, offsets within the read, first token,
-    the part), at most READ_BYTES of float32 states a read unless one sample is longer."""
+def _blocks(store: Store) -> Iterator[tuple[str, np.ndarray, int, int, Any]]:
+    """Each part in reads of whole samples: (part name, store positions, first token, end token, the part), at
+    most READ_BYTES of float32 states a read unless one sample reads more."""
     limit = max(1, READ_BYTES // (store.metadata.num_slots * store.metadata.hidden_size * 4))
     for i, (name, part) in enumerate(store.parts.items()):
-        positions, offsets, lengths = _sample_bounds(store, i)
+        positions, firsts, ends = _spans(store, i)
         k = 0
         while k < positions.size:
-            first, j = int(offsets[k]), k + 1
-            while j < positions.size and offsets[j] + lengths[j] - first <= limit:
-                j += 1
-            yield name, positions[k:j], offsets[k:j] - first, first, part
+            first, last, j = int(firsts[k]), int(ends[k]), k + 1
+            while j < positions.size and max(last, ends[j]) - first <= limit:
+                last, j = max(last, int(ends[j])), j + 1
+            yield name, positions[k:j], first, last, part
             k = j
 
 
@@ -158,11 +171,9 @@ def check_values(store: Store, vocab_size: int | None) -> list[Check]:
     """Token ids, loss masks and states of every sample, read part by part in large slices."""
     ids_bad, mask_bad, states_bad, unreadable = [], [], [], []
     slots = store.layer_ids
-    for name, positions, starts, first, part in _blocks(store):
-        lengths = store.index.lengths[positions]
-        last = first + int(starts[-1] + lengths[-1])
+    for name, positions, first, last, part in _blocks(store):
         try:
-            ids, mask = part["input_ids"][first:last], part["loss_mask"][first:last]
+            ids, stored_mask = part["input_ids"][first:last], part["loss_mask"][first:last]
             states = _states(store, part, first, last)
         except Exception as err:  # noqa: BLE001 - a damaged file: say which part and go on
             unreadable.append(f"{name}: tokens {first:,}..{last:,} cannot be read ({type(err).__name__}: {err})")
@@ -170,9 +181,12 @@ def check_values(store: Store, vocab_size: int | None) -> list[Check]:
         finite = torch.isfinite(states).all(dim=2)  # [T, K]
         high = torch.where(finite[..., None], states, -torch.inf).amax(dim=2)
         low = torch.where(finite[..., None], states, torch.inf).amin(dim=2)
-        for pos, start, n in zip(positions.tolist(), starts.tolist(), lengths.tolist(), strict=True):
+        for pos in positions.tolist():
             row = int(store.index.rows[pos])
-            sample_ids, sample_mask = ids[start : start + n], mask[start : start + n]
+            at = torch.from_numpy(np.concatenate([np.arange(a - first, b - first) for a, b in store.ranges(pos)]))
+            sample_ids = ids[at.numpy()]
+            sample_mask = stored_mask[at.numpy()] if store.index.mask_offsets[pos] < 0 else \
+                store.tokens_at(pos)[1].numpy()
             if sample_ids.min() < 0 or (vocab_size is not None and sample_ids.max() >= vocab_size):
                 ids_bad.append(f"row {row}: token ids {int(sample_ids.min())}..{int(sample_ids.max())} outside "
                                f"0..{vocab_size - 1 if vocab_size else '?'}")
@@ -181,10 +195,10 @@ def check_values(store: Store, vocab_size: int | None) -> list[Check]:
             elif not sample_mask.any():
                 mask_bad.append(f"row {row}: loss mask has no trainable token")
             for slot, layer_id in enumerate(slots):
-                if not bool(finite[start : start + n, slot].all()):
+                if not bool(finite[at, slot].all()):
                     states_bad.append(f"row {row}: id {layer_id} holds NaN or Inf")
-                elif float(high[start : start + n, slot].max()) == float(low[start : start + n, slot].min()):
-                    value = float(high[start, slot])
+                elif float(high[at, slot].max()) == float(low[at, slot].min()):
+                    value = float(high[at[0], slot])
                     states_bad.append(f"row {row}: id {layer_id} is " + ("all zero" if value == 0 else
                                                                          f"constant {value:g}"))
     n = len(store)
@@ -204,13 +218,17 @@ def check_values(store: Store, vocab_size: int | None) -> list[Check]:
 
 
 def pick_samples(store: Store, n: int, seed: int) -> list[int]:
-    """Store positions of n samples spread over the lengths (the longest always among them)."""
+    """Store positions of n samples spread over the lengths (the longest always among them); in a store that
+    shares tokens between rows, half of them rows that continue a shared prefix."""
     if len(store) == 0 or n <= 0:
         return []
     by_length = np.argsort(store.index.lengths, kind="stable")
     strata = np.array_split(by_length[:-1], max(1, min(n, len(store)) - 1))
     rng = np.random.default_rng(seed)
     picked = [int(rng.choice(s)) for s in strata if s.size][: n - 1]
+    shared = np.flatnonzero(store.index.range_counts)  # rows that continue a shared prefix (--sharing)
+    if shared.size:  # half of the picks among them, spread the same way
+        picked = picked[: n // 2] + rng.choice(shared, min(shared.size, n - 1 - n // 2), replace=False).tolist()
     return sorted({*picked, int(by_length[-1])})
 
 
@@ -304,13 +322,9 @@ def check_files(spec: Path, store: Store) -> Check:
     # which store sample each file is: store_rows.npy (one read a file), or, in folders from before it, every
     # sample with the file's token ids
     named = np.load(spec / STORE_ROWS) if (spec / STORE_ROWS).exists() else None
-    by_ids: dict[bytes, list[int]] = {}  # token ids -> store positions: ids only, one read per part
-    index = store.index
-    for k, (name, part) in enumerate(store.parts.items() if named is None else ()):
-        ids = part["input_ids"][: store.commits[name].tokens]
-        for i in np.flatnonzero(index.parts == k).tolist():
-            a = int(index.offsets[i])
-            by_ids.setdefault(hashlib.sha1(ids[a : a + int(index.lengths[i])].tobytes()).digest(), []).append(i)
+    by_ids: dict[bytes, list[int]] = {}  # token ids -> store positions: ids only
+    for i in range(len(store) if named is None else 0):
+        by_ids.setdefault(hashlib.sha1(store.read_tokens(i, "input_ids").tobytes()).digest(), []).append(i)
     K, H = store.metadata.num_slots, store.metadata.hidden_size
     store_rows = set(store.index.rows.tolist())
     problems = []

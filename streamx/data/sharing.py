@@ -1,0 +1,195 @@
+"""What a window's rows share, found before anything is computed: each distinct token computed and stored once.
+
+The model is causal, so a token's states depend only on the tokens before it: rows that start alike have the
+same states over what they share. Three kinds of sharing, all found by sorting a window's rows by their token
+ids (a row sorts right before the rows that extend it, and neighbours' longest common prefixes are exactly a
+token trie's branch points):
+
+- a duplicate, or a row that is a prefix of another row (fanned-out turns, agent steps): not computed at all;
+  its states are the first tokens of the row it is a prefix of (it is "covered" by that leaf);
+- leaves (the other rows) that start with a common run of at least `min_shared_tokens` tokens (a system
+  prompt, a tool schema, a shared history): the run is one segment, computed once, and each leaf continues
+  from its state (streamx.model.packing gives attention the keys of a segment's ancestors);
+- everything else is a segment of its own, as without sharing.
+
+A window's rows become trees of segments. A tree too large for one forward pass is cut into `Piece`s, each
+bringing the segments its rows start with (recomputed), and each piece is stored whole: a batch never needs
+what another batch computed, so batches stay independent, every world size and every resume computes the same
+ones, and the sharing depends on the window's rows alone. Memory: one window's token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .tokenize import Sample
+
+
+@dataclass(eq=False)
+class Segment:
+    """Tokens [depth, end) of the rows under it, computed once; it continues `parent` (None: a root)."""
+
+    end: int
+    source: Sample  # a row that holds its tokens (a leaf under it)
+    parent: Segment | None = None
+    children: list[Segment] = field(default_factory=list)
+    leaf: Sample | None = None  # the row it ends (a leaf's own segment)
+    covered: list[Sample] = field(default_factory=list)  # rows that are prefixes of its leaf (duplicates too)
+
+    @property
+    def depth(self) -> int:
+        """Tokens its rows hold before it: the position of its first token."""
+        return self.parent.end if self.parent is not None else 0
+
+    @property
+    def length(self) -> int:
+        return self.end - self.depth
+
+    def chain(self) -> list[Segment]:
+        """Its ancestors from the root down, then itself."""
+        out, node = [], self
+        while node is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+    def walk(self) -> Iterable[Segment]:
+        """It and its descendants, parents first (children in sorted order)."""
+        yield self
+        for child in self.children:
+            yield from child.walk()
+
+
+@dataclass
+class Piece:
+    """What one forward pass computes of a tree: segments (parents first) and the rows they serve, each with
+    the leaf segment whose chain holds its tokens."""
+
+    segments: list[Segment]
+    rows: list[tuple[Sample, Segment]]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.segments)
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two rows' ids share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+def share(samples: list[Sample], min_shared_tokens: int | None) -> list[Segment]:
+    """The roots of the segment trees of `samples` (one window's), in sorted order. `min_shared_tokens`: the
+    shortest common leading run that becomes a segment of its own; None: none does (each leaf is a root, and
+    only covered rows are shared: no state is handed over). Memory: 4 bytes per token of the window for the
+    sort keys (big-endian ids: their byte order is the ids' order, and a row's key starts every key that
+    extends it)."""
+    ids = [s.input_ids.numpy() for s in samples]
+    keys = [row.astype(">u4").tobytes() for row in ids]
+    order = sorted(range(len(samples)), key=lambda i: (keys[i], samples[i].row_id))
+    leaves: list[tuple[int, list[Sample]]] = []  # (sample, the rows it covers)
+    waiting: list[Sample] = []  # rows that the next row in sorted order starts with
+    for k, i in enumerate(order):
+        after = order[k + 1] if k + 1 < len(order) else None
+        if after is not None and keys[after].startswith(keys[i]):
+            waiting.append(samples[i])  # then the leaf that ends this run of rows starts with it too
+        else:
+            leaves.append((i, waiting))
+            waiting = []
+    root = Segment(0, samples[0]) if samples else None  # a virtual root of depth 0, never computed
+    stack = [root]  # the open path from the root
+    for k, (i, covered) in enumerate(leaves):
+        shared = common_prefix(ids[leaves[k - 1][0]], ids[i]) if k else 0
+        if min_shared_tokens is None or shared < min_shared_tokens:
+            shared = 0
+        while stack[-1].end > shared:
+            last = stack.pop()
+            if stack[-1].end < shared:  # the branch point lies inside `last`: a segment of its own ends there
+                stack.append(Segment(shared, last.source))
+            _adopt(stack[-1], last)
+        leaf = Segment(len(ids[i]), samples[i], leaf=samples[i], covered=covered)
+        stack.append(leaf)
+    while len(stack) > 1:
+        last = stack.pop()
+        _adopt(stack[-1], last)
+    return root.children if root is not None else []
+
+
+def _adopt(parent: Segment, child: Segment) -> None:
+    child.parent = parent if parent.end > 0 else None
+    parent.children.append(child)
+
+
+def pieces(roots: list[Segment], token_budget: int) -> list[Piece]:
+    """Each tree as one piece, or, when it holds more than `token_budget` tokens, cut between its leaves into
+    pieces that fit (each with its leaves' chains: the segments they start with are computed again)."""
+    out = []
+    for root in roots:
+        segments = list(root.walk())
+        if sum(s.length for s in segments) <= token_budget:
+            out.append(Piece(segments, [row for s in segments for row in _rows(s)]))
+            continue
+        chosen: dict[int, Segment] = {}  # id -> segment, in the order first needed (parents first)
+        rows: list[tuple[Sample, Segment]] = []
+        for leaf in (s for s in segments if s.leaf is not None):
+            need = [s for s in leaf.chain() if id(s) not in chosen]
+            if rows and sum(s.length for s in chosen.values()) + sum(s.length for s in need) > token_budget:
+                out.append(Piece(list(chosen.values()), rows))
+                chosen, rows, need = {}, [], leaf.chain()
+            chosen.update((id(s), s) for s in need)
+            rows += _rows(leaf)
+        out.append(Piece(list(chosen.values()), rows))
+    return out
+
+
+def _rows(segment: Segment) -> list[tuple[Sample, Segment]]:
+    if segment.leaf is None:
+        return []
+    return [(segment.leaf, segment), *((row, segment) for row in segment.covered)]
+
+
+def row_ranges(length: int, leaf: Segment, starts: dict[int, int]) -> list[tuple[int, int]]:
+    """Where a row of `length` tokens that starts like `leaf` lies in a batch's computed tokens: (start, length)
+    per segment of the leaf's chain that it reaches, `starts` giving each segment's first token (by id)."""
+    out = []
+    for segment in leaf.chain():
+        if segment.depth >= length:
+            break
+        out.append((starts[id(segment)], min(segment.end, length) - segment.depth))
+    return out
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """What a run shares: nothing (off), rows that are prefixes of others (duplicates too), and, where the model
+    can continue a segment from another's state (a probe at start: streamx.model.packing), common leading runs."""
+
+    on: bool
+    min_shared_tokens: int | None = None  # the shortest leading run computed once; None: no leading runs shared
+    reason: str | None = None  # why no leading runs are shared although sharing is on
+
+    @property
+    def setting(self) -> str:
+        """What a resume must match: which rows are computed together decides how their states round."""
+        if not self.on:
+            return "off"
+        return "on" if self.min_shared_tokens is not None else "rows"
+
+    def __str__(self) -> str:  # as the store's metadata records it
+        return self.setting if self.reason is None else f"{self.setting}: {self.reason}"
+
+    def note(self) -> str:
+        """The run's log line."""
+        if not self.on:
+            return "off: every row computed in full"
+        if self.min_shared_tokens is None:
+            return ("prefix rows only: a row that is a prefix of another (or a duplicate) is not computed; "
+                    f"{self.reason}")
+        return (f"on: rows that are prefixes of others (or duplicates) are not computed, and leading runs of "
+                f"{self.min_shared_tokens}+ tokens that rows share are computed once (checked on this model: a row "
+                "continued from a shared prefix has the states it has alone)")

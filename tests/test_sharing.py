@@ -1,0 +1,304 @@
+"""Shared prefixes (--sharing): what rows share is found exactly (a token trie counted by brute force), computed
+once, and every row's states still equal that row computed alone by an unbatched HF forward; a model whose
+layers cannot continue a prefix's state is found by the probe and keeps the prefix rows only."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from helpers import reference_states
+from tiny_models import tiny_model
+from transformers.cache_utils import DynamicCache
+
+from streamx.config import RunConfig
+from streamx.data.batching import iter_batches
+from streamx.data.sharing import pieces, share
+from streamx.data.tokenize import Sample
+from streamx.model import packing
+from streamx.model.capture import LayerCapture
+from streamx.model.gather import gather_into_torch
+from streamx.model.packing import _Segments, configure, probe_continuation
+from streamx.pipeline.runner import run
+from streamx.store import open_store
+
+BF16_ULP = 2.0**-7
+
+
+def as_samples(rows: list[list[int]], masks: list[list[int]] | None = None) -> list[Sample]:
+    return [Sample(i, torch.tensor(r), torch.tensor(masks[i] if masks else [1] * len(r)))
+            for i, r in enumerate(rows)]
+
+
+def random_rows(rng: random.Random) -> list[list[int]]:
+    """Rows drawn from a few stems: duplicates, prefixes and shared leading runs of every length."""
+    stems = [[rng.randint(0, 3) for _ in range(rng.randint(1, 12))] for _ in range(4)]
+    rows = []
+    for _ in range(rng.randint(1, 15)):
+        stem = rng.choice(stems)
+        rows.append(stem[: rng.randint(1, len(stem))] + [rng.randint(0, 3) for _ in range(rng.randint(0, 4))])
+    return rows
+
+
+def chain_tokens(leaf) -> list[int]:
+    return [t for seg in leaf.chain() for t in seg.source.input_ids[seg.depth : seg.end].tolist()]
+
+
+def test_sharing_computes_a_token_trie_exactly_and_serves_every_row_once():
+    rng = random.Random(0)
+    for _ in range(300):
+        rows = random_rows(rng)
+        samples = as_samples(rows)
+        trie = {tuple(r[:k]) for r in rows for k in range(1, len(r) + 1)}  # every distinct prefix: a trie node
+        for min_shared in (None, 1, 3):
+            segments = [s for root in share(samples, min_shared) for s in root.walk()]
+            served = [row for s in segments if s.leaf is not None for row in (s.leaf, *s.covered)]
+            assert sorted(r.row_id for r in served) == list(range(len(rows)))
+            for s in (s for s in segments if s.leaf is not None):
+                assert chain_tokens(s) == s.leaf.input_ids.tolist()
+                for row in s.covered:  # a duplicate or a prefix of its leaf
+                    assert s.leaf.input_ids[: len(row.input_ids)].tolist() == row.input_ids.tolist()
+            computed = sum(s.length for s in segments)
+            if min_shared == 1:
+                assert computed == len(trie), rows
+            # no leading run shorter than the minimum is split off
+            assert all(s.parent is None or s.parent.end >= (min_shared or 10**9) for s in segments)
+            for budget in (16, 24, 1000):
+                cut = pieces(share(samples, min_shared), budget)
+                assert sorted(r.row_id for p in cut for r, _ in p.rows) == list(range(len(rows)))
+                for p in cut:
+                    assert p.num_tokens <= budget
+                    order = {id(s): k for k, s in enumerate(p.segments)}
+                    assert all(id(c) in order for _, leaf in p.rows for c in leaf.chain())  # brings its ancestors
+                    assert all(s.parent is None or order[id(s.parent)] < order[id(s)] for s in p.segments)
+
+
+def test_sharing_does_not_depend_on_the_rows_order():
+    rows = random_rows(random.Random(3))
+    samples = as_samples(rows)
+
+    def layout(samples):
+        return [(s.depth, s.end, s.source.row_id if s.leaf is None else s.leaf.row_id,
+                 sorted(c.row_id for c in s.covered)) for root in share(samples, 2) for s in root.walk()]
+
+    shuffled = samples[:]
+    random.Random(1).shuffle(shuffled)
+    assert layout(shuffled) == layout(samples)
+
+
+def rows_of_every_kind(vocab: int) -> list[Sample]:
+    """A shared 20-token prefix continued three ways, one continuation fanned out as prefix rows and duplicated,
+    an unrelated row, and a row sharing only 5 tokens (below the minimum) with the others."""
+    g = torch.Generator().manual_seed(0)
+    draw = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
+    system, long_rest = draw(20), draw(30)
+    rows = [system + draw(9), system + long_rest, system + draw(14), system + long_rest[:11],
+            system + long_rest, system, draw(17), system[:5] + draw(12)]
+    masks = [[0] * 20 + [1] * (len(r) - 20) if len(r) > 20 else [1] * len(r) for r in rows]
+    masks[4] = [0] * 35 + [1] * 15  # the duplicate trains on less of the shared row than the row it repeats
+    return as_samples(rows, masks)
+
+
+def capture_rows(model, batches, layer_ids) -> dict[int, torch.Tensor]:
+    H = model.config.get_text_config().hidden_size
+    out = {}
+    with LayerCapture(model, layer_ids, gather_into_torch) as capture:
+        for batch in batches:
+            states = torch.full((batch.num_tokens, len(layer_ids), H), float("nan"), dtype=torch.bfloat16)
+            capture.forward(batch, states)
+            for sample, ranges in zip(batch.samples, batch.row_ranges, strict=True):
+                out[sample.row_id] = torch.cat([states[a : a + n] for a, n in ranges])
+    return out
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_5"])
+def test_every_row_of_a_shared_batch_equals_the_row_alone(family, packed):
+    model, untouched = tiny_model(family), tiny_model(family)
+    packing = configure(model, "on" if packed else "off")
+    assert packing.on == packed
+    continues = packed and probe_continuation(model) is None
+    assert continues == packed  # the hybrid's conv and recurrent states are handed over too (SampleWise)
+    samples = rows_of_every_kind(model.config.vocab_size)
+    batches = list(iter_batches(samples, 64, 256, 0, packed=packed, sharing=True,
+                                min_shared_tokens=16 if continues else None))
+    computed = sum(b.num_tokens for b in batches)
+    rows = sum(len(s.input_ids) for s in samples)
+    # duplicates and prefix rows are never computed; the 20-token prefix once a batch where it is handed over
+    assert computed < rows - (len(samples[4].input_ids) + 11 + 20)
+    if continues:
+        assert any(b.segment_parents for b in batches)
+    ids = [0, 1, 2, 3, 4]
+    got = capture_rows(model, batches, ids)
+    assert sorted(got) == list(range(len(samples)))
+    for sample in samples:
+        want_all = reference_states(untouched, sample.input_ids)
+        for slot, layer_id in enumerate(ids):
+            want = want_all[layer_id].to(torch.bfloat16).float()
+            torch.testing.assert_close(got[sample.row_id][:, slot].float(), want, rtol=BF16_ULP,
+                                       atol=1e-5 * want.abs().max().item(),
+                                       msg=f"{family}: row {sample.row_id} id {layer_id}")
+
+
+def test_a_prefix_without_its_keys_or_its_recurrent_state_is_caught_by_the_probe(monkeypatch):
+    model = tiny_model("llama")
+    assert configure(model, "on").on and probe_continuation(model) is None
+    own_keys_only = lambda segment, device: torch.arange(_Segments.bounds[segment],  # noqa: E731
+                                                         _Segments.bounds[segment + 1], device=device)
+    monkeypatch.setattr(_Segments, "key_index", own_keys_only)
+    assert "do not continue from the prefix's state" in probe_continuation(model)
+    monkeypatch.undo()
+    hybrid = tiny_model("qwen3_5")
+    assert configure(hybrid, "on").on and probe_continuation(hybrid) is None
+    fresh = lambda cache: DynamicCache(config=hybrid.config.get_text_config())  # noqa: E731
+    monkeypatch.setattr(packing, "handed_over", fresh)  # each continuation from a clean recurrent state
+    assert "do not continue from the prefix's state" in probe_continuation(hybrid)
+
+
+def write_rows(path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_shared_store_reads_every_row_as_the_unshared_store(tmp_path, tiny_chat_model_dir):
+    """Pretokenized rows of all three kinds through `streamx run`, sharing on and off: the same rows, ids and
+    masks exactly, states within rounding, fewer tokens stored; rows whose masks differ keep their own."""
+    rng = np.random.default_rng(0)
+    system = rng.integers(10, 40000, 24).tolist()
+    stems = [system + rng.integers(10, 40000, int(n)).tolist() for n in rng.integers(10, 60, 12)]
+    rows = []
+    for stem in stems:
+        for turn in range(1, 4):  # fanned out: each row a prefix of the next
+            ids = stem[: 24 + turn * (len(stem) - 24) // 3]
+            rows.append({"input_ids": ids, "loss_mask": [0] * 24 + [1] * (len(ids) - 24)})
+    rows += rows[:5]  # duplicates
+    rows.append({"input_ids": stems[0], "loss_mask": [1] * len(stems[0])})  # the same ids, another mask
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    stores = {}
+    for sharing in ("off", "on"):
+        out = str(tmp_path / f"{sharing}.zarr")
+        run(RunConfig(model=tiny_chat_model_dir, data=data, out=out, layers="1,2,4", sharing=sharing, sort_window=16,
+                      token_budget=256, max_length=256), progress=False, log=lambda m: None)
+        stores[sharing] = open_store(out)
+    off, on = stores["off"], stores["on"]
+    assert on.metadata.sharing == "on" and on.metadata.compat.sharing == "on"
+    assert len(on) == len(off) == len(rows) and on.row_tokens == off.row_tokens == off.num_tokens
+    assert on.num_tokens < 0.6 * off.num_tokens
+    assert (on.index.mask_offsets >= 0).any()  # the rows whose masks differ from a row sharing their tokens
+    for row in range(len(rows)):
+        a, b = off.sample(row), on.sample(row)
+        assert a.input_ids.tolist() == b.input_ids.tolist() == rows[row]["input_ids"]
+        assert a.loss_mask.tolist() == b.loss_mask.tolist() == rows[row]["loss_mask"]
+        torch.testing.assert_close(b.hidden_states.float(), a.hidden_states.float(), rtol=BF16_ULP,
+                                   atol=1e-5 * a.hidden_states.float().abs().max().item())
+
+
+def test_merge_prefix_rows_folds_each_prefix_into_the_row_it_starts(tmp_path, tiny_chat_model_dir):
+    """convert --merge-prefix-rows: a row whose ids start another row's (a fanned-out turn, a duplicate) is no
+    training row of its own; the row it starts trains on the union of their masks, with its own states."""
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+
+    from streamx.train.convert import convert, order_sha256, training_order
+
+    rows = [{"input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 0, 0, 1, 1, 1]},  # the full conversation
+            {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},  # its first turn, another mask
+            {"input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 0, 0, 0, 1, 1]},  # a duplicate
+            {"input_ids": [5, 6, 11, 12], "loss_mask": [0, 0, 1, 1]},  # shares 2 tokens only: stays a row
+            {"input_ids": [20, 21, 22], "loss_mask": [1, 1, 1]}]
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    out = str(tmp_path / "s.zarr")
+    run(RunConfig(model=tiny_chat_model_dir, data=data, out=out, layers="1,2,4", sharing="on", token_budget=256,
+                  max_length=256), progress=False, log=lambda m: None)
+    store = open_store(out)
+    merged = tmp_path / "merged"
+    summary = convert(out, str(merged), progress=False, allow_random_weights=True, merge_prefix_rows=True,
+                      log=lambda m: None)
+    assert summary.rows == 3
+    data_rows = load_from_disk(str(merged))
+    stored_rows = np.load(merged / "store_rows.npy").tolist()
+    by_row = {row: torch.as_tensor(data_rows[i]["loss_mask"]).tolist() for i, row in enumerate(stored_rows)}
+    leaf = 2 if 2 in by_row else 0  # of two equal rows, one folds into the other
+    assert sorted(by_row) == sorted([leaf, 3, 4])
+    assert by_row[leaf] == [0, 1, 1, 1, 1, 1]  # the union of rows 0, 1 and 2's masks
+    assert by_row[3] == rows[3]["loss_mask"] and by_row[4] == rows[4]["loss_mask"]
+    for i, row in enumerate(stored_rows):
+        hs = load_file(merged / "hidden_states" / f"hs_{i}.safetensors")
+        assert torch.equal(hs["hidden_states"].view(torch.int16), store.sample(row).hidden_states.view(torch.int16))
+    plain = convert(out, str(tmp_path / "plain"), progress=False, allow_random_weights=True, log=lambda m: None)
+    assert plain.rows == len(rows)
+    # without hs files (speculators reads the store): the same training rows and masks; the folder names the
+    # store's rows as the streamx backend checks them at start
+    nocopy = tmp_path / "nocopy"
+    convert(out, str(nocopy), progress=False, allow_random_weights=True, merge_prefix_rows=True, hidden_states="store",
+            log=lambda m: None)
+    assert np.load(nocopy / "store_rows.npy").tolist() == stored_rows
+    assert [torch.as_tensor(r["loss_mask"]).tolist() for r in load_from_disk(str(nocopy))] == \
+        [by_row[row] for row in stored_rows]
+    identity = json.loads((nocopy / "streamx_meta.json").read_text())["identity"]
+    assert identity["order_sha256"] == order_sha256(training_order(store.row_ids(), 0))
+
+
+def test_verify_recomputes_shared_rows_and_names_a_damaged_shared_prefix(tmp_path, tiny_chat_model_dir, chat_jsonl):
+    """A shared store passes verify with the model (shared rows among those recomputed alone); damage to a shared
+    prefix's stored states is named in every row that reads it, and only in those."""
+    import zarr
+
+    from streamx.train.verify import verify
+
+    out = str(tmp_path / "s.zarr")
+    run(RunConfig(model=tiny_chat_model_dir, data=chat_jsonl, out=out, layers="1,2,4", sharing="on",
+                  token_budget=512, max_length=256, max_samples=16), progress=False, log=lambda m: None)
+    store = open_store(out)
+    shared = [p for p in range(len(store)) if len(store.ranges(p)) > 1]
+    assert shared and all(c.passed for c in verify(out, samples=8, log=lambda m: None).checks)
+    a, b = store.ranges(shared[0])[0]  # the first row's shared prefix
+    readers = {int(store.index.rows[p]) for p in range(len(store))
+               if any(x < b and a < y for x, y in store.ranges(p))}
+    assert len(readers) > 1
+    states = zarr.open_array(f"{out}/parts/part-00000/hidden_states", mode="r+")
+    damaged = states[a:b].view(np.int16).copy()
+    damaged[:, 1] ^= 0x4000  # an exponent bit of every value of slot 1: the states move by orders of magnitude
+    states[a:b] = damaged.view(np.uint16)
+    report = verify(out, samples=len(store), log=lambda m: None)
+    model = next(c for c in report.checks if c.name == "model")
+    named = {int(p.split()[1].rstrip(":")) for p in model.problems}  # (the report lists 10 at most)
+    assert not model.passed and named <= readers and len(named) == min(10, len(readers))
+    assert model.summary.startswith(f"{len(readers)} of ")  # every reader's slot 1, and nothing else
+
+
+def test_a_store_from_before_sharing_reads_and_resumes_with_the_same_command(tmp_path, tiny_chat_model_dir,
+                                                                             chat_jsonl):
+    """A format /2 part (no range arrays, no sharing in its records) reads as before, and the default command
+    resumes it with --sharing off, to what an uninterrupted --sharing off run writes."""
+    import zarr
+    from helpers import small_config
+
+    from streamx.store.format import SHARING_ARRAYS
+
+    old, fresh = tmp_path / "old.zarr", tmp_path / "fresh.zarr"
+    run(small_config(tiny_chat_model_dir, chat_jsonl, old, sharing="off", max_samples=20), progress=False,
+        log=lambda m: None)
+    root = zarr.open_group(str(old))
+    record = dict(root.attrs["streamx"])
+    del record["sharing"], record["compat"]["sharing"]
+    root.attrs["streamx"] = {**record, "format": "streamx-store/2"}
+    part = root["parts/part-00000"]
+    for name in SHARING_ARRAYS:
+        del part[name]
+    commit = dict(part.attrs["commit"])
+    for name in ("row_tokens", "ranges", "row_masks"):
+        del commit[name]
+    part.attrs["commit"] = commit
+    before = open_store(str(old))
+    assert len(before) == 20 and before.row_tokens == before.num_tokens
+    notes = []
+    run(small_config(tiny_chat_model_dir, chat_jsonl, old), progress=False, log=notes.append)  # sharing: default
+    assert any("computes every row in full" in n for n in notes)
+    run(small_config(tiny_chat_model_dir, chat_jsonl, old), progress=False, log=lambda m: None)  # and again
+    run(small_config(tiny_chat_model_dir, chat_jsonl, fresh, sharing="off"), progress=False, log=lambda m: None)
+    a, b = open_store(str(old)), open_store(str(fresh))
+    assert a.row_ids().tolist() == b.row_ids().tolist() and a.metadata.compat.sharing == "off"
+    for row in b.row_ids().tolist():
+        assert torch.equal(a.sample(row).hidden_states.view(torch.int16), b.sample(row).hidden_states.view(torch.int16))
