@@ -14,6 +14,7 @@ kind of sharing alone would save:
     python bench/sharing.py                                   # the embedded default
     python bench/sharing.py --data chats.jsonl --fan-out      # one row per assistant turn, as speculators writes
     python bench/sharing.py --system-prompt-words 200        # every row behind one long system prompt
+    python bench/sharing.py ... --write-rows rows.jsonl      # and write those rows, for `streamx bench --data`
 
 Beside the trie, what `streamx run --sharing on` computes and stores of the same rows: the sharing it finds
 within each sorting window (--sort-window), trees cut to --token-budget (a cut tree recomputes the segments
@@ -107,12 +108,16 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=4096)
     parser.add_argument("--min-shared-tokens", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--write-rows", type=Path, default=None, help="also write the rows measured (fanned out, "
+                        "behind the system prompt) as jsonl, for `streamx bench --data`")
     args = parser.parse_args()
     rows = list(open_source(args.data, max_samples=args.max_samples))
     if args.fan_out:
         rows = fanned_out(rows)
     if args.system_prompt_words:
         rows = with_system_prompt(rows, args.system_prompt_words)
+    if args.write_rows:
+        args.write_rows.write_text("".join(json.dumps(row.record) + "\n" for row in rows if row.record is not None))
     builder = SampleBuilder(model_tokenizer(resolve_model_path(args.model)), args.max_length)
     samples = [s for s in map(builder, rows) if not isinstance(s, Reject)]
     report = {"data": args.data, "fan_out": args.fan_out, "system_prompt_words": args.system_prompt_words,

@@ -306,7 +306,8 @@ def check_space(config: RunConfig, source: Source, output: Output, log: Callable
     if config.overwrite and Path(config.out).is_dir():  # the old store's bytes are freed first
         free += sum(f.stat().st_size for f in Path(config.out).rglob("*") if f.is_file())
     how = "" if plan.exact else f", estimated from {plan.sampled_rows:,} rows"
-    log(f"  space   {gb(needed)} to write ({config.storage}, {plan.tokens:,} tokens{how}), {gb(free)} free")
+    stored = "" if plan.shared is None else f", {plan.shared.prefix_rows:,} stored at most with --sharing"
+    log(f"  space   {gb(needed)} to write ({config.storage}, {plan.tokens:,} tokens{stored}{how}), {gb(free)} free")
     if free < needed:
         raise StoreError(f"{config.out}: its filesystem has {gb(free)} free and the store needs about {gb(needed)}; "
                          "free space, choose another --out, use --storage fp8, or pass --no-space-check")
