@@ -11,7 +11,7 @@ from tiny_models import tiny_model
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from streamx.data.batching import make_packed_batch, pack_window
+from streamx.data.batching import first_fit, make_packed_batch
 from streamx.data.tokenize import Sample
 from streamx.model.capture import LayerCapture
 from streamx.model.gather import gather_into_torch
@@ -111,12 +111,12 @@ def test_a_leak_is_caught_by_the_probe_and_packing_stays_off():
     assert "eager has no packed path" in enable(model) and model.config._attn_implementation == "eager"
 
 
-def test_pack_window_fills_batches_first_fit_within_budget():
+def test_first_fit_fills_batches_within_budget():
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(1, 60, (200,), generator=g).tolist()
     samples = [Sample(i, torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long))
                for i, n in enumerate(lengths)]
-    groups = pack_window(samples, token_budget=128, max_batch_size=6)
+    groups = first_fit(samples, lambda s: len(s.input_ids), lambda s: 1, token_budget=128, max_batch_size=6)
     assert sorted(s.row_id for g in groups for s in g) == list(range(200))  # every sample once
     assert all(sum(len(s.input_ids) for s in g) <= 128 and len(g) <= 6 for g in groups)
     assert len(groups) <= -(-sum(lengths) // 128) * 1.25  # bins nearly full: few batches

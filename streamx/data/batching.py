@@ -10,6 +10,11 @@ and cut greedily into right-padded batches whose padded size (batch x longest) s
 `token_budget`. Right padding keeps positions 0..T-1 of every real token exact under causal
 attention, so the real tokens' states do not depend on the padding.
 
+With --sharing (streamx.data.sharing) the units batched are pieces of segment trees rather than samples: a
+row that is a prefix of another is served by that row's computed tokens, and a segment that continues
+another starts at its parent's end position. Each batch says which computed tokens make up each row it
+serves (`row_ranges`).
+
 Either way rejects pass straight through, and batches depend only on the window's rows.
 """
 
@@ -202,11 +207,6 @@ def first_fit(items: list[T], size: Callable[[T], int], count: Callable[[T], int
     return groups
 
 
-def pack_window(samples: list[Sample], token_budget: int, max_batch_size: int) -> list[list[Sample]]:
-    """First fit, longest first: each sample joins the first batch with room for its tokens."""
-    return first_fit(samples, lambda s: len(s.input_ids), lambda s: 1, token_budget, max_batch_size)
-
-
 def cut(items: list[T], size: Callable[[T], int], token_budget: int, max_batch_size: int) -> list[list[T]]:
     """Longest first, each batch takes items while batch x longest fits the budget."""
     groups: list[list[T]] = []
@@ -217,11 +217,6 @@ def cut(items: list[T], size: Callable[[T], int], token_budget: int, max_batch_s
         else:
             groups.append([item])
     return groups
-
-
-def cut_window(samples: list[Sample], token_budget: int, max_batch_size: int) -> list[list[Sample]]:
-    """Longest first, each batch takes samples while batch x longest fits the budget."""
-    return cut(samples, lambda s: len(s.input_ids), token_budget, max_batch_size)
 
 
 def iter_windows(rows: Iterable[Row], sort_window: int) -> Iterator[list[Row]]:
