@@ -20,8 +20,9 @@ from streamx.model import packing
 from streamx.model.capture import LayerCapture
 from streamx.model.gather import gather_into_torch
 from streamx.model.packing import _Segments, configure, probe_continuation
+from streamx.pipeline.estimate import estimate
 from streamx.pipeline.runner import run
-from streamx.store import open_store
+from streamx.store import SharedKinds, open_store
 
 BF16_ULP = 2.0**-7
 
@@ -144,9 +145,8 @@ def test_every_row_of_a_shared_batch_equals_the_row_alone(family, packed):
 def test_a_prefix_without_its_keys_or_its_recurrent_state_is_caught_by_the_probe(monkeypatch):
     model = tiny_model("llama")
     assert configure(model, "on").on and probe_continuation(model) is None
-    own_keys_only = lambda segment, device: torch.arange(_Segments.bounds[segment],  # noqa: E731
-                                                         _Segments.bounds[segment + 1], device=device)
-    monkeypatch.setattr(_Segments, "key_index", own_keys_only)
+    own_keys_only = lambda segment: [(_Segments.bounds[segment], _Segments.bounds[segment + 1])]  # noqa: E731
+    monkeypatch.setattr(_Segments, "key_ranges", own_keys_only)
     assert "do not continue from the prefix's state" in probe_continuation(model)
     monkeypatch.undo()
     hybrid = tiny_model("qwen3_5")
@@ -192,6 +192,22 @@ def test_a_shared_store_reads_every_row_as_the_unshared_store(tmp_path, tiny_cha
         assert a.loss_mask.tolist() == b.loss_mask.tolist() == rows[row]["loss_mask"]
         torch.testing.assert_close(b.hidden_states.float(), a.hidden_states.float(), rtol=BF16_ULP,
                                    atol=1e-5 * a.hidden_states.float().abs().max().item())
+
+    # the share of each kind, read from the stored ranges, against the rows counted window by window, and
+    # against what `streamx plan` finds from the rows before anything is computed
+    duplicates = prefixes = 0
+    for start in range(0, len(rows), 16):
+        window = [tuple(r["input_ids"]) for r in rows[start : start + 16]]
+        distinct = set(window)
+        duplicates += sum(len(r) for r in window) - sum(len(r) for r in distinct)
+        prefixes += sum(len(r) for r in distinct if any(len(o) > len(r) and o[: len(r)] == r for o in distinct))
+    kinds = on.shared_kinds()
+    assert (kinds.duplicate_tokens, kinds.prefix_row_tokens) == (duplicates, prefixes) and prefixes > 0
+    assert kinds.leading_run_tokens == on.row_tokens - on.num_tokens - duplicates - prefixes > 0
+    assert off.shared_kinds() == SharedKinds()
+    assert estimate(RunConfig(model=tiny_chat_model_dir, data=data, out=str(tmp_path / "plan.zarr"), layers="1,2,4",
+                              sort_window=16, token_budget=256, max_length=256)).shared.kinds == kinds
+    assert "duplicates" in " ".join(on.describe()) and "leading runs" in " ".join(on.describe())
 
 
 def test_merge_prefix_rows_folds_each_prefix_into_the_row_it_starts(tmp_path, tiny_chat_model_dir):

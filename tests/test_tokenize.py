@@ -272,6 +272,27 @@ def test_pretokenized_and_text_rows(qwen):
     assert s.loss_mask.tolist() == [1] * len(s.input_ids)
 
 
+@pytest.mark.parametrize("smol", [True, False], ids=["smollm2_chatml", "qwen3"])
+def test_fanned_out_rows_render_each_prompt_once_and_mask_as_alone(request, smol, monkeypatch):
+    """Rows fanned out one per assistant turn ask for the same prompts row after row: one builder renders each
+    once, and every row is masked as written out by hand, also where conversations differ in one message only
+    (a prompt kept for the other conversation would move the turn's start into an earlier "Hello")."""
+    tok = request.getfixturevalue("chatml" if smol else "qwen")
+    conversations = [msgs("Hello", "Hello", "Hello", "Hello", "Hello", "Hello"),
+                     msgs("Hello", "Hi", "Hello", "Hello", "Hello", "Hello"),
+                     msgs("Hello", "Hello", "Hello there", "Hello", "Hello", "Hello")]
+    fanned = [c[:end] for c in conversations for end in range(2, len(c) + 1, 2)]
+    renders = []
+    render = type(tok).apply_chat_template
+    monkeypatch.setattr(type(tok), "apply_chat_template", lambda self, m, **kw: renders.append(kw) or render(self, m,
+                                                                                                           **kw))
+    build = SampleBuilder(tok, 4096)
+    for row, messages in enumerate(fanned):
+        assert token_runs(tok, build(Row(row, {"messages": messages}))) == expected_segments(messages, smol)
+    prompts = {tuple(m["content"] for m in c[:i]) for c in conversations for i in (1, 3, 5)}  # before each turn
+    assert sum(1 for kw in renders if kw.get("add_generation_prompt")) == len(prompts)
+
+
 def test_thread_safe(chatml, rows):
     build = SampleBuilder(chatml, 4096)
     serial = [build(r) for r in rows[:300]]

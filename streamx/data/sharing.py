@@ -153,6 +153,17 @@ def _rows(segment: Segment) -> list[tuple[Sample, Segment]]:
     return [(segment.leaf, segment), *((row, segment) for row in segment.covered)]
 
 
+def covered_rows(roots: list[Segment]) -> Iterable[tuple[Sample, bool]]:
+    """The rows not computed at all, each with whether it duplicates a row before it (else it is a strict prefix
+    of its leaf): a leaf's covered rows are its prefixes, so two of the same length are equal."""
+    for root in roots:
+        for segment in root.walk():
+            seen = {segment.end}  # the leaf's own length
+            for row in segment.covered:
+                yield row, len(row.input_ids) in seen
+                seen.add(len(row.input_ids))
+
+
 def row_ranges(length: int, leaf: Segment, starts: dict[int, int]) -> list[tuple[int, int]]:
     """Where a row of `length` tokens that starts like `leaf` lies in a batch's computed tokens: (start, length)
     per segment of the leaf's chain that it reaches, `starts` giving each segment's first token (by id)."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -111,7 +113,8 @@ class Reject:
 
 
 class SampleBuilder:
-    """Turns a Row into a Sample or a Reject. Holds no mutable state: safe to call from a thread."""
+    """Turns a Row into a Sample or a Reject. Safe to call from threads (its one mutable part, the rendered prompts
+    it keeps, is locked)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int,
                  truncation: Literal["truncate", "skip"] = "truncate"):
@@ -125,6 +128,7 @@ class SampleBuilder:
         # often add theirs without the special flag, so any added token counts
         self._end_ids = frozenset(tokenizer.added_tokens_decoder)
         self.fingerprint = tokenizer_fingerprint(tokenizer, max_length, truncation)
+        self._prompts = RenderedPrompts()
 
     def __call__(self, row: Row) -> Sample | Reject:
         try:
@@ -188,9 +192,10 @@ class SampleBuilder:
         ends = [e for _, e in offsets]
         mask = [0] * len(ids)
         cursor = 0
+        prefixes = self._prompts.keys(messages)
         for i in turns:
             content = messages[i]["content"].strip()  # templates may strip it
-            turn_start = max(cursor, self._turn_start(messages, i, text))
+            turn_start = max(cursor, self._turn_start(messages, i, text, prefixes[i]))
             start = text.find(content, turn_start)
             if start < 0:
                 raise BadRow("template_mismatch", f"assistant message {i} not found in the rendered chat template")
@@ -214,16 +219,55 @@ class SampleBuilder:
                 mask[k: j + 1] = [1] * (j + 1 - k)
         return ids, mask
 
-    def _turn_start(self, messages: list[dict], i: int, text: str) -> int:
+    def _turn_start(self, messages: list[dict], i: int, text: str, key: bytes) -> int:
         """Where assistant message i can start: after the rendered prompt that precedes it, so
-        its content is not matched inside an earlier message (user "Hi", assistant "Hi")."""
+        its content is not matched inside an earlier message (user "Hi", assistant "Hi"). `key`: its
+        messages' (RenderedPrompts.keys)."""
         if i == 0:
             return 0
-        try:
-            prompt = self.tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        except jinja2.TemplateError:
-            return 0
-        return len(prompt) if text.startswith(prompt) else 0  # else fall back to the running cursor
+        prompt = self._prompts.get(key)
+        if prompt is None:
+            try:
+                prompt = self.tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            except jinja2.TemplateError:
+                prompt = ""  # (not found below: the running cursor)
+            self._prompts.put(key, prompt)
+        return len(prompt) if prompt and text.startswith(prompt) else 0  # else fall back to the running cursor
+
+
+class RenderedPrompts:
+    """The chat template's prompts before each assistant turn, kept for the rows that ask for them again: a
+    conversation fanned out one row per turn (speculators' regenerate, agent steps) renders the same prompts in
+    every row, turn after turn, and rendering them dominated tokenizing such rows. Keyed by a digest of the
+    messages before the turn; bounded (least recently used out)."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._prompts: OrderedDict[bytes, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def keys(messages: list[dict]) -> list[bytes]:
+        """Key i: a digest of messages[:i] (each a running digest of the last and message i - 1)."""
+        keys, digest = [b""], b""
+        for message in messages[:-1]:
+            digest = hashlib.blake2b(digest + json.dumps(message, sort_keys=True, default=str).encode(),
+                                     digest_size=16).digest()
+            keys.append(digest)
+        return keys
+
+    def get(self, key: bytes) -> str | None:
+        with self._lock:
+            prompt = self._prompts.get(key)
+            if prompt is not None:
+                self._prompts.move_to_end(key)
+            return prompt
+
+    def put(self, key: bytes, prompt: str) -> None:
+        with self._lock:
+            self._prompts[key] = prompt
+            if len(self._prompts) > self.capacity:
+                self._prompts.popitem(last=False)
 
 
 def _vocabulary(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from ..model.load import library_bars
 from ..model.packing import padded_attention
 from ..pipeline.plan import RunPlan, make_plan
 from ..pipeline.runner import run
+from ..store import SharedKinds
 from .ceilings import host_copy_gb_per_s, matmul_peak_tflops
 from .writebench import write_ceiling
 
@@ -242,6 +243,7 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
               for m in modes}
     stages: dict[str, float] = {}
     fills: dict[str, float] = {}
+    shared: SharedKinds | None = None
     samples, real = len(work.samples), work.tokens
     with tempfile.TemporaryDirectory(prefix="streamx-bench-", dir=out_dir) as tmp:
         for r in range(warmups + rounds):
@@ -258,7 +260,7 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
                 if summary is not None and mode == "streamx":
                     for k, v in summary.stage_seconds.items():
                         stages[k] = stages.get(k, 0.0) + v
-                    fills = summary.queue_fill
+                    fills, shared = summary.queue_fill, summary.shared
                 t = totals[mode]
                 t["seconds"] += seconds
                 t["rounds"].append(seconds)
@@ -271,12 +273,15 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
                         f"{real / seconds:10,.0f} tokens/s")
     busy = {k: v / rounds for k, v in stages.items()}
     return report(work, modes, totals, busy, fills, rounds, warmups,
-                  {"bf16_matmul_peak_tflops": peak, "host_copy_gb_per_s": host_copy, "write_gb_per_s": ceiling / 1e9})
+                  {"bf16_matmul_peak_tflops": peak, "host_copy_gb_per_s": host_copy, "write_gb_per_s": ceiling / 1e9},
+                  shared)
 
 
 def report(work: Workload, modes: tuple[str, ...], totals: dict[str, dict[str, Any]], busy: dict[str, float],
-           fills: dict[str, float], rounds: int, warmups: int, ceilings: dict[str, float | None]) -> dict[str, Any]:
-    """The figures of the measured rounds: per mode, the streamx run's stages and ceilings, the ratios."""
+           fills: dict[str, float], rounds: int, warmups: int, ceilings: dict[str, float | None],
+           shared: SharedKinds | None = None) -> dict[str, Any]:
+    """The figures of the measured rounds: per mode, the streamx run's stages and ceilings, the ratios; `shared`:
+    what the streamx run's store shares, by kind."""
     plan, samples, real = work.plan, len(work.samples), work.tokens
     peak, ceiling = ceilings["bf16_matmul_peak_tflops"], ceilings["write_gb_per_s"] * 1e9
     out: dict[str, Any] = {}
@@ -318,7 +323,8 @@ def report(work: Workload, modes: tuple[str, ...], totals: dict[str, dict[str, A
         out["ratios"]["packed_vs_padded_forward"] = (out["forward_only"]["tokens_per_s"]
                                                      / out["forward_padded"]["tokens_per_s"])
     out["workload"] = {"samples": samples, "tokens": real, "computed_tokens": work.computed_tokens,
-                       "sharing": str(plan.sharing), "padded_tokens": sum(b.padded_tokens for b in work.batches),
+                       "sharing": str(plan.sharing), "shared": asdict(shared) if shared else None,
+                       "padded_tokens": sum(b.padded_tokens for b in work.batches),
                        "batches": len(work.batches), "batch_shapes": len(work.flops_by_shape),
                        "packing": str(plan.packing), "layer_ids": plan.layer_ids, "rounds": rounds,
                        "warmup_rounds": warmups, "model_flops_per_round": work.round_flops,
@@ -371,7 +377,9 @@ def format_report(report: dict[str, Any]) -> str:
                            if k.startswith("streamx_vs_")))
     if "bytes_shared_vs_unshared" in report["ratios"]:
         lines.append(f"sharing ({w['sharing']}): {w['computed_tokens']:,} of {w['tokens']:,} row tokens computed and "
-                     f"stored ({w['computed_tokens'] / w['tokens']:.1%}); streamx / streamx_unshared = "
+                     f"stored ({w['computed_tokens'] / w['tokens']:.1%}"
+                     + (f"; shared: {SharedKinds(**w['shared']).phrase(w['tokens'])}" if w.get("shared") else "")
+                     + "); streamx / streamx_unshared = "
                      f"{report['ratios']['streamx_vs_streamx_unshared']:.3f}x the speed, "
                      f"{report['ratios']['bytes_shared_vs_unshared']:.3f}x the bytes")
     if "packed_vs_padded_forward" in report["ratios"]:

@@ -29,7 +29,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -57,12 +59,13 @@ class _Segments:
     bounds: list[int] = []
     parents: list[int] | None = None  # None: no segment continues another
     positions: torch.Tensor | None = None  # the running forward's position_ids
-    keys: dict = {}  # (segment, device) -> the token indices its queries attend to: its ancestors', then its own
+    keys: dict = {}  # segment -> the ranges of tokens its queries attend to: its ancestors', then its own
+    masks: dict = {}  # (segment, device) -> its causal mask over those keys
 
     @classmethod
     def of(cls, cu_seq_lens: torch.Tensor) -> list[int]:
         if cu_seq_lens is not cls.tensor:
-            cls.tensor, cls.bounds, cls.keys = cu_seq_lens, cu_seq_lens.tolist(), {}
+            cls.tensor, cls.bounds, cls.keys, cls.masks = cu_seq_lens, cu_seq_lens.tolist(), {}, {}
             cls.parents = cls._parents(cls.bounds)
         return cls.bounds
 
@@ -87,15 +90,28 @@ class _Segments:
         return parents
 
     @classmethod
-    def key_index(cls, segment: int, device: torch.device) -> torch.Tensor:
-        """The tokens segment `segment` attends to, its ancestors' first."""
-        if (segment, device) not in cls.keys:
+    def causal_mask(cls, segment: int, device: torch.device) -> torch.Tensor | CausalBias:
+        """Segment `segment`'s queries against its keys (key_ranges), causal and aligned at the end: on CUDA as a
+        bias torch's fused kernels take without a mask; elsewhere materialized once for every layer."""
+        queries = cls.bounds[segment + 1] - cls.bounds[segment]
+        keys = sum(b - a for a, b in cls.key_ranges(segment))
+        if device.type == "cuda":
+            return causal_lower_right(queries, keys)
+        if (segment, device) not in cls.masks:
+            cls.masks[(segment, device)] = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(
+                keys - queries)
+        return cls.masks[(segment, device)]
+
+    @classmethod
+    def key_ranges(cls, segment: int) -> list[tuple[int, int]]:
+        """The tokens segment `segment` attends to, as ranges of the packed row: its ancestors', then its own."""
+        if segment not in cls.keys:
             ranges, s = [], segment
             while s >= 0:
-                ranges.append(torch.arange(cls.bounds[s], cls.bounds[s + 1]))
+                ranges.append((cls.bounds[s], cls.bounds[s + 1]))
                 s = cls.parents[s]
-            cls.keys[(segment, device)] = torch.cat(ranges[::-1]).to(device)
-        return cls.keys[(segment, device)]
+            cls.keys[segment] = ranges[::-1]
+        return cls.keys[segment]
 
 
 def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -110,18 +126,29 @@ def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
     if cu_seq_lens is None:  # one sample (e.g. an unbatched forward)
         return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
     bounds = _Segments.of(cu_seq_lens)
+    if _Segments.parents is not None:  # continuing segments gather their ancestors' keys: from contiguous copies
+        key, value = key.contiguous(), value.contiguous()
     outputs = []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
         if _Segments.parents is None or _Segments.parents[s] < 0:
             outputs.append(sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
                                                   is_causal=True, **kwargs)[0])
             continue
-        keys = _Segments.key_index(s, key.device)  # its ancestors' keys, then its own: causal, aligned at the end
-        mask = torch.ones(b - a, len(keys), dtype=torch.bool, device=query.device).tril(len(keys) - (b - a))
-        outputs.append(sdpa_attention_forward(module, query[:, :, a:b], key.index_select(2, keys),
-                                              value.index_select(2, keys), mask[None, None], is_causal=False,
-                                              **kwargs)[0])
+        outputs.append(_continued(query[:, :, a:b], key, value, s, kwargs.get("scaling")))
     return torch.cat(outputs, dim=1), None
+
+
+def _continued(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment: int,
+               scale: float | None) -> torch.Tensor:
+    """A continuing segment's attention: its queries see its ancestors' keys and its own causally, a causal mask
+    aligned at the end (lower right); grouped-query heads share their keys rather than copies (enable_gqa).
+    [1, heads, t, d] -> [1, t, heads, d]"""
+    ranges = _Segments.key_ranges(segment)
+    keys = torch.cat([key[:, :, a:b] for a, b in ranges], dim=2)
+    values = torch.cat([value[:, :, a:b] for a, b in ranges], dim=2)
+    out = F.scaled_dot_product_attention(query, keys, values, _Segments.causal_mask(segment, query.device),
+                                         scale=scale, enable_gqa=query.shape[1] != keys.shape[1])
+    return out.transpose(1, 2)
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa)

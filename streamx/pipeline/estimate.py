@@ -17,7 +17,7 @@ import numpy as np
 from ..base.units import gb
 from ..config import RunConfig, resolve_layer_ids
 from ..data.batching import iter_windows
-from ..data.sharing import pieces, share
+from ..data.sharing import Segment, covered_rows, pieces, share
 from ..data.source import Source, open_source
 from ..data.tokenize import Reject, Repeats, Sample, SampleBuilder
 from ..model.load import model_tokenizer, read_text_config, resolve_model_path
@@ -29,6 +29,7 @@ from ..store.format import (
     SAMPLE_ARRAYS,
     SHARING_ARRAYS,
     TOKEN_ID_ARRAYS,
+    SharedKinds,
     entry_bytes,
 )
 from ..store.shards import shard_index_bytes
@@ -50,6 +51,7 @@ class SharedTokens:
 
     prefix_rows: int  # when only duplicates and prefix rows are shared (the model cannot continue a state)
     leading_runs: int  # when common leading runs are computed once too (packed, and the model's probe passes)
+    kinds: SharedKinds = SharedKinds()  # what is not computed again, by kind (with leading runs)
 
 
 @dataclass
@@ -163,11 +165,20 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
 
 def _add_shared(shared: SharedTokens, window: list[Sample], config: RunConfig) -> SharedTokens:
     """One sorting window's rows as --sharing groups them (streamx.data.sharing), with and without leading runs."""
-    def computed(min_shared: int | None) -> int:
-        return sum(p.num_tokens for p in pieces(share(window, min_shared), config.token_budget))
+    def computed(roots: list[Segment]) -> int:
+        return sum(p.num_tokens for p in pieces(roots, config.token_budget))
 
-    leading = config.min_shared_tokens if config.packing == "on" else None
-    return SharedTokens(shared.prefix_rows + computed(None), shared.leading_runs + computed(leading))
+    roots = share(window, config.min_shared_tokens if config.packing == "on" else None)
+    covered = list(covered_rows(roots))
+    duplicates = [len(row.input_ids) for row, duplicate in covered if duplicate]
+    prefixes = [len(row.input_ids) for row, duplicate in covered if not duplicate]
+    leading = sum(len(s.input_ids) for s in window) - sum(duplicates) - sum(prefixes) - computed(roots)
+    k = shared.kinds
+    kinds = SharedKinds(k.duplicate_rows + len(duplicates), k.duplicate_tokens + sum(duplicates),
+                        k.prefix_rows + len(prefixes), k.prefix_row_tokens + sum(prefixes),
+                        k.leading_run_tokens + leading)
+    return SharedTokens(shared.prefix_rows + computed(share(window, None)),
+                        shared.leading_runs + computed(roots), kinds)
 
 
 @dataclass
@@ -209,7 +220,8 @@ class Forecast:
             *([f"sharing      {e.shared.leading_runs:,} tokens computed and stored "
                f"({e.shared.leading_runs / max(1, e.tokens):.1%}) where the model continues shared prefixes, else "
                f"{e.shared.prefix_rows:,} ({e.shared.prefix_rows / max(1, e.tokens):.1%}: prefix rows and duplicates "
-               "only; the store below)"] if e.shared is not None else
+               "only; the store below)",
+               f"  shared     {e.shared.kinds.phrase(e.tokens)} of the tokens"] if e.shared is not None else
               ["sharing      on: not estimated from a sample of the rows (the store below is the unshared bound)"]
               if config.sharing == "on" else []),
             f"layers       {e.layer_ids} of {e.num_layers}, hidden {e.hidden_size}",

@@ -29,7 +29,7 @@ from ..model.capture import LayerCapture, segment_is_finite
 from ..model.gather import select_gather_fn
 from ..model.load import library_bars
 from ..model.transfer import HostTransfer
-from ..store import DoneKeys, OwnedPart, SpaceGuard, Store, open_for_run, prepare
+from ..store import DoneKeys, OwnedPart, SharedKinds, SpaceGuard, Store, open_for_run, prepare
 from .metrics import QueueFill, StageTimes, Throughput
 from .plan import RunPlan, make_plan
 from .ranks import init_from_env
@@ -61,6 +61,7 @@ class RunSummary:
     row_tokens: int = 0  # the committed samples' tokens, as if nothing were shared
     stopped_by: str | None = None  # the signal that ended the run early (SIGINT, SIGTERM), None when it ran to the end
     incomplete: list[str] = field(default_factory=list)  # why the store does not hold all its data yet (empty: it does)
+    shared: SharedKinds | None = None  # what the whole store's rows share, by kind (None: not read, other ranks)
 
     @property
     def padding_efficiency(self) -> float:
@@ -95,7 +96,10 @@ class RunSummary:
             f"hidden states written: {gb(self.hidden_bytes)}; padding efficiency {self.padding_efficiency:.1%}"
             + resumed,
             *([f"sharing: {self.row_tokens:,} row tokens computed and stored as {self.tokens:,} "
-               f"({self.tokens / max(1, self.row_tokens):.1%})"] if self.row_tokens != self.tokens else []),
+               f"({self.tokens / max(1, self.row_tokens):.1%})" + ("" if self.shared is None else
+                                                                    f"; the store's rows share "
+                                                                    f"{self.shared.phrase(self.store_tokens)}")]
+              if self.row_tokens != self.tokens else []),
             f"store: {self.out} ({self.store_samples:,} samples, {self.store_tokens:,} tokens in total)",
             *ending,
         ]
@@ -248,9 +252,10 @@ def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Ca
     if rank.is_main or rank.independent:  # the whole store, read once: its totals and what it still lacks
         final = Store(cfg.out)  # (independent ranks: the others may still be running)
         store_samples, store_tokens, incomplete = len(final), final.row_tokens, final.completeness().problems()
+        shared = final.shared_kinds()
     else:  # torchrun's other ranks say only their own line
         store_samples, store_tokens = target.totals()
-        incomplete = []
+        incomplete, shared = [], None
     return RunSummary(
         out=cfg.out, layer_ids=plan.layer_ids, num_layers=plan.info.num_layers, samples=written.samples,
         tokens=written.tokens, row_tokens=written.samples_tokens, trainable_tokens=written.trainable_tokens,
@@ -263,5 +268,5 @@ def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Ca
         queue_fill={name: fill.mean for name, fill in pipeline.fill.items()},
         store_samples=store_samples, store_tokens=store_tokens, rank=rank.rank,
         stopped_by=signals_in.signal.name if signals_in.signal and pipeline.rows_left.is_set() else None,
-        incomplete=incomplete,
+        incomplete=incomplete, shared=shared,
     )

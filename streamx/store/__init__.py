@@ -15,6 +15,7 @@ from .format import (
     Commit,
     Compat,
     Layout,
+    SharedKinds,
     Storage,
     StoreError,
     StoreMetadata,
@@ -29,7 +30,7 @@ from .space import SpaceGuard, free_bytes
 
 __all__ = [
     "BF16", "FP8_STORAGE", "PARTS", "STORAGES", "Commit", "Compat", "Completeness", "DoneKeys", "Layout", "Output",
-    "OwnedPart", "RowSet", "RunStore", "SampleIndex", "SpaceGuard", "Storage", "Store", "StoreError", "StoreMetadata",
-    "StoredSample", "bf16_to_bits", "check_compatible", "create_part", "free_bytes", "make_layout", "open_for_run",
-    "open_store", "prepare", "storage_named", "to_json",
+    "OwnedPart", "RowSet", "RunStore", "SampleIndex", "SharedKinds", "SpaceGuard", "Storage", "Store", "StoreError",
+    "StoreMetadata", "StoredSample", "bf16_to_bits", "check_compatible", "create_part", "free_bytes", "make_layout",
+    "open_for_run", "open_store", "prepare", "storage_named", "to_json",
 ]

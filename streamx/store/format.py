@@ -326,6 +326,26 @@ class Commit:
                       updated=self.updated)
 
 
+@dataclass(frozen=True)
+class SharedKinds:
+    """Row tokens that --sharing computes and stores once, by kind: rows not computed at all (exact duplicates,
+    and rows that are a strict prefix of another row) and the rest of the common leading runs rows continue."""
+
+    duplicate_rows: int = 0  # rows whose tokens are another row's (all but one of each set)
+    duplicate_tokens: int = 0
+    prefix_rows: int = 0  # rows whose tokens start another, longer row (fanned-out turns, agent steps)
+    prefix_row_tokens: int = 0
+    leading_run_tokens: int = 0  # the other rows' tokens in leading runs beyond the first time each is computed
+
+    def phrase(self, row_tokens: int) -> str:
+        """The share of each kind, of `row_tokens`: what run's summary, inspect, plan and bench print."""
+        def pct(n: int) -> str:
+            return f"{n / max(1, row_tokens):.1%}"
+        return (f"duplicates {pct(self.duplicate_tokens)} ({self.duplicate_rows:,} rows), prefix rows "
+                f"{pct(self.prefix_row_tokens)} ({self.prefix_rows:,} rows), leading runs "
+                f"{pct(self.leading_run_tokens)}")
+
+
 # -- a part's arrays
 
 

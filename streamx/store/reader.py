@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from .format import (
     READABLE_FORMATS,
     SHARING_ARRAYS,
     Commit,
+    SharedKinds,
     StoreError,
     StoreMetadata,
     committed_parts,
@@ -213,16 +214,21 @@ class Store:
     def at(self, position: int, raw: bool = False, slots: Sequence[int] | None = None) -> StoredSample:
         """The sample at `position` of `index` (store order); `raw` and `slots` as for `sample`."""
         input_ids, loss_mask = self.tokens_at(position)
+        hidden, scales = self.states_at(position, raw, slots)
+        return StoredSample(row_id=int(self.index.rows[position]), input_ids=input_ids, loss_mask=loss_mask,
+                            hidden_states=hidden, hidden_states_scales=scales)
+
+    def states_at(self, position: int, raw: bool = False, slots: Sequence[int] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The hidden states of the sample at `position` alone, and with `raw` an fp8 store's scales (else None);
+        `raw` and `slots` as for `sample`."""
         bits = self.read_tokens(position, "hidden_states")
         if slots is not None and list(slots) != list(range(bits.shape[1])):  # a subset or another order: a copy
             bits = bits[:, list(slots)]
         scales = self.read_tokens(position, "hidden_states_scales") if self.storage.scaled else None
         if raw:
-            hidden, scales = self.storage.from_bits(bits), None if scales is None else torch.from_numpy(scales)
-        else:
-            hidden, scales = self.storage.decode(bits, scales), None
-        return StoredSample(row_id=int(self.index.rows[position]), input_ids=input_ids, loss_mask=loss_mask,
-                            hidden_states=hidden, hidden_states_scales=scales)
+            return self.storage.from_bits(bits), None if scales is None else torch.from_numpy(scales)
+        return self.storage.decode(bits, scales), None
 
     def tokens_at(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The token ids and loss mask (int64) of the sample at `position`, without its states."""
@@ -246,6 +252,39 @@ class Store:
         start = int(self.index.range_starts[position])
         table = self._range_tables[int(self.index.parts[position])][start : start + count]
         return [(int(a), int(a + n)) for a, n in table]
+
+    def shared_kinds(self) -> SharedKinds:
+        """What the samples share, by kind, read from where their ranges lie (docs/store.md "Shared tokens"). Every
+        range starts at a computed segment's first token, so ranges at one place nest: a row is a duplicate when
+        an earlier row ends at the same token, a prefix row when a longer row reads past its last token, and
+        the other rows' tokens beyond the segments they read (each counted once) were shared in leading runs."""
+        idx = self.index
+        counts = np.maximum(idx.range_counts, 1)
+        first = np.cumsum(counts) - counts  # each sample's first range in the flat arrays below
+        tabled = np.repeat(idx.range_counts > 0, counts)
+        sample = np.repeat(np.arange(len(self)), counts)
+        sizes = [len(t) for t in self._range_tables]
+        table = np.concatenate([np.zeros((0, 2), dtype=np.int64), *self._range_tables])
+        at = (np.concatenate([[0], np.cumsum(sizes)])[idx.parts] + idx.range_starts)[sample] \
+            + np.arange(sample.size) - first[sample]
+        offsets = np.where(tabled, table[np.where(tabled, at, 0), 0] if table.size else 0, idx.offsets[sample])
+        lengths = np.where(tabled, table[np.where(tabled, at, 0), 1] if table.size else 0, idx.lengths[sample])
+        places, place = np.unique(idx.parts[sample] << 40 | offsets, return_inverse=True)
+        longest = np.zeros(places.size, dtype=np.int64)
+        np.maximum.at(longest, place, lengths)
+        last = first + counts - 1
+        not_last = np.ones(sample.size, dtype=bool)
+        not_last[last] = False
+        read_past = np.zeros(places.size, dtype=bool)  # a row reads the whole range there, then goes on
+        read_past[place[not_last & (lengths == longest[place])]] = True
+        end_place, end_length = place[last], lengths[last]
+        _, firsts = np.unique(end_place << 24 | end_length, return_index=True)  # rows ending at one token are equal
+        duplicate = np.ones(len(self), dtype=bool)
+        duplicate[firsts] = False
+        prefix = ~duplicate & ((end_length < longest[end_place]) | read_past[end_place])
+        leaves = ~duplicate & ~prefix
+        return SharedKinds(int(duplicate.sum()), int(idx.lengths[duplicate].sum()), int(prefix.sum()),
+                           int(idx.lengths[prefix].sum()), int(idx.lengths[leaves].sum() - longest.sum()))
 
     def read_tokens(self, position: int, name: str) -> np.ndarray:
         """One token array's values over the sample at `position`: a view of the shard files where its tokens
@@ -322,6 +361,7 @@ class Store:
             "samples": len(self),
             "tokens": self.row_tokens,  # the samples' (as if nothing were shared)
             "stored_tokens": self.num_tokens,
+            "shared": asdict(self.shared_kinds()),  # row tokens not stored again, by kind of sharing
             "trainable_tokens": sum(c.trainable_tokens for c in self.commits.values()),
             "duplicate_content_kept": sum(c.duplicates for c in self.commits.values()),  # samples repeating a row
             "rejected": sum(counts.values()),
@@ -357,7 +397,9 @@ class Store:
             f"tokens       {summary['tokens']:,} ({summary['trainable_tokens']:,} trainable, "
             f"{summary['trainable_tokens'] / max(1, summary['tokens']):.1%})",
             f"sharing      {meta.sharing}: {self.row_tokens:,} row tokens computed and stored as {self.num_tokens:,} "
-            f"({self.num_tokens / max(1, self.row_tokens):.1%}); rows read whole",
+            f"({self.num_tokens / max(1, self.row_tokens):.1%}" + (
+                f"; shared: {SharedKinds(**summary['shared']).phrase(self.row_tokens)}"
+                if self.num_tokens != self.row_tokens else "") + "); rows read whole",
             "lengths      " + ("no samples" if not len(self) else ", ".join(
                 f"{name} {int(v):,}" for name, v in zip(("min", "median", "p90", "p99", "max"), np.percentile(
                     self.index.lengths, [0, 50, 90, 99, 100], method="lower"), strict=True)) + " tokens"),

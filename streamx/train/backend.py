@@ -75,8 +75,8 @@ class StoreTransfer(HiddenStatesTransfer):
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
         if not 0 <= file_idx < len(self.dataset):
             return None  # as a missing hs file: speculators' --on-missing decides
-        item = self.dataset[file_idx]
-        return {"hidden_states": item["hidden_states"], "token_ids": item["input_ids"]}
+        token_ids, hidden_states = self.dataset.ids_and_states(file_idx)
+        return {"hidden_states": hidden_states, "token_ids": token_ids}
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         return None  # every row is in the store: nothing is generated

@@ -61,5 +61,13 @@ class StoreDataset(Dataset):
         s = self.store.sample(int(self.rows[i]), slots=self.slots)
         return {"input_ids": s.input_ids, "loss_mask": s.loss_mask, "hidden_states": s.hidden_states}
 
+    def ids_and_states(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Item i's token ids and hidden states only: what a trainer that takes no loss mask from it reads (the
+        speculators backend), one read fewer."""
+        store = self.store
+        position = store.position(int(self.rows[i]))
+        hidden_states, _ = store.states_at(position, slots=self.slots)
+        return torch.from_numpy(store.read_tokens(position, "input_ids")), hidden_states
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_store": None}  # zarr's handles stay in the process that opened them
