@@ -341,8 +341,11 @@ class SharedKinds:
         """The share of each kind, of `row_tokens`: what run's summary, inspect, plan and bench print."""
         def pct(n: int) -> str:
             return f"{n / max(1, row_tokens):.1%}"
-        return (f"duplicates {pct(self.duplicate_tokens)} ({self.duplicate_rows:,} rows), prefix rows "
-                f"{pct(self.prefix_row_tokens)} ({self.prefix_rows:,} rows), leading runs "
+
+        def rows(n: int) -> str:
+            return f"{n:,} row" + ("" if n == 1 else "s")
+        return (f"duplicates {pct(self.duplicate_tokens)} ({rows(self.duplicate_rows)}), prefix rows "
+                f"{pct(self.prefix_row_tokens)} ({rows(self.prefix_rows)}), leading runs "
                 f"{pct(self.leading_run_tokens)}")
 
 
