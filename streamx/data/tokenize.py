@@ -15,7 +15,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -225,25 +225,28 @@ class SampleBuilder:
         messages' (RenderedPrompts.keys)."""
         if i == 0:
             return 0
-        prompt = self._prompts.get(key)
-        if prompt is None:
+
+        def render() -> str:
             try:
-                prompt = self.tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+                return self.tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
             except jinja2.TemplateError:
-                prompt = ""  # (not found below: the running cursor)
-            self._prompts.put(key, prompt)
-        return len(prompt) if prompt and text.startswith(prompt) else 0  # else fall back to the running cursor
+                return ""  # (never found below: the running cursor)
+
+        length, digest = self._prompts.get(key, render)
+        found = length and _digest(text[:length]) == digest  # text.startswith(prompt)
+        return length if found else 0  # else fall back to the running cursor
 
 
 class RenderedPrompts:
     """The chat template's prompts before each assistant turn, kept for the rows that ask for them again: a
     conversation fanned out one row per turn (speculators' regenerate, agent steps) renders the same prompts in
     every row, turn after turn, and rendering them dominated tokenizing such rows. Keyed by a digest of the
-    messages before the turn; bounded (least recently used out)."""
+    messages before the turn; each kept as its length and digest (32 bytes, however long the prompt);
+    bounded, least recently used out."""
 
     def __init__(self, capacity: int = 4096):
         self.capacity = capacity
-        self._prompts: OrderedDict[bytes, str] = OrderedDict()
+        self._prompts: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
         self._lock = threading.Lock()
 
     @staticmethod
@@ -251,23 +254,28 @@ class RenderedPrompts:
         """Key i: a digest of messages[:i] (each a running digest of the last and message i - 1)."""
         keys, digest = [b""], b""
         for message in messages[:-1]:
-            digest = hashlib.blake2b(digest + json.dumps(message, sort_keys=True, default=str).encode(),
-                                     digest_size=16).digest()
+            digest = _digest(digest.hex() + json.dumps(message, sort_keys=True, default=str))
             keys.append(digest)
         return keys
 
-    def get(self, key: bytes) -> str | None:
+    def get(self, key: bytes, render: Callable[[], str]) -> tuple[int, bytes]:
+        """The length and digest of the prompt under `key`, rendered (outside the lock) when not kept."""
         with self._lock:
-            prompt = self._prompts.get(key)
-            if prompt is not None:
+            kept = self._prompts.get(key)
+            if kept is not None:
                 self._prompts.move_to_end(key)
-            return prompt
-
-    def put(self, key: bytes, prompt: str) -> None:
+                return kept
+        prompt = render()
+        kept = (len(prompt), _digest(prompt))
         with self._lock:
-            self._prompts[key] = prompt
+            self._prompts[key] = kept
             if len(self._prompts) > self.capacity:
                 self._prompts.popitem(last=False)
+        return kept
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 def _vocabulary(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
