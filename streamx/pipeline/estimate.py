@@ -168,7 +168,8 @@ def _add_shared(shared: SharedTokens, window: list[Sample], config: RunConfig) -
     def computed(roots: list[Segment]) -> int:
         return sum(p.num_tokens for p in pieces(roots, config.token_budget))
 
-    roots = share(window, config.min_shared_tokens if config.packing == "on" else None)
+    leading_min = config.min_shared_tokens if config.packing == "on" else None
+    roots = share(window, leading_min)
     covered = list(covered_rows(roots))
     duplicates = [len(row.input_ids) for row, duplicate in covered if duplicate]
     prefixes = [len(row.input_ids) for row, duplicate in covered if not duplicate]
@@ -177,8 +178,8 @@ def _add_shared(shared: SharedTokens, window: list[Sample], config: RunConfig) -
     kinds = SharedKinds(k.duplicate_rows + len(duplicates), k.duplicate_tokens + sum(duplicates),
                         k.prefix_rows + len(prefixes), k.prefix_row_tokens + sum(prefixes),
                         k.leading_run_tokens + leading)
-    return SharedTokens(shared.prefix_rows + computed(share(window, None)),
-                        shared.leading_runs + computed(roots), kinds)
+    rows_only = roots if leading_min is None else share(window, None)
+    return SharedTokens(shared.prefix_rows + computed(rows_only), shared.leading_runs + computed(roots), kinds)
 
 
 @dataclass
