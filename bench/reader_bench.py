@@ -1,20 +1,23 @@
-"""Training reads: speculators' `get_cached` from the store (the `streamx` backend) against its file backend
-over the copied hs files of the same store, in one process, same rows, same order.
+"""Training reads: speculators' own data loader over the `streamx` backend (states read from the store)
+against the same loader over its file backend (the copied hs files of the same store), in one process.
 
     # in speculators' environment with streamx installed (docs/speculators.md)
-    python bench/reader_bench.py --scratch /ext4/folder --workers 1,4 --rounds 3 --json bench/results/reader.json
+    python bench/reader_bench.py --scratch /ext4/folder --workers 0,1,4 --rounds 3 --json bench/results/reader.json
     python bench/reader_bench.py --store STORE --scratch /ext4/folder       # an existing store instead
 
-Each row's tensors go from the worker to the main process, as in speculators' loaders (the file
-backend's safetensors tensors are memory-mapped: that hand-over is where their bytes are read).
+A pass reads what speculators' training reads, built as `speculators.train` builds it
+(`speculators.train.dataloader._setup_dataloader`): its `ArrowDataset` (a row's Arrow record and its
+`get_cached`), its multipack batch sampler (`--total-seq-len` tokens a batch), its collate function and its
+DataLoader settings (spawned, persistent workers, prefetch 4). So a worker reads the rows of a batch, packs
+them and hands the packed batch to the main process, once a batch; `--workers 0` reads in the main
+process. An untimed epoch starts the workers, then `--epochs` epochs are timed, each from its first
+request. Rates are rows/s and tokens/s of hidden states delivered, the median over the rounds.
+
 Without --store, a synthetic store is written first through the real writer (non-zero bf16 states, K=6,
 H=4096 as Qwen3-8B with DFlash ids, ~`--sample-tokens` tokens a sample), then converted twice with one
-seed: with hs files, and with `--hidden-states store`. Each pass reads every training row once, in a
-shuffled order, through a torch DataLoader with N spawned workers (the transfer pickled into them, as
-speculators' loaders do), and reports samples/s and GB/s of hidden states returned, the median over the
-rounds. Passes alternate between the two backends; `cold` passes first drop the page cache of every file
-either backend reads (posix_fadvise DONTNEED, after a sync); `warm` passes come after one untimed pass
-of each backend.
+seed: with hs files, and with `--hidden-states store`. Passes alternate between the two backends; in
+`cold` passes each timed epoch first drops the page cache of every file either backend reads
+(posix_fadvise DONTNEED, after a sync); in `warm` passes it reads what the untimed epoch cached.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from hs_connectors import HiddenStatesBackend
+from speculators.train.data import ArrowDataset
+from speculators.train.dataloader import _setup_dataloader
 
 import streamx.speculators_backend  # noqa: F401 - registers the streamx backend
 from streamx.data.tokenize import REJECT_REASONS
@@ -65,17 +70,6 @@ def synthetic_store(path: Path, samples: int, sample_tokens: int, K: int = 6, H:
     return str(path)
 
 
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, transfer, order: np.ndarray):
-        self.transfer, self.order = transfer, order
-
-    def __len__(self) -> int:
-        return int(self.order.size)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.transfer.get_cached(int(self.order[i]))  # to the main process, as speculators' workers hand it
-
-
 def drop_cache(folders: list[Path]) -> None:
     os.sync()
     for folder in folders:
@@ -88,24 +82,25 @@ def drop_cache(folders: list[Path]) -> None:
                     os.close(fd)
 
 
-def one_pass(transfer, order: np.ndarray, workers: int) -> tuple[float, int]:
-    """Seconds for the rows after each worker's first, and their state bytes."""
-    loader = torch.utils.data.DataLoader(Rows(transfer, order), batch_size=None, num_workers=workers,
-                                         multiprocessing_context="spawn" if workers else None,
-                                         persistent_workers=False)
-    iterator = iter(loader)
-    # untimed: each worker's first row (rows go round the workers), so that starting a worker (a fresh
-    # interpreter importing its backend and opening the data) is not counted; an epoch keeps its workers
-    for _ in range(max(1, workers)):
-        next(iterator)
-    nbytes, started = 0, time.perf_counter()
-    for item in iterator:
-        nbytes += state_bytes(item)
-    return time.perf_counter() - started, nbytes
-
-
-def state_bytes(item: dict) -> int:
-    return item["hidden_states"].numel() * item["hidden_states"].element_size()
+def one_pass(transfer, data_path: Path, workers: int, epochs: int, total_seq_len: int, hidden_size: int,
+             num_target_layers: int, before_epoch) -> tuple[float, int, int]:
+    """Seconds for `epochs` epochs after an untimed one, and the rows and tokens they delivered."""
+    dataset = ArrowDataset(max_len=total_seq_len, datapath=str(data_path), transfer=transfer, on_missing="raise")
+    loader = _setup_dataloader(dataset, total_seq_len, hidden_size, num_workers=workers,
+                               num_target_layers=num_target_layers)
+    for _ in loader:  # untimed: starts the (persistent) workers, each a fresh interpreter opening its backend
+        pass
+    seconds, rows, tokens = 0.0, 0, 0
+    for _ in range(epochs):
+        before_epoch()
+        started = time.perf_counter()
+        for batch in loader:  # each epoch starts from the request: the workers prefetch nothing before it
+            document = batch["document_ids"][batch["document_ids"] >= 0]
+            rows += int(document.unique().numel())
+            tokens += int(document.numel())
+        seconds += time.perf_counter() - started
+    del loader  # stops its workers before the next pass
+    return seconds, rows, tokens
 
 
 def main() -> None:
@@ -114,8 +109,10 @@ def main() -> None:
     parser.add_argument("--scratch", required=True, help="folder for the synthetic store and the two converts")
     parser.add_argument("--samples", type=int, default=120)
     parser.add_argument("--sample-tokens", type=int, default=500)
-    parser.add_argument("--workers", default="1,4")
+    parser.add_argument("--workers", default="0,1,4")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=2, help="timed epochs a pass, after an untimed one")
+    parser.add_argument("--total-seq-len", type=int, default=8192, help="tokens a packed batch (speculators' default)")
     parser.add_argument("--json", type=Path)
     opts = parser.parse_args()
     scratch = Path(opts.scratch)
@@ -130,43 +127,45 @@ def main() -> None:
     args = argparse.Namespace(hidden_states_path=None, streamx_store=None, target_layer_ids=meta["target_layer_ids"])
     transfers = {"file": HiddenStatesBackend.registry["file"].from_train_args(args, str(files)),
                  "streamx": HiddenStatesBackend.registry["streamx"].from_train_args(args, str(nocopy))}
-    rows = meta["counts"]["rows"]
-    order = np.random.default_rng(1).permutation(rows)  # a shuffled epoch, as a sampler draws it
-    report = {"store": store, "rows": rows, "tokens": meta["counts"]["tokens"], "machine": {
-        "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "python": sys.version},
-        "passes": []}
+    report = {"store": store, "rows": meta["counts"]["rows"], "tokens": meta["counts"]["tokens"],
+              "total_seq_len": opts.total_seq_len, "machine": {"cpu": platform.processor() or platform.machine(),
+                                                               "cpu_count": os.cpu_count(), "python": sys.version},
+              "passes": []}
+    folders = {"file": files, "streamx": nocopy}
+
+    def timed(name: str, workers: int, cache: str) -> tuple[float, int, int]:
+        # cold: each timed epoch reads what the page cache dropped; warm: what the untimed epoch read is cached
+        drop = (lambda: drop_cache([Path(store), files])) if cache == "cold" else (lambda: None)
+        return one_pass(transfers[name], folders[name], workers, opts.epochs, opts.total_seq_len,
+                        meta["hidden_size"], len(meta["target_layer_ids"]), drop)
+
     for workers in (int(w) for w in opts.workers.split(",")):
         for cache in ("cold", "warm"):
-            if cache == "warm":  # one untimed pass of each first: what a cold pass dropped is cached again
-                for transfer in transfers.values():
-                    one_pass(transfer, order, workers)
             for r in range(opts.rounds):
                 for name in (("file", "streamx") if r % 2 == 0 else ("streamx", "file")):
-                    if cache == "cold":
-                        drop_cache([Path(store), files])
-                    seconds, nbytes = one_pass(transfers[name], order, workers)
-                    timed = rows - max(1, workers)
+                    seconds, rows, tokens = timed(name, workers, cache)
                     report["passes"].append({"backend": name, "workers": workers, "cache": cache, "round": r,
-                                             "seconds": seconds, "bytes": nbytes})
-                    print(f"{workers} workers {cache} round {r + 1}/{opts.rounds} {name:<8} {timed / seconds:8.1f} "
-                          f"samples/s {nbytes / seconds / 1e9:6.2f} GB/s", flush=True)
+                                             "seconds": seconds, "rows": rows, "tokens": tokens})
+                    print(f"{workers} workers {cache} round {r + 1}/{opts.rounds} {name:<8} {rows / seconds:8.1f} "
+                          f"rows/s {tokens / seconds:10,.0f} tokens/s", flush=True)
     summary = {}  # medians over the rounds (noise only slows a pass), and their ratio
     for workers in sorted({p["workers"] for p in report["passes"]}):
         for cache in ("cold", "warm"):
             rates = {}
             for name in ("file", "streamx"):
                 ps = [p for p in report["passes"] if (p["backend"], p["workers"], p["cache"]) == (name, workers, cache)]
-                timed = rows - max(1, workers)
-                rates[name] = {"samples_per_s": statistics.median(timed / p["seconds"] for p in ps),
-                               "gb_per_s": statistics.median(p["bytes"] / p["seconds"] / 1e9 for p in ps)}
-            rates["streamx_vs_file"] = rates["streamx"]["samples_per_s"] / rates["file"]["samples_per_s"]
+                rates[name] = {"rows_per_s": statistics.median(p["rows"] / p["seconds"] for p in ps),
+                               "tokens_per_s": statistics.median(p["tokens"] / p["seconds"] for p in ps)}
+            rates["streamx_vs_file"] = rates["streamx"]["tokens_per_s"] / rates["file"]["tokens_per_s"]
             summary[f"{workers} workers, {cache}"] = rates
     report["summary"] = summary
-    print("\n| workers, page cache | file samples/s | file GB/s | streamx samples/s | streamx GB/s | streamx / file |")
+    print("\n| workers, page cache | file rows/s | file tokens/s | streamx rows/s | streamx tokens/s "
+          "| streamx / file |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for key, r in summary.items():
-        print(f"| {key} | {r['file']['samples_per_s']:,.1f} | {r['file']['gb_per_s']:.2f} | "
-              f"{r['streamx']['samples_per_s']:,.1f} | {r['streamx']['gb_per_s']:.2f} | {r['streamx_vs_file']:.3f}x |")
+        print(f"| {key} | {r['file']['rows_per_s']:,.1f} | {r['file']['tokens_per_s']:,.0f} | "
+              f"{r['streamx']['rows_per_s']:,.1f} | {r['streamx']['tokens_per_s']:,.0f} | "
+              f"{r['streamx_vs_file']:.3f}x |")
     if opts.json:
         opts.json.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -21,12 +21,20 @@ within each sorting window (--sort-window), trees cut to --token-budget (a cut t
 its pieces start with), with and without common leading runs (packed models that continue a prefix's state,
 and the others).
 
+With --flops, each share is also weighed by what its tokens cost the model: a token at position p costs
+2 x (the decoder layers' weights) FLOPs plus 4 x heads x head_dim x (p + 1) in each attention layer (its
+scores and its weighted values over p + 1 keys). A token left to compute sits after the tokens it shares, so
+it costs more than the average row token: the FLOP share is the floor no exact computation goes under, and
+what time follows where attention is a large part of a token's cost (a small model, long rows).
+
 Prints one JSON document (--json FILE also writes it).
 """
 
 import argparse
 import json
 from pathlib import Path
+
+import torch
 
 from streamx.data.sharing import pieces, share
 from streamx.data.source import Row, open_source
@@ -87,12 +95,37 @@ def measure(token_rows: list[tuple], min_shared: list[int]) -> dict:
             "shared_leading_prefix": leading}
 
 
-def streamx_computes(samples: list, sort_window: int, token_budget: int, min_shared: int | None) -> int:
-    """The tokens `streamx run --sharing on` computes and stores (streamx.data.sharing), window by window."""
+def streamx_computes(samples: list, sort_window: int, token_budget: int, min_shared: int | None) -> list[range]:
+    """The positions of the tokens `streamx run --sharing on` computes and stores (streamx.data.sharing), one
+    range a segment, window by window."""
     windows: dict[int, list] = {}
     for sample in samples:
         windows.setdefault(sample.row_id // sort_window, []).append(sample)
-    return sum(p.num_tokens for rows in windows.values() for p in pieces(share(rows, min_shared), token_budget))
+    return [range(segment.depth, segment.end) for rows in windows.values()
+            for piece in pieces(share(rows, min_shared), token_budget) for segment in piece.segments]
+
+
+def token_flops(model: str) -> tuple[float, float]:
+    """(FLOPs of a token through the decoder layers' weights, FLOPs it adds per key it attends to), from the
+    model's config (weights counted on the meta device: nothing loaded). A mixture of experts counts every
+    expert's weights: an upper bound."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model)
+    text = getattr(config, "text_config", config)
+    with torch.device("meta"):
+        decoder = AutoModelForCausalLM.from_config(config)
+    layers = next(m for m in decoder.modules() if isinstance(m, torch.nn.ModuleList))
+    weights = sum(p.numel() for p in layers.parameters())
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_key = 4 * text.num_attention_heads * head_dim * sum(kind == "full_attention" for kind in kinds)
+    return 2.0 * weights, float(per_key)
+
+
+def flops(spans: list[range], weights: float, per_key: float) -> float:
+    """What computing the tokens at these positions costs: a token at p attends to p + 1 keys."""
+    return sum(len(r) * weights + per_key * (r.start + r.stop + 1) * len(r) / 2 for r in spans)
 
 
 def main() -> None:
@@ -107,6 +140,7 @@ def main() -> None:
     parser.add_argument("--sort-window", type=int, default=1024)
     parser.add_argument("--token-budget", type=int, default=4096)
     parser.add_argument("--min-shared-tokens", type=int, default=16)
+    parser.add_argument("--flops", action="store_true", help="also weigh each share by its tokens' FLOPs")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--write-rows", type=Path, default=None, help="also write the rows measured (fanned out, "
                         "behind the system prompt) as jsonl, for `streamx bench --data`")
@@ -124,10 +158,16 @@ def main() -> None:
               "samples": len(samples),
               **measure([tuple(s.input_ids.tolist()) for s in samples], [int(m) for m in args.min_shared.split(",")])}
     total = report["row_tokens"]
+    cost = token_flops(resolve_model_path(args.model)) if args.flops else None
+    if cost:
+        report["row_flops"] = flops([range(len(s.input_ids)) for s in samples], *cost)
     for name, min_shared in (("streamx_leading_runs", args.min_shared_tokens), ("streamx_prefix_rows", None)):
-        computed = streamx_computes(samples, args.sort_window, args.token_budget, min_shared)
+        spans = streamx_computes(samples, args.sort_window, args.token_budget, min_shared)
+        computed = sum(map(len, spans))
         report[name] = {"computed_tokens": computed, "share": computed / total,
                         "vs_trie": computed / report["trie_tokens"]}
+        if cost:
+            report[name]["flop_share"] = flops(spans, *cost) / report["row_flops"]
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -89,13 +89,14 @@ def test_sharing_does_not_depend_on_the_rows_order():
 
 
 def rows_of_every_kind(vocab: int) -> list[Sample]:
-    """A shared 20-token prefix continued three ways, one continuation fanned out as prefix rows and duplicated,
-    an unrelated row, and a row sharing only 5 tokens (below the minimum) with the others."""
+    """A shared 20-token prefix continued three ways, one continuation fanned out as prefix rows, duplicated and
+    branching again after 15 more tokens (a tree three deep), an unrelated row, and a row sharing only 5 tokens
+    (below the minimum) with the others."""
     g = torch.Generator().manual_seed(0)
     draw = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
     system, long_rest = draw(20), draw(30)
     rows = [system + draw(9), system + long_rest, system + draw(14), system + long_rest[:11],
-            system + long_rest, system, draw(17), system[:5] + draw(12)]
+            system + long_rest, system, draw(17), system[:5] + draw(12), system + long_rest[:15] + draw(8)]
     masks = [[0] * 20 + [1] * (len(r) - 20) if len(r) > 20 else [1] * len(r) for r in rows]
     masks[4] = [0] * 35 + [1] * 15  # the duplicate trains on less of the shared row than the row it repeats
     return as_samples(rows, masks)
@@ -113,12 +114,18 @@ def capture_rows(model, batches, layer_ids) -> dict[int, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+# packed trees on the CPU join each segment's attention parts by their log-sum-exps (tree); elsewhere each
+# segment gathers its ancestors' keys (per segment, what CUDA runs)
+PATHS = [(True, "tree"), (True, "per_segment"), (False, None)]
+
+
+@pytest.mark.parametrize(("packed", "path"), PATHS, ids=["packed", "packed-per-segment", "padded"])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_5"])
-def test_every_row_of_a_shared_batch_equals_the_row_alone(family, packed):
+def test_every_row_of_a_shared_batch_equals_the_row_alone(family, packed, path, monkeypatch):
+    if path == "per_segment":
+        monkeypatch.setattr(packing, "_ATTENTION_WITH_LSE", None)
     model, untouched = tiny_model(family), tiny_model(family)
-    packing = configure(model, "on" if packed else "off")
-    assert packing.on == packed
+    assert configure(model, "on" if packed else "off").on == packed
     continues = packed and probe_continuation(model) is None
     assert continues == packed  # the hybrid's conv and recurrent states are handed over too (SampleWise)
     samples = rows_of_every_kind(model.config.vocab_size)
@@ -128,8 +135,8 @@ def test_every_row_of_a_shared_batch_equals_the_row_alone(family, packed):
     rows = sum(len(s.input_ids) for s in samples)
     # duplicates and prefix rows are never computed; the 20-token prefix once a batch where it is handed over
     assert computed < rows - (len(samples[4].input_ids) + 11 + 20)
-    if continues:
-        assert any(b.segment_parents for b in batches)
+    if continues:  # a tree three deep: a segment continues one that continues another
+        assert any(p >= 0 and b.segment_parents[p] >= 0 for b in batches for p in b.segment_parents or [])
     ids = [0, 1, 2, 3, 4]
     got = capture_rows(model, batches, ids)
     assert sorted(got) == list(range(len(samples)))
@@ -145,6 +152,11 @@ def test_every_row_of_a_shared_batch_equals_the_row_alone(family, packed):
 def test_a_prefix_without_its_keys_or_its_recurrent_state_is_caught_by_the_probe(monkeypatch):
     model = tiny_model("llama")
     assert configure(model, "on").on and probe_continuation(model) is None
+    no_descendants = staticmethod(lambda bounds, parents: bounds[1:])  # the tree path: no query sees an ancestor
+    monkeypatch.setattr(_Segments, "_subtree_ends", no_descendants)
+    assert "do not continue from the prefix's state" in probe_continuation(model)
+    monkeypatch.undo()
+    monkeypatch.setattr(packing, "_ATTENTION_WITH_LSE", None)  # the per-segment path: only its own keys
     own_keys_only = lambda segment: [(_Segments.bounds[segment], _Segments.bounds[segment + 1])]  # noqa: E731
     monkeypatch.setattr(_Segments, "key_ranges", own_keys_only)
     assert "do not continue from the prefix's state" in probe_continuation(model)

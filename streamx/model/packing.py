@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import CausalBias, causal_lower_right
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -52,21 +52,23 @@ class _Segments:
     """The host copy of the running batch's segments: `cu_seq_lens_q` lives on the device, and reading it there
     in every layer would stall the GPU, so it is read once per batch. A segment that continues another (shared
     prefixes, streamx.data.sharing) starts at a position past 0; its parent is the nearest segment before it
-    that ends at that position (batches lay each tree out parents first), so the positions, which a pre-hook
-    on the decoder takes (`take_positions`), say the whole tree."""
+    that ends at that position. Batches lay each tree out parents first, depth first, so a segment's
+    descendants are the segments right after it (`subtree_ends`), and the positions, which a pre-hook on the
+    decoder takes (`take_positions`), say the whole tree."""
 
     tensor: torch.Tensor | None = None
     bounds: list[int] = []
     parents: list[int] | None = None  # None: no segment continues another
+    subtree_ends: list[int] = []  # segment -> where the tokens of its descendants end (its own end: none)
     positions: torch.Tensor | None = None  # the running forward's position_ids
     keys: dict = {}  # segment -> the ranges of tokens its queries attend to: its ancestors', then its own
-    masks: dict = {}  # (segment, device) -> its causal mask over those keys
 
     @classmethod
     def of(cls, cu_seq_lens: torch.Tensor) -> list[int]:
         if cu_seq_lens is not cls.tensor:
-            cls.tensor, cls.bounds, cls.keys, cls.masks = cu_seq_lens, cu_seq_lens.tolist(), {}, {}
+            cls.tensor, cls.bounds, cls.keys = cu_seq_lens, cu_seq_lens.tolist(), {}
             cls.parents = cls._parents(cls.bounds)
+            cls.subtree_ends = [] if cls.parents is None else cls._subtree_ends(cls.bounds, cls.parents)
         return cls.bounds
 
     @classmethod
@@ -89,18 +91,18 @@ class _Segments:
             ending_at[firsts[s] + b - a] = s
         return parents
 
-    @classmethod
-    def causal_mask(cls, segment: int, device: torch.device) -> torch.Tensor | CausalBias:
-        """Segment `segment`'s queries against its keys (key_ranges), causal and aligned at the end: on CUDA as a
-        bias torch's fused kernels take without a mask; elsewhere materialized once for every layer."""
-        queries = cls.bounds[segment + 1] - cls.bounds[segment]
-        keys = sum(b - a for a, b in cls.key_ranges(segment))
-        if device.type == "cuda":
-            return causal_lower_right(queries, keys)
-        if (segment, device) not in cls.masks:
-            cls.masks[(segment, device)] = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(
-                keys - queries)
-        return cls.masks[(segment, device)]
+    @staticmethod
+    def _subtree_ends(bounds: list[int], parents: list[int]) -> list[int]:
+        ends, open_chain = bounds[1:], []  # the segments whose descendants may still follow, root first
+        for s, parent in enumerate(parents):
+            while open_chain and open_chain[-1] != parent:
+                open_chain.pop()
+            if parent >= 0 and not open_chain:
+                raise ValueError(f"packed segment {s} does not follow its parent's tree (parents first, depth first)")
+            for ancestor in open_chain:
+                ends[ancestor] = bounds[s + 1]
+            open_chain.append(s)
+        return ends
 
     @classmethod
     def key_ranges(cls, segment: int) -> list[tuple[int, int]]:
@@ -126,6 +128,8 @@ def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
     if cu_seq_lens is None:  # one sample (e.g. an unbatched forward)
         return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
     bounds = _Segments.of(cu_seq_lens)
+    if _Segments.parents is not None and query.device.type == "cpu" and _ATTENTION_WITH_LSE is not None:
+        return _tree_attention(query, key, value, kwargs.get("scaling")), None
     if _Segments.parents is not None:  # continuing segments gather their ancestors' keys: from contiguous copies
         key, value = key.contiguous(), value.contiguous()
     outputs = []
@@ -141,14 +145,43 @@ def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
 def _continued(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment: int,
                scale: float | None) -> torch.Tensor:
     """A continuing segment's attention: its queries see its ancestors' keys and its own causally, a causal mask
-    aligned at the end (lower right); grouped-query heads share their keys rather than copies (enable_gqa).
-    [1, heads, t, d] -> [1, t, heads, d]"""
+    aligned at the end (lower right, which torch's fused kernels take without a mask); grouped-query heads share
+    their keys rather than copies (enable_gqa). [1, heads, t, d] -> [1, t, heads, d]"""
     ranges = _Segments.key_ranges(segment)
     keys = torch.cat([key[:, :, a:b] for a, b in ranges], dim=2)
     values = torch.cat([value[:, :, a:b] for a, b in ranges], dim=2)
-    out = F.scaled_dot_product_attention(query, keys, values, _Segments.causal_mask(segment, query.device),
+    out = F.scaled_dot_product_attention(query, keys, values, causal_lower_right(query.shape[2], keys.shape[2]),
                                          scale=scale, enable_gqa=query.shape[1] != keys.shape[1])
     return out.transpose(1, 2)
+
+
+# torch's CPU flash attention, which also returns each query's log-sum-exp of its scores (None where absent)
+_ATTENTION_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """A packed batch of trees on the CPU, with no key gathered or copied per segment: each segment's queries
+    attend to its own keys (causal), and the queries of its descendants, which follow it, to all of its keys
+    (one product for all of them); each query's parts are joined by their log-sum-exps, as flash attention
+    joins its blocks. [1, heads, T, d] -> [1, T, heads, d]"""
+    heads = query.shape[1]
+    if key.shape[1] != heads:  # the fused kernel takes as many key heads as query heads: one copy a layer
+        key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
+    joined = torch.empty(query.shape[0], query.shape[2], heads, query.shape[3], dtype=torch.float32)
+    out = joined.transpose(1, 2)  # [1, heads, T, d] over the returned layout
+    lse = torch.empty(query.shape[:3], dtype=torch.float32)
+    pairs = list(zip(_Segments.bounds, _Segments.bounds[1:], strict=False))
+    for a, b in pairs:
+        out[:, :, a:b], lse[:, :, a:b] = _ATTENTION_WITH_LSE(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
+                                                             is_causal=True, scale=scale)
+    for (a, b), end in zip(pairs, _Segments.subtree_ends, strict=True):
+        if end == b:
+            continue
+        part, part_lse = _ATTENTION_WITH_LSE(query[:, :, b:end], key[:, :, a:b], value[:, :, a:b], scale=scale)
+        gain = part_lse - lse[:, :, b:end]  # the part's weight in the joined softmax is sigmoid(gain)
+        out[:, :, b:end].lerp_(part.float(), torch.sigmoid(gain).unsqueeze(-1))
+        lse[:, :, b:end] += F.softplus(gain)  # log(exp(lse) + exp(part_lse))
+    return joined.to(query.dtype)
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa)
