@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 POLL_SECONDS = 0.1  # how often a waiting thread looks at the failed event
 
 
@@ -32,7 +34,11 @@ class Stopped(Exception):
 
 class Worker(threading.Thread):
     """A daemon thread that keeps its exception for the main thread and then sets `failed`; a thread
-    that ends with `Stopped` ends cleanly."""
+    that ends with `Stopped` ends cleanly. Its torch operations run on one thread: a side thread that
+    starts a parallel region of its own gets a pool of OpenMP threads beside the main thread's, and
+    once the pools outnumber the cores, OpenMP stops keeping any pool's threads awake between regions,
+    so every small CPU operation of the main thread's forward pass waits for a thread to wake (on 2
+    cores, 9 -> 37 us an elementwise op; bench/RESULTS.md)."""
 
     def __init__(self, name: str, target: Callable[[], None], failed: threading.Event):
         super().__init__(name=name, daemon=True)
@@ -40,6 +46,7 @@ class Worker(threading.Thread):
 
     def run(self) -> None:
         try:
+            torch.set_num_threads(1)  # this thread's own (OpenMP's setting is per thread)
             self._target_fn()
         except Stopped:
             pass
