@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from streamx.base.threads import Stopped, Worker, first_error, get, put
 
@@ -96,3 +97,27 @@ def test_a_second_signal_stops_at_once_with_its_own_exit_code():
         _fail(second)
     except typer.Exit as exit_:
         assert exit_.exit_code == 143
+
+
+def _team_size_in(thread_of) -> int:
+    """How many threads a parallel torch op would use in a thread made by `thread_of` (OpenMP's setting is per
+    thread; more than one starts a team of that thread's own)."""
+    seen = {}
+    thread = thread_of(lambda: seen.update(n=torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return seen["n"]
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one intra-op thread starts no team anywhere")
+def test_a_worker_runs_torch_on_one_thread():
+    """A side thread's parallel torch op gives it an OpenMP team beside the main thread's, which keeps the
+    main thread's forward waking threads at every small op (bench/RESULTS.md): a Worker's torch runs on its
+    own thread, and the main thread and the threads started later keep theirs (torch.set_num_threads also sets
+    what later threads begin with). A plain thread uses them all (the control)."""
+    threads = torch.get_num_threads()
+    plain = lambda work: threading.Thread(target=work)  # noqa: E731
+    assert _team_size_in(plain) == threads
+    assert _team_size_in(lambda work: Worker("w", work, threading.Event())) == 1
+    assert torch.get_num_threads() == threads
+    assert _team_size_in(plain) == threads

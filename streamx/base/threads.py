@@ -43,16 +43,27 @@ class Worker(threading.Thread):
     def __init__(self, name: str, target: Callable[[], None], failed: threading.Event):
         super().__init__(name=name, daemon=True)
         self._target_fn, self.failed, self.error = target, failed, None
+        self._on_one_thread = threading.Event()
+
+    def start(self) -> None:
+        threads = torch.get_num_threads()  # the starting thread's
+        super().start()
+        self._on_one_thread.wait()
+        # torch.set_num_threads also sets what threads started later begin with: give them the starter's back
+        torch.set_num_threads(threads)
 
     def run(self) -> None:
         try:
-            torch.set_num_threads(1)  # this thread's own (OpenMP's setting is per thread)
+            torch.set_num_threads(1)
+            self._on_one_thread.set()
             self._target_fn()
         except Stopped:
             pass
         except BaseException as err:  # noqa: BLE001 - handed to the main thread
             self.error = err
             self.failed.set()
+        finally:
+            self._on_one_thread.set()
 
 
 def put(q: queue.Queue, item: Any, failed: threading.Event) -> None:
