@@ -128,10 +128,10 @@ def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
     if cu_seq_lens is None:  # one sample (e.g. an unbatched forward)
         return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
     bounds = _Segments.of(cu_seq_lens)
-    if _Segments.parents is not None and query.device.type == "cpu" and _ATTENTION_WITH_LSE is not None:
-        return _tree_attention(query, key, value, kwargs.get("scaling")), None
-    if _Segments.parents is not None:  # continuing segments gather their ancestors' keys: from contiguous copies
-        key, value = key.contiguous(), value.contiguous()
+    if _Segments.parents is not None:
+        if query.device.type == "cpu" and _ATTENTION_WITH_LSE is not None:
+            return _tree_attention(query, key, value, kwargs.get("scaling")), None
+        key, value = key.contiguous(), value.contiguous()  # continuing segments gather their ancestors' keys
     outputs = []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
         if _Segments.parents is None or _Segments.parents[s] < 0:
