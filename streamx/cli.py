@@ -298,6 +298,9 @@ def bench(
                                                 "CUDA, where kernels compile per shape; 0 on CPU)."),
     skip_naive: bool = typer.Option(False, "--skip-naive/--with-naive", help="Leave out the (slow) naive per-sample "
                                     "mode."),
+    modes: Optional[str] = typer.Option(None, help="Only these modes, comma-separated (streamx among them): "
+                                        "forward_only, forward_padded, streamx, streamx_unshared, naive. Default: "
+                                        "all (less naive with --skip-naive)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full report as JSON here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE", help="Also draw tokens/s per mode and the "
                                         "stages' busy time into FILE (.png, .svg, or .html); needs matplotlib."),
@@ -309,9 +312,10 @@ def bench(
     from .measure.bench import bench as run_bench
     from .measure.look import plot_bench
 
-    modes = tuple(m for m in MODES if not (skip_naive and m == "naive"))
+    chosen = tuple(m.strip() for m in modes.split(",")) if modes else MODES
+    chosen = tuple(m for m in chosen if not (skip_naive and m == "naive"))
     _measure(lambda scratch: run_bench(cfg, rounds=rounds, progress=progress, log=_log if progress else _quiet,
-                                       modes=modes, out_dir=scratch, warmup_rounds=warmup_rounds),
+                                       modes=chosen, out_dir=scratch, warmup_rounds=warmup_rounds),
              format_report, cfg.out, json_out, draw=None if plot is None else lambda report: plot_bench(report,
                                                                                                         str(plot)))
 

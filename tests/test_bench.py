@@ -168,3 +168,21 @@ def test_bench_runs_from_a_config_alone(tmp_path):
     assert report["workload"]["model_flops_per_real_token"] > 0 and report["streamx"]["model_tflops_per_s"] > 0
     assert report["ceilings"]["write_gb_per_s"] > 0
     assert "model FLOPs" in format_report(report) and "write ceiling" in format_report(report)
+
+
+def test_bench_modes_chooses_what_runs(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    """`--modes`: only the modes named run and are reported (sharing on against off); an unknown one is refused
+    in one line."""
+    from helpers import cli
+
+    args = ["bench", "--model", tiny_chat_model_dir, "--data", chat_jsonl, "--max-samples", "8", "--layers", "1,4",
+            "--token-budget", "512", "--max-length", "256", "--out", str(tmp_path / "s.zarr"), "--rounds", "1",
+            "--no-progress"]
+    ran = cli(*args, "--modes", "streamx,streamx_unshared", "--json", str(tmp_path / "r.json"))
+    assert ran.returncode == 0, ran.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [m for m in MODES if m in report] == ["streamx", "streamx_unshared"]
+    assert "streamx / streamx_unshared = " in ran.stdout
+    refused = cli(*args, "--modes", "streamx,fastest")
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines()[-1].startswith("error: modes must")
+    assert "fastest" in refused.stderr

@@ -202,7 +202,8 @@ def test_a_second_run_on_the_same_part_is_refused_and_sigterm_commits(tiny_chat_
 def test_a_signal_commits_the_partial_shard(tiny_chat_model_dir, long_chats, tmp_path, sig):
     """With the default shard size nothing would commit for a long while (a ~256 MiB shard fills first); a
     signal still commits every sample written so far, each equal to an uninterrupted run's, and the same
-    command resumes."""
+    command resumes. (What the open part means to inspect, verify and convert does not depend on the signal:
+    checked after SIGTERM.)"""
     data, reference = long_chats
     out = tmp_path / "s.zarr"
     args = long_run(tiny_chat_model_dir, data, out, chunk_tokens=0, shard_tokens=0)
@@ -222,8 +223,9 @@ def test_a_signal_commits_the_partial_shard(tiny_chat_model_dir, long_chats, tmp
     assert f"stopped by {sig.name}" in stdout
     assert 0 < assert_committed_as_reference(reference, out) < ROWS
     assert not open_store(str(out)).commits["part-00000"].closed  # open for the resume, as after a kill
-    assert "interrupted" in cli("inspect", str(out)).stdout
-    assert_unfinished_is_refused(out, tmp_path / "spec", "part part-00000 is open")
+    if sig == signal.SIGTERM:
+        assert "interrupted" in cli("inspect", str(out)).stdout
+        assert_unfinished_is_refused(out, tmp_path / "spec", "part part-00000 is open")
     assert cli(*args).returncode == 0
     assert_same_samples(reference, out)
     checked = cli("verify", str(out), "--no-model")

@@ -52,7 +52,9 @@ def s3_env():
 
 
 def run_cmd(model_dir, data, out):
-    return [sys.executable, "-m", "streamx", *run_args(model_dir, data, out, sort_window=4)]
+    # shards of 256 tokens: still dozens of commits a run, at a quarter of the small runs' requests to the server
+    return [sys.executable, "-m", "streamx", *run_args(model_dir, data, out, sort_window=4, chunk_tokens=64,
+                                                       shard_tokens=256)]
 
 
 def test_s3_store_run_kill_resume_equals_local(tiny_chat_model_dir, chat_jsonl, tmp_path, s3_env):
