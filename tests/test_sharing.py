@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import reference_states
+from helpers import assert_same_samples, reference_states
 from tiny_models import tiny_model
 from transformers.cache_utils import DynamicCache
 
@@ -22,6 +22,7 @@ from streamx.model.gather import gather_into_torch
 from streamx.model.packing import _Segments, configure, probe_continuation
 from streamx.pipeline.estimate import estimate
 from streamx.pipeline.runner import run
+from streamx.pipeline.writer import PartWriter
 from streamx.store import SharedKinds, open_store
 
 BF16_ULP = 2.0**-7
@@ -68,11 +69,22 @@ def test_sharing_computes_a_token_trie_exactly_and_serves_every_row_once():
             for budget in (16, 24, 1000):
                 cut = pieces(share(samples, min_shared), budget)
                 assert sorted(r.row_id for p in cut for r, _ in p.rows) == list(range(len(rows)))
+                # each segment computed once at any budget: a tree cut into pieces continues what earlier
+                # pieces computed, in order, and each piece keeps what later ones continue until the last lets go
+                assert sum(p.num_tokens for p in cut) == computed
+                kept: set[int] = set()
                 for p in cut:
                     assert p.num_tokens <= budget
                     order = {id(s): k for k, s in enumerate(p.segments)}
-                    assert all(id(c) in order for _, leaf in p.rows for c in leaf.chain())  # brings its ancestors
-                    assert all(s.parent is None or order[id(s.parent)] < order[id(s)] for s in p.segments)
+                    assert {id(s) for s in p.continues} <= kept and not kept & set(order)
+                    for _, leaf in p.rows:  # brings its ancestors, or continues them
+                        assert all(id(c) in order or any(c is s for s in p.continues) for c in leaf.chain())
+                    assert all(s.parent is None or id(s.parent) in kept or order[id(s.parent)] < order[id(s)]
+                               for s in p.segments)
+                    kept |= {id(s) for s in p.exports}
+                    kept -= {id(s) for s in p.releases}
+                    assert p.cut == (len([q for q in cut if q.rows[0][1].chain()[0] is p.rows[0][1].chain()[0]]) > 1)
+                assert not kept
 
 
 def test_sharing_does_not_depend_on_the_rows_order():
@@ -103,14 +115,19 @@ def rows_of_every_kind(vocab: int) -> list[Sample]:
 
 
 def capture_rows(model, batches, layer_ids) -> dict[int, torch.Tensor]:
+    """Each row's states: its ranges of its batch's states, after what an earlier batch computed (a cut tree)."""
     H = model.config.get_text_config().hidden_size
-    out = {}
+    out, kept = {}, {}
     with LayerCapture(model, layer_ids, gather_into_torch) as capture:
         for batch in batches:
             states = torch.full((batch.num_tokens, len(layer_ids), H), float("nan"), dtype=torch.bfloat16)
             capture.forward(batch, states)
-            for sample, ranges in zip(batch.samples, batch.row_ranges, strict=True):
-                out[sample.row_id] = torch.cat([states[a : a + n] for a, n in ranges])
+            bounds = batch.cu_seq_lens.tolist() if batch.packed else []
+            for s, segment in batch.carry.exports.items() if batch.carry else ():
+                kept[segment] = states[bounds[s] : bounds[s + 1]]
+            for k, (sample, ranges) in enumerate(zip(batch.samples, batch.row_ranges, strict=True)):
+                before = [kept[segment][:n] for segment, n in batch.carry.rows[k]] if batch.carry else []
+                out[sample.row_id] = torch.cat([*before, *(states[a : a + n] for a, n in ranges)])
     return out
 
 
@@ -137,6 +154,8 @@ def test_every_row_of_a_shared_batch_equals_the_row_alone(family, packed, path, 
     assert computed < rows - (len(samples[4].input_ids) + 11 + 20)
     if continues:  # a tree three deep: a segment continues one that continues another
         assert any(p >= 0 and b.segment_parents[p] >= 0 for b in batches for p in b.segment_parents or [])
+    # the tree is larger than the budget: its later batches continue what the first one kept
+    assert any(b.carry is not None and b.carry.parents for b in batches) == continues
     ids = [0, 1, 2, 3, 4]
     got = capture_rows(model, batches, ids)
     assert sorted(got) == list(range(len(samples)))
@@ -220,6 +239,54 @@ def test_a_shared_store_reads_every_row_as_the_unshared_store(tmp_path, tiny_cha
     assert estimate(RunConfig(model=tiny_chat_model_dir, data=data, out=str(tmp_path / "plan.zarr"), layers="1,2,4",
                               sort_window=16, token_budget=256, max_length=256)).shared.kinds == kinds
     assert "duplicates" in " ".join(on.describe()) and "leading runs" in " ".join(on.describe())
+
+
+def test_a_prompt_over_more_tokens_than_a_batch_is_computed_and_stored_once(tmp_path, tiny_chat_model_dir,
+                                                                           monkeypatch):
+    """24 rows behind one 40-token system prompt, four times the token budget: the prompt is computed and stored
+    once (the later batches continue from the keys and values the first one kept), every distinct token once,
+    and every row reads as in the unshared store. A run that fails after its first batches and is resumed
+    (the first batch's rows committed: it runs again for the batches that continue it, and stores the prompt
+    again) gives every row bit for bit as the uninterrupted run."""
+    rng = np.random.default_rng(1)
+    system = rng.integers(10, 40000, 40).tolist()
+    rows = [system + rng.integers(10, 40000, int(n)).tolist() for n in rng.integers(20, 60, 24)]
+    data = write_rows(tmp_path / "rows.jsonl", [{"input_ids": r, "loss_mask": [0] * 40 + [1] * (len(r) - 40)}
+                                                for r in rows])
+    settings = dict(model=tiny_chat_model_dir, data=data, layers="1,2,4", sort_window=32, token_budget=256,
+                    max_length=256, chunk_tokens=16, shard_tokens=64)
+    stores = {}
+    for sharing in ("off", "on"):
+        out = str(tmp_path / f"{sharing}.zarr")
+        run(RunConfig(out=out, sharing=sharing, **settings), progress=False, log=lambda m: None)
+        stores[sharing] = open_store(out)
+    off, on = stores["off"], stores["on"]
+    distinct = len({tuple(r[:k]) for r in rows for k in range(1, len(r) + 1)})  # a token trie's nodes
+    assert sum(map(len, rows)) > 4 * 256 and on.num_tokens == distinct
+    for row in range(len(rows)):
+        a, b = off.sample(row), on.sample(row)
+        assert a.input_ids.tolist() == b.input_ids.tolist() == rows[row]
+        assert a.loss_mask.equal(b.loss_mask)
+        torch.testing.assert_close(b.hidden_states.float(), a.hidden_states.float(), rtol=BF16_ULP,
+                                   atol=1e-5 * a.hidden_states.float().abs().max().item())
+
+    appended = PartWriter.append_batch
+
+    def fail_third(self, *args, **kwargs):
+        self.batches = getattr(self, "batches", 0) + 1
+        if self.batches == 3:
+            raise OSError("injected: the disk went away")
+        return appended(self, *args, **kwargs)
+
+    resumed = str(tmp_path / "resumed.zarr")
+    monkeypatch.setattr(PartWriter, "append_batch", fail_third)
+    with pytest.raises(OSError, match="injected"):
+        run(RunConfig(out=resumed, **settings), progress=False, log=lambda m: None)
+    monkeypatch.undo()
+    assert 0 < len(open_store(resumed)) < len(rows)
+    run(RunConfig(out=resumed, **settings), progress=False, log=lambda m: None)
+    assert open_store(resumed).num_tokens > distinct  # the first batch's tokens stored again
+    assert_same_samples(str(tmp_path / "on.zarr"), resumed)
 
 
 def test_merge_prefix_rows_folds_each_prefix_into_the_row_it_starts(tmp_path, tiny_chat_model_dir):

@@ -13,14 +13,15 @@ attention, so the real tokens' states do not depend on the padding.
 With --sharing (streamx.data.sharing) the units batched are pieces of segment trees rather than samples: a
 row that is a prefix of another is served by that row's computed tokens, and a segment that continues
 another starts at its parent's end position. Each batch says which computed tokens make up each row it
-serves (`row_ranges`).
+serves (`row_ranges`). A tree too large for one batch is cut into pieces that run alone and in order, each
+continuing what the ones before it computed (`Carry`).
 
 Either way rejects pass straight through, and batches depend only on the window's rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -30,6 +31,19 @@ import torch
 from .sharing import Piece, Segment, pieces, row_ranges, share
 from .source import Row
 from .tokenize import Reject, Sample
+
+
+@dataclass
+class Carry:
+    """What a batch shares with the other batches of a tree cut into several (streamx.data.sharing): the
+    segments it continues from states an earlier batch kept, those it keeps for later ones, and the rows'
+    tokens that an earlier batch computed."""
+
+    parents: dict[int, Segment]  # its segment -> the earlier batch's segment it continues
+    exports: dict[int, Segment]  # its segment -> kept (its states and where it is stored) for later batches
+    releases: list[Segment]  # earlier batches' segments that no later batch continues: let go after this one
+    rows: list[list[tuple[Segment, int]]]  # per row served: the earlier batches' segments it starts with, and how
+    # many of each one's tokens it reads (its `row_ranges` follow them)
 
 
 @dataclass
@@ -44,9 +58,11 @@ class Batch:
     segment_index: torch.Tensor  # int64 [N]: which segment (0..B-1) each computed token belongs to
     segment_lengths: list[int]
     row_ranges: list[list[tuple[int, int]]]  # per sample: (first computed token, length) of each of its parts
+    # here (after those an earlier batch computed, `carry`)
     position_ids: torch.Tensor | None = None  # packed: int64 [1, N], each segment from its first token's position
     cu_seq_lens: torch.Tensor | None = None  # packed: int32 [B + 1], where each segment starts, then N
     segment_parents: list[int] | None = None  # packed, with shared prefixes: the segment each continues (-1: none)
+    carry: Carry | None = None  # packed, one of several batches of a tree
 
     @property
     def packed(self) -> bool:
@@ -75,7 +91,9 @@ class Batch:
         """What a forward's kernels depend on: the padded shape, or the packed segments' lengths (and tree)."""
         if not self.packed:
             return tuple(self.input_ids.shape)
-        return ("packed", *self.segment_lengths, *(("tree", *self.segment_parents) if self.segment_parents else ()))
+        tree = ("tree", *self.segment_parents) if self.segment_parents else ()
+        carried = ("carried", *((s, p.end) for s, p in sorted(self.carry.parents.items()))) if self.carry else ()
+        return ("packed", *self.segment_lengths, *tree, *carried)
 
     @property
     def num_tokens(self) -> int:
@@ -98,12 +116,16 @@ class Batch:
     def stored_loss_mask(self) -> np.ndarray:
         """uint8 [N]: 1 where some row served trains on the computed token (a shared token: the union)."""
         mask = np.zeros(self.num_tokens, dtype=np.uint8)
-        for sample, ranges in zip(self.samples, self.row_ranges, strict=True):
-            own, done = sample.loss_mask.numpy(), 0
+        for k, (sample, ranges) in enumerate(zip(self.samples, self.row_ranges, strict=True)):
+            own, done = sample.loss_mask.numpy(), self.carried_tokens(k)
             for start, n in ranges:
                 mask[start : start + n] |= own[done : done + n].astype(np.uint8)
                 done += n
         return mask
+
+    def carried_tokens(self, row: int) -> int:
+        """How many leading tokens of row `row` (its index here) an earlier batch computed."""
+        return sum(n for _, n in self.carry.rows[row]) if self.carry is not None else 0
 
     def row_segments(self) -> list[list[int]]:
         """The segments each row served reads."""
@@ -121,9 +143,11 @@ def alone(samples: list[Sample]) -> list[Piece]:
     return [Piece([leaf], [(s, leaf)]) for s in samples for leaf in [Segment(len(s.input_ids), s, leaf=s)]]
 
 
-def _served(pieces: list[Piece], starts: dict[int, int]) -> tuple[list[Sample], list[list[tuple[int, int]]]]:
+def _served(pieces: list[Piece], starts: dict[int, int]) -> tuple[list[Sample], list[list[tuple[Segment, int]]],
+                                                                  list[list[tuple[int, int]]]]:
     rows = [(sample, leaf) for piece in pieces for sample, leaf in piece.rows]
-    return [s for s, _ in rows], [row_ranges(len(s.input_ids), leaf, starts) for s, leaf in rows]
+    found = [row_ranges(len(s.input_ids), leaf, starts) for s, leaf in rows]
+    return [s for s, _ in rows], [earlier for earlier, _ in found], [ranges for _, ranges in found]
 
 
 def make_batch(samples: list[Sample], pad_token_id: int) -> Batch:
@@ -142,8 +166,7 @@ def padded_batch(pieces: list[Piece], pad_token_id: int) -> Batch:
     for b, segment in enumerate(segments):
         input_ids[b, : lengths[b]] = segment.source.input_ids.numpy()[: lengths[b]]
         attention_mask[b, : lengths[b]] = 1
-    starts = _starts(segments)
-    samples, ranges = _served(pieces, starts)
+    samples, _, ranges = _served(pieces, _starts(segments))
     return Batch(samples, torch.from_numpy(input_ids), torch.from_numpy(attention_mask),
                  torch.from_numpy(np.flatnonzero(attention_mask)), _segment_index(lengths), lengths.tolist(), ranges)
 
@@ -154,7 +177,7 @@ def make_packed_batch(samples: list[Sample]) -> Batch:
 
 def packed_batch(pieces: list[Piece]) -> Batch:
     """The pieces' segments side by side in one row, each at its own positions (a continuing segment from its
-    parent's end)."""
+    parent's end, which an earlier batch computed where the parent is not here: `Carry`)."""
     segments = [s for p in pieces for s in p.segments]
     lengths = np.array([s.length for s in segments])
     cu_seq_lens = np.zeros(len(segments) + 1, dtype=np.int32)
@@ -164,11 +187,16 @@ def packed_batch(pieces: list[Piece]) -> Batch:
     position_ids = token_index - np.repeat(cu_seq_lens[:-1] - depths, lengths)
     input_ids = np.concatenate([s.source.input_ids.numpy()[s.depth : s.end] for s in segments])
     number = {id(s): k for k, s in enumerate(segments)}
-    parents = [number[id(s.parent)] if s.parent is not None else -1 for s in segments]
-    samples, ranges = _served(pieces, _starts(segments))
+    parents = [number.get(id(s.parent), -1) if s.parent is not None else -1 for s in segments]
+    samples, earlier, ranges = _served(pieces, _starts(segments))
+    carry = None
+    if any(p.cut for p in pieces):
+        carry = Carry({k: s.parent for k, s in enumerate(segments) if s.parent is not None and id(s.parent) not in number},
+                      {number[id(s)]: s for p in pieces for s in p.exports}, [s for p in pieces for s in p.releases],
+                      earlier)
     return Batch(samples, torch.from_numpy(input_ids)[None], None, torch.from_numpy(token_index),
                  _segment_index(lengths), lengths.tolist(), ranges, torch.from_numpy(position_ids)[None],
-                 torch.from_numpy(cu_seq_lens), parents if any(p >= 0 for p in parents) else None)
+                 torch.from_numpy(cu_seq_lens), parents if any(p >= 0 for p in parents) else None, carry)
 
 
 def _starts(segments: list[Segment]) -> dict[int, int]:
@@ -240,7 +268,8 @@ def iter_batches(items: list[Sample | Reject], token_budget: int, max_batch_size
                  min_shared_tokens: int | None = None) -> Iterator[Batch | Reject]:
     """One window's samples as batches, packed or padded; rejects pass straight through. With `sharing`, rows
     that are prefixes of others (duplicates too) are served by those rows' states (streamx.data.sharing), and,
-    packed, common leading runs of `min_shared_tokens` (None: none) are computed once."""
+    packed, common leading runs of `min_shared_tokens` (None: none) are computed once (a tree too large for one
+    batch in pieces, each alone in its batch and after the ones it continues)."""
     samples = []
     for item in items:
         if isinstance(item, Reject):
@@ -252,8 +281,26 @@ def iter_batches(items: list[Sample | Reject], token_budget: int, max_batch_size
     units = pieces(share(samples, min_shared_tokens if packed else None), token_budget) if sharing \
         else alone(samples)
     if packed:
-        groups = first_fit(units, lambda p: p.num_tokens, lambda p: len(p.segments), token_budget, max_batch_size)
+        whole = [p for p in units if not p.cut]
+        groups = first_fit(whole, lambda p: p.num_tokens, lambda p: len(p.segments), token_budget, max_batch_size)
         yield from (packed_batch(group) for group in groups)
+        yield from (packed_batch([p]) for p in units if p.cut)  # in order: each after the pieces it continues
     else:
         yield from (padded_batch(group, pad_token_id) for group in cut(units, lambda p: p.num_tokens, token_budget,
                                                                        max_batch_size))
+
+
+def to_run(items: list[Batch | Reject], done: Collection[int]) -> Iterator[Batch | Reject]:
+    """A window's batches and rejects less those whose rows are all in `done` (an earlier run committed them),
+    but for a batch that keeps a segment a later batch to run continues (`Carry`): it runs again, and what it
+    computes is stored again (a resume's only repeat)."""
+    needed: set[Segment] = set()  # segments continued by a batch that runs after this one
+    runs: list[bool] = []
+    for item in reversed(items):
+        rows = [item.row_id] if isinstance(item, Reject) else [s.row_id for s in item.samples]
+        carry = item.carry if isinstance(item, Batch) else None
+        runs.append(not all(r in done for r in rows) or
+                    (carry is not None and any(s in needed for s in carry.exports.values())))
+        if runs[-1] and carry is not None:
+            needed.update(s for parent in carry.parents.values() for s in parent.chain())
+    yield from (item for item, run in zip(items, reversed(runs), strict=True) if run)

@@ -12,10 +12,13 @@ token trie's branch points):
   from its state (streamx.model.packing gives attention the keys of a segment's ancestors);
 - everything else is a segment of its own, as without sharing.
 
-A window's rows become trees of segments. A tree too large for one forward pass is cut into `Piece`s, each
-bringing the segments its rows start with (recomputed), and each piece is stored whole: a batch never needs
-what another batch computed, so batches stay independent, every world size and every resume computes the same
-ones, and the sharing depends on the window's rows alone. Memory: one window's token ids.
+A window's rows become trees of segments. A tree too large for one forward pass is cut between its leaves into
+`Piece`s, one forward each, in order: a piece computes the segments its rows need that no earlier piece computed,
+and continues the others from the states their piece kept (streamx.model.carry); each segment is stored once,
+by the piece that computes it, and the rows of later pieces read it there. The cut depends on the window's rows
+alone, so every world size and every resume computes the same pieces (a resume runs a window's pieces again
+from its first). Memory: one window's token ids; the states kept are at most one chain of segments (leaves go
+depth first, so a segment is let go once the leaves under it are done), at most `token_budget` tokens.
 """
 
 from __future__ import annotations
@@ -66,10 +69,19 @@ class Segment:
 @dataclass
 class Piece:
     """What one forward pass computes of a tree: segments (parents first) and the rows they serve, each with
-    the leaf segment whose chain holds its tokens."""
+    the leaf segment whose chain holds its tokens. A piece of a tree cut into several also continues segments
+    that an earlier piece computed (`continues`), and keeps the states of those a later one continues."""
 
     segments: list[Segment]
     rows: list[tuple[Sample, Segment]]
+    continues: list[Segment] = field(default_factory=list)  # earlier pieces' segments its rows start with
+    exports: list[Segment] = field(default_factory=list)  # its segments that later pieces continue
+    releases: list[Segment] = field(default_factory=list)  # earlier pieces' segments no later piece continues
+
+    @property
+    def cut(self) -> bool:
+        """One of several pieces of a tree: it runs after the pieces before it, alone in its batch."""
+        return bool(self.continues or self.exports)
 
     @property
     def num_tokens(self) -> int:
@@ -127,23 +139,46 @@ def _adopt(parent: Segment, child: Segment) -> None:
 
 def pieces(roots: list[Segment], token_budget: int) -> list[Piece]:
     """Each tree as one piece, or, when it holds more than `token_budget` tokens, cut between its leaves into
-    pieces that fit (each with its leaves' chains: the segments they start with are computed again)."""
+    pieces that fit (`_cut`)."""
     out = []
     for root in roots:
         segments = list(root.walk())
         if sum(s.length for s in segments) <= token_budget:
             out.append(Piece(segments, [row for s in segments for row in _rows(s)]))
-            continue
-        chosen: dict[int, Segment] = {}  # id -> segment, in the order first needed (parents first)
-        rows: list[tuple[Sample, Segment]] = []
-        for leaf in (s for s in segments if s.leaf is not None):
-            need = [s for s in leaf.chain() if id(s) not in chosen]
-            if rows and sum(s.length for s in chosen.values()) + sum(s.length for s in need) > token_budget:
-                out.append(Piece(list(chosen.values()), rows))
-                chosen, rows, need = {}, [], leaf.chain()
-            chosen.update((id(s), s) for s in need)
-            rows += _rows(leaf)
-        out.append(Piece(list(chosen.values()), rows))
+        else:
+            out += _cut(segments, token_budget)
+    return out
+
+
+def _cut(segments: list[Segment], token_budget: int) -> list[Piece]:
+    """A tree's leaves in order, as many to a piece as fit: a piece computes what its leaves' chains hold beyond
+    what earlier pieces computed, and continues the rest."""
+    out: list[Piece] = []
+    done: set[int] = set()  # ids of the segments earlier pieces computed
+    chosen: dict[int, Segment] = {}  # id -> segment, in the order first needed (parents first)
+    rows: list[tuple[Sample, Segment]] = []
+    for leaf in (s for s in segments if s.leaf is not None):
+        need = [s for s in leaf.chain() if id(s) not in chosen and id(s) not in done]
+        if rows and sum(s.length for s in chosen.values()) + sum(s.length for s in need) > token_budget:
+            out.append(Piece(list(chosen.values()), rows))
+            done.update(chosen)
+            chosen, rows = {}, []
+        chosen.update((id(s), s) for s in need)
+        rows += _rows(leaf)
+    out.append(Piece(list(chosen.values()), rows))
+    last_use: dict[int, int] = {}  # id of a continued segment -> the last piece that continues it
+    for k, piece in enumerate(out):
+        own = {id(s) for s in piece.segments}
+        seen: set[int] = set()
+        for _, leaf in piece.rows:
+            for s in leaf.chain():
+                if id(s) not in own and id(s) not in seen:
+                    seen.add(id(s))
+                    piece.continues.append(s)
+                    last_use[id(s)] = k
+    for k, piece in enumerate(out):
+        piece.exports = [s for s in piece.segments if id(s) in last_use]
+        piece.releases = [s for s in piece.continues if last_use[id(s)] == k]
     return out
 
 
@@ -164,15 +199,21 @@ def covered_rows(roots: list[Segment]) -> Iterable[tuple[Sample, bool]]:
                 seen.add(len(row.input_ids))
 
 
-def row_ranges(length: int, leaf: Segment, starts: dict[int, int]) -> list[tuple[int, int]]:
-    """Where a row of `length` tokens that starts like `leaf` lies in a batch's computed tokens: (start, length)
-    per segment of the leaf's chain that it reaches, `starts` giving each segment's first token (by id)."""
-    out = []
+def row_ranges(length: int, leaf: Segment, starts: dict[int, int]) -> tuple[list[tuple[Segment, int]],
+                                                                            list[tuple[int, int]]]:
+    """Where a row of `length` tokens that starts like `leaf` lies: the segments of the leaf's chain that an
+    earlier piece computed, each with how many of its tokens the row reads, then (start, length) in the batch's
+    computed tokens per segment of the chain that the batch computes (`starts`: each one's first token, by id)."""
+    earlier, ranges = [], []
     for segment in leaf.chain():
         if segment.depth >= length:
             break
-        out.append((starts[id(segment)], min(segment.end, length) - segment.depth))
-    return out
+        n = min(segment.end, length) - segment.depth
+        if id(segment) in starts:
+            ranges.append((starts[id(segment)], n))
+        else:
+            earlier.append((segment, n))
+    return earlier, ranges
 
 
 @dataclass(frozen=True)

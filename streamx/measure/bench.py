@@ -35,6 +35,7 @@ from ..config import RunConfig
 from ..data.batching import Batch
 from ..data.tokenize import Sample
 from ..model.capture import find_decoder
+from ..model.carry import carrying
 from ..model.load import library_bars
 from ..model.packing import padded_attention
 from ..pipeline.plan import RunPlan, make_plan
@@ -82,7 +83,8 @@ def forward_only(model, batches: list[Batch], device: torch.device) -> dict[str,
     decoder = find_decoder(model).module
     with torch.inference_mode():
         for batch in batches:
-            decoder(**batch.model_inputs(device), use_cache=False)
+            with carrying(batch.carry):
+                decoder(**batch.model_inputs(device), use_cache=False)
     _sync(device)
     return {"bytes_written": 0}
 
@@ -101,13 +103,18 @@ def warm_up(model, batches: list[Batch], device: torch.device) -> dict[tuple, in
     autotuning happen per shape (Triton, flash-linear-attention) and would otherwise land in the first
     timed round. The forwards run under torch's FLOP counter, so the result is the model FLOPs of
     each shape: matmuls and attention as executed, MoE experts as routed; custom Triton kernels such as
-    flash-linear-attention's recurrence (about 1% of a gated delta-net layer's FLOPs) go uncounted."""
-    first_of_shape = {b.shape_key: b for b in reversed(batches)}
-    flops = {}
-    for shape, batch in first_of_shape.items():
+    flash-linear-attention's recurrence (about 1% of a gated delta-net layer's FLOPs) go uncounted. Where
+    batches continue what earlier ones kept (streamx.model.carry), every batch runs, in order."""
+    flops: dict[tuple, int] = {}
+    in_order = any(b.carry is not None for b in batches)
+    for batch in batches:
+        if batch.shape_key in flops:
+            if in_order:
+                forward_only(model, [batch], device)
+            continue
         with FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION_FLOPS) as counter:
             forward_only(model, [batch], device)
-        flops[shape] = counter.get_total_flops()
+        flops[batch.shape_key] = counter.get_total_flops()
     return flops
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import check_layer_ids
 from ..data.batching import Batch
+from .carry import Carried, carrying
 from .gather import GatherFn
 
 # Where decoder stacks live across transformers architectures (first match wins); each is tested
@@ -106,15 +107,18 @@ class LayerCapture:
 
     @torch.inference_mode()
     def forward(self, batch: Batch, states: torch.Tensor) -> None:
-        """Run the decoder on `batch` and fill states [batch.num_tokens, K, H] (bf16, on the model's device)."""
+        """Run the decoder on `batch` and fill states [batch.num_tokens, K, H] (bf16, on the model's device).
+        Batches of a tree cut into several run in order (streamx.model.carry)."""
         device = states.device
         self._target = (states, batch.token_index.to(device, non_blocking=True))
         try:
-            self.decoder(**batch.model_inputs(device), use_cache=False)
-        except _StopForward:
-            pass
-        else:
-            raise RuntimeError("the forward finished without reaching the deepest selected layer's hook")
+            with carrying(batch.carry):
+                try:
+                    self.decoder(**batch.model_inputs(device), use_cache=False)
+                except _StopForward:
+                    pass
+                else:
+                    raise RuntimeError("the forward finished without reaching the deepest selected layer's hook")
         finally:
             self._target = None
 
@@ -122,6 +126,7 @@ class LayerCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        Carried.clear()  # a run that stopped inside a cut tree kept states no later batch will read
 
     def __enter__(self) -> LayerCapture:
         return self

@@ -40,6 +40,7 @@ from ..data.batching import Batch, make_packed_batch, packed_batch
 from ..data.sharing import pieces, share
 from ..data.tokenize import Sample
 from .capture import find_decoder
+from .carry import Carried, carrying
 
 PACKED_SDPA = "streamx_packed_sdpa"
 NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")  # transformers' own packed (varlen) paths
@@ -52,13 +53,14 @@ class _Segments:
     """The host copy of the running batch's segments: `cu_seq_lens_q` lives on the device, and reading it there
     in every layer would stall the GPU, so it is read once per batch. A segment that continues another (shared
     prefixes, streamx.data.sharing) starts at a position past 0; its parent is the nearest segment before it
-    that ends at that position. Batches lay each tree out parents first, depth first, so a segment's
-    descendants are the segments right after it (`subtree_ends`), and the positions, which a pre-hook on the
-    decoder takes (`take_positions`), say the whole tree."""
+    that ends at that position, or a segment an earlier forward computed (streamx.model.carry: a root here, whose
+    queries also see the kept keys of that segment's chain). Batches lay each tree out parents first, depth
+    first, so a segment's descendants are the segments right after it (`subtree_ends`), and the positions,
+    which a pre-hook on the decoder takes (`take_positions`), say the whole tree."""
 
     tensor: torch.Tensor | None = None
     bounds: list[int] = []
-    parents: list[int] | None = None  # None: no segment continues another
+    parents: list[int] | None = None  # None: no segment continues another, here or from an earlier forward
     subtree_ends: list[int] = []  # segment -> where the tokens of its descendants end (its own end: none)
     positions: torch.Tensor | None = None  # the running forward's position_ids
     keys: dict = {}  # segment -> the ranges of tokens its queries attend to: its ancestors', then its own
@@ -85,8 +87,8 @@ class _Segments:
             return None
         parents, ending_at = [], {}  # depth -> the last segment ending there
         for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
-            parents.append(ending_at[firsts[s]] if firsts[s] else -1)
-            if firsts[s] and parents[-1] < 0:
+            parents.append(ending_at.get(firsts[s], -1) if firsts[s] and s not in Carried.parents else -1)
+            if firsts[s] and parents[-1] < 0 and s not in Carried.parents:
                 raise ValueError(f"packed segment {s} starts at position {firsts[s]} after no segment ending there")
             ending_at[firsts[s] + b - a] = s
         return parents
@@ -115,6 +117,26 @@ class _Segments:
             cls.keys[segment] = ranges[::-1]
         return cls.keys[segment]
 
+    @classmethod
+    def carried_parent(cls, segment: int):
+        """The segment an earlier forward computed that `segment`'s chain here starts from (None: none)."""
+        while cls.parents[segment] >= 0:
+            segment = cls.parents[segment]
+        return Carried.parents.get(segment)
+
+    @classmethod
+    def carried_spans(cls) -> list[tuple[int, int, object]]:
+        """(first, end, kept segment): the runs of this forward's tokens whose queries also attend to a kept
+        segment's chain (a root continuing it and its descendants; neighbours continuing the same one joined)."""
+        spans: list[tuple[int, int, object]] = []
+        for s in sorted(Carried.parents):
+            a, end, parent = cls.bounds[s], cls.subtree_ends[s], Carried.parents[s]
+            if spans and spans[-1][2] is parent and spans[-1][1] == a:
+                spans[-1] = (spans[-1][0], end, parent)
+            else:
+                spans.append((a, end, parent))
+        return spans
+
 
 def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -128,28 +150,33 @@ def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
     if cu_seq_lens is None:  # one sample (e.g. an unbatched forward)
         return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
     bounds = _Segments.of(cu_seq_lens)
+    if Carried.exports:  # what later forwards of this tree continue
+        Carried.keep_keys(module.layer_idx, bounds, key, value)
     if _Segments.parents is not None:
         if query.device.type == "cpu" and _ATTENTION_WITH_LSE is not None:
-            return _tree_attention(query, key, value, kwargs.get("scaling")), None
+            return _tree_attention(query, key, value, kwargs.get("scaling"), module.layer_idx), None
         key, value = key.contiguous(), value.contiguous()  # continuing segments gather their ancestors' keys
     outputs = []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
-        if _Segments.parents is None or _Segments.parents[s] < 0:
+        if _Segments.parents is None or (_Segments.parents[s] < 0 and s not in Carried.parents):
             outputs.append(sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
                                                   is_causal=True, **kwargs)[0])
             continue
-        outputs.append(_continued(query[:, :, a:b], key, value, s, kwargs.get("scaling")))
+        outputs.append(_continued(query[:, :, a:b], key, value, s, kwargs.get("scaling"), module.layer_idx))
     return torch.cat(outputs, dim=1), None
 
 
 def _continued(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment: int,
-               scale: float | None) -> torch.Tensor:
-    """A continuing segment's attention: its queries see its ancestors' keys and its own causally, a causal mask
-    aligned at the end (lower right, which torch's fused kernels take without a mask); grouped-query heads share
-    their keys rather than copies (enable_gqa). [1, heads, t, d] -> [1, t, heads, d]"""
+               scale: float | None, layer: int) -> torch.Tensor:
+    """A continuing segment's attention: its queries see its ancestors' keys (kept by an earlier forward, then
+    here) and its own causally, a causal mask aligned at the end (lower right, which torch's fused kernels take
+    without a mask); grouped-query heads share their keys rather than copies (enable_gqa).
+    [1, heads, t, d] -> [1, t, heads, d]"""
     ranges = _Segments.key_ranges(segment)
-    keys = torch.cat([key[:, :, a:b] for a, b in ranges], dim=2)
-    values = torch.cat([value[:, :, a:b] for a, b in ranges], dim=2)
+    kept = _Segments.carried_parent(segment)
+    before = [Carried.chain_keys(kept, layer)] if kept is not None else []
+    keys = torch.cat([*(k for k, _ in before), *(key[:, :, a:b] for a, b in ranges)], dim=2)
+    values = torch.cat([*(v for _, v in before), *(value[:, :, a:b] for a, b in ranges)], dim=2)
     out = F.scaled_dot_product_attention(query, keys, values, causal_lower_right(query.shape[2], keys.shape[2]),
                                          scale=scale, enable_gqa=query.shape[1] != keys.shape[1])
     return out.transpose(1, 2)
@@ -159,14 +186,19 @@ def _continued(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segm
 _ATTENTION_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
+def _tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+                    layer: int) -> torch.Tensor:
     """A packed batch of trees on the CPU, with no key gathered or copied per segment: each segment's queries
     attend to its own keys (causal), and the queries of its descendants, which follow it, to all of its keys
-    (one product for all of them); each query's parts are joined by their log-sum-exps, as flash attention
-    joins its blocks. [1, heads, T, d] -> [1, T, heads, d]"""
+    (one product for all of them), as do those of the segments continuing a kept segment (streamx.model.carry)
+    to its chain's keys; each query's parts are joined by their log-sum-exps, as flash attention joins its
+    blocks. [1, heads, T, d] -> [1, T, heads, d]"""
     heads = query.shape[1]
-    if key.shape[1] != heads:  # the fused kernel takes as many key heads as query heads: one copy a layer
-        key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
+
+    def all_heads(t: torch.Tensor) -> torch.Tensor:  # the fused kernel takes as many key heads as query heads
+        return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+    key, value = all_heads(key), all_heads(value)  # one copy a layer
     joined = torch.empty(query.shape[0], query.shape[2], heads, query.shape[3], dtype=torch.float32)
     out = joined.transpose(1, 2)  # [1, heads, T, d] over the returned layout
     lse = torch.empty(query.shape[:3], dtype=torch.float32)
@@ -174,13 +206,18 @@ def _tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     for a, b in pairs:
         out[:, :, a:b], lse[:, :, a:b] = _ATTENTION_WITH_LSE(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
                                                              is_causal=True, scale=scale)
+
+    def join(a: int, b: int, keys: torch.Tensor, values: torch.Tensor) -> None:  # queries a:b also see these
+        part, part_lse = _ATTENTION_WITH_LSE(query[:, :, a:b], keys, values, scale=scale)
+        gain = part_lse - lse[:, :, a:b]  # the part's weight in the joined softmax is sigmoid(gain)
+        out[:, :, a:b].lerp_(part.float(), torch.sigmoid(gain).unsqueeze(-1))
+        lse[:, :, a:b] += F.softplus(gain)  # log(exp(lse) + exp(part_lse))
+
     for (a, b), end in zip(pairs, _Segments.subtree_ends, strict=True):
-        if end == b:
-            continue
-        part, part_lse = _ATTENTION_WITH_LSE(query[:, :, b:end], key[:, :, a:b], value[:, :, a:b], scale=scale)
-        gain = part_lse - lse[:, :, b:end]  # the part's weight in the joined softmax is sigmoid(gain)
-        out[:, :, b:end].lerp_(part.float(), torch.sigmoid(gain).unsqueeze(-1))
-        lse[:, :, b:end] += F.softplus(gain)  # log(exp(lse) + exp(part_lse))
+        if end != b:
+            join(b, end, key[:, :, a:b], value[:, :, a:b])
+    for a, end, kept in _Segments.carried_spans():
+        join(a, end, *(all_heads(t) for t in Carried.chain_keys(kept, layer)))
     return joined.to(query.dtype)
 
 
@@ -195,7 +232,8 @@ class SampleWise:
     once per segment of a packed row, so that each starts from a clean state whatever kernels transformers
     found; everything else still runs over the whole row. A segment that continues another (a shared prefix,
     streamx.data.sharing) starts from that segment's final states instead, its conv window's inputs and its
-    recurrent state, handed over through a transformers cache of the layer as generation would. A pre-hook on
+    recurrent state, handed over through a transformers cache of the layer as generation would (or kept from an
+    earlier forward: streamx.model.carry). A pre-hook on
     the decoder takes each forward's boundaries (`cu_seq_lens_q`); a forward without them (padded batches)
     runs the layers as they are."""
 
@@ -206,14 +244,14 @@ class SampleWise:
         self.bounds: list[int] | None = None
         self._hook = decoder.register_forward_pre_hook(self._take_bounds, with_kwargs=True)
         self._own_forwards = [module.__dict__.get("forward") for module in self.modules]  # e.g. accelerate's hooks
-        for module in self.modules:
-            module.forward = self._per_sample(module.forward)
+        for index, module in enumerate(self.modules):
+            module.forward = self._per_sample(module.forward, index)
 
     def _take_bounds(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         cu_seq_lens = kwargs.get("cu_seq_lens_q")
         self.bounds = None if cu_seq_lens is None else _Segments.of(cu_seq_lens)
 
-    def _per_sample(self, forward):
+    def _per_sample(self, forward, index: int):
         def per_sample(*args, **kwargs):
             bounds = self.bounds
             if bounds is None:  # not packed
@@ -223,18 +261,22 @@ class SampleWise:
             for name in _BOUNDARY_KWARGS:  # each call sees one plain sequence
                 kwargs.pop(name, None)
             parents = _Segments.parents or [-1] * (len(bounds) - 1)
-            continued = set(parents)
+            continued = set(parents) | set(Carried.exports)
             ends: dict[int, Cache] = {}  # segment -> its final states, for the segments that continue it
             outputs = []
             for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
                 cache = None
                 if parents[s] >= 0:
                     cache = handed_over(ends[parents[s]])
+                elif s in Carried.parents:  # an earlier forward's segment (streamx.model.carry)
+                    cache = handed_over(Carried.end(Carried.parents[s], index))
                 elif s in continued:
                     cache = DynamicCache(config=self.config)
                 outputs.append(forward(hidden[:, a:b], *args, **{**kwargs, **({"cache": cache} if cache else {})}))
                 if s in continued:
                     ends[s] = cache
+                if s in Carried.exports:
+                    Carried.keep_end(Carried.exports[s], index, cache)
             if not all(isinstance(out, torch.Tensor) for out in outputs):
                 raise NotImplementedError(f"sample-wise layers return tensors; got {type(outputs[0]).__name__}")
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
@@ -364,17 +406,19 @@ def _difference(batch: Batch, rows: list[Sample], model: nn.Module) -> tuple[int
     device = next(model.parameters()).device
     decoder = find_decoder(model).module
     try:
-        together = decoder(**batch.model_inputs(device), use_cache=False, output_hidden_states=True).hidden_states
-    except (NotImplementedError, TypeError, ValueError, RuntimeError) as err:
+        with carrying(batch.carry):
+            together = decoder(**batch.model_inputs(device), use_cache=False, output_hidden_states=True).hidden_states
+    except (NotImplementedError, TypeError, ValueError, RuntimeError, KeyError, AttributeError) as err:
         return f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     worst = (0, 0.0)
-    for row, ranges in zip(batch.samples, batch.row_ranges, strict=True):
+    for k, (row, ranges) in enumerate(zip(batch.samples, batch.row_ranges, strict=True)):
         if not any(row is r for r in rows):
             continue
         alone = decoder(input_ids=row.input_ids[None].to(device), use_cache=False, output_hidden_states=True)
         index = torch.cat([torch.arange(a, a + n) for a, n in ranges]).to(device)
+        here = batch.carried_tokens(k)  # the tokens before were checked with the batch that computed them
         for layer, (t, a) in enumerate(zip(together, alone.hidden_states, strict=True)):
-            got, want = t[0].index_select(0, index).float(), a[0].float()
+            got, want = t[0].index_select(0, index).float(), a[0, here:].float()
             error = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
             if not error <= worst[1]:
                 worst = (layer, error)
@@ -403,20 +447,27 @@ def probe(model: nn.Module) -> str | None:
 @torch.inference_mode()
 def probe_continuation(model: nn.Module) -> str | None:
     """Run two rows that share a leading run as a segment tree (the run once, each rest continuing from its
-    state: streamx.data.sharing) and each alone; None when every layer's states of both rows are the same both
-    ways (up to rounding), else why they are not. Call it on a model `enable` set up."""
+    state: streamx.data.sharing), in one forward and cut into two (the second continuing from what the first
+    kept: streamx.model.carry), and each row alone; None when every layer's states of both rows are the same
+    every way (up to rounding), else why they are not. Call it on a model `enable` set up."""
     prefix, first, second = _random_samples(model, PROBE_LENGTHS + (16,))
     rows = [Sample(i, ids, torch.ones(len(ids), dtype=torch.long))
             for i, ids in enumerate(torch.cat([prefix.input_ids, rest.input_ids]) for rest in (first, second))]
-    batch = packed_batch(pieces(share(rows, 1), len(prefix.input_ids) * 4))
-    if batch.segment_parents is None:
+    together = [packed_batch(pieces(share(rows, 1), len(prefix.input_ids) * 4))]
+    cut = [packed_batch([piece]) for piece in pieces(share(rows, 1), len(rows[0].input_ids))]
+    if together[0].segment_parents is None or len(cut) != 2 or cut[1].carry is None:
         raise AssertionError("the probe's rows must share their leading run")
-    found = _difference(batch, rows, model)
-    if isinstance(found, str):
-        return f"the forward with a shared prefix failed ({found})"
-    layer, error = found
-    if not error <= _tolerance(model):
-        return (f"a row continued from a shared prefix's state differs from the row computed alone (layer output "
-                f"{layer}: relative difference {error:.2g}); this model's layers do not continue from the prefix's "
-                "state")
+    try:
+        for way, batches in (("in one forward", together), ("across two forwards", cut)):
+            for batch in batches:
+                found = _difference(batch, rows, model)
+                if isinstance(found, str):
+                    return f"the forward with a shared prefix {way} failed ({found})"
+                layer, error = found
+                if not error <= _tolerance(model):
+                    return (f"a row continued from a shared prefix's state {way} differs from the row computed "
+                            f"alone (layer output {layer}: relative difference {error:.2g}); this model's layers do "
+                            "not continue from the prefix's state")
+    finally:
+        Carried.clear()  # what the cut kept, had it stopped before its last forward
     return None

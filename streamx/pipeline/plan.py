@@ -27,7 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .. import __version__
 from ..base.units import gb
 from ..config import RunConfig, resolve_layer_ids, untrainable_layers
-from ..data.batching import Batch, iter_batches, iter_windows
+from ..data.batching import Batch, iter_batches, iter_windows, to_run
 from ..data.provenance import fingerprint, regenerated
 from ..data.sharing import Sharing
 from ..data.source import Row, Source, open_source
@@ -100,7 +100,7 @@ class RunPlan:
                      times: StageTimes | None = None, done_keys: DoneKeys | None = None) -> Iterator[Batch | Reject]:
         """This rank's batches and rejects, in run order: the sorting windows of source rows it owns,
         tokenized and batched (packed as the run does, or as asked). Windows and batches whose rows are
-        all in `done` are left out; a batch with some done rows comes whole (the writer drops those).
+        all in `done` are left out (`to_run`); a batch with some done rows comes whole (the writer drops those).
         Every row of every window has its content key taken, in source order, so that every rank and every
         resume agree on which rows repeat an earlier one; with `done_keys` (a resume's, from the store), the
         windows it holds whole are not even parsed where the source can skip rows (jsonl): their keys come
@@ -125,10 +125,7 @@ class RunPlan:
                 samples = [self.with_key(s, *keys.get(s.row_id, (0, False))) for s in self.tokenize(window)]
             with times.measure("batching"):
                 items = list(self.batches(samples, packed))
-            for item in items:
-                item_rows = [item.row_id] if isinstance(item, Reject) else [s.row_id for s in item.samples]
-                if not all(r in done for r in item_rows):
-                    yield item
+            yield from to_run(items, done)
 
     def with_key(self, item: Sample | Reject, key: int, repeat: bool) -> Sample | Reject:
         """The item with its row's content key; a sample that repeats an earlier row is marked so, or with

@@ -33,6 +33,7 @@ import zarr
 
 from ..base.threads import get
 from ..data.batching import Batch
+from ..data.sharing import Segment
 from ..data.tokenize import REJECT_REASONS, Reject
 from ..model.transfer import HostBatch
 from ..store import Commit, SpaceGuard, StoreError
@@ -60,13 +61,25 @@ class CapturedBatch:
 
 @dataclass
 class RowOfBatch:
-    """A row to store, as ranges (first token, length) of its batch's computed tokens."""
+    """A row to store, as ranges (first token, length) of its batch's computed tokens, after those of tokens an
+    earlier batch stored (a tree cut into several batches: streamx.model.carry)."""
 
     row_id: int
     ranges: list[tuple[int, int]]
     loss_mask: np.ndarray  # its own, over its tokens
     duplicate: bool = False
     content_key: int = 0
+    stored_before: list[tuple[int, int]] = field(default_factory=list)  # (first token in the part, length)
+    stored_mask: np.ndarray | None = None  # the stored loss mask over stored_before
+
+
+@dataclass
+class KeptSegment:
+    """Where a segment that later batches continue lies in the part, and what they need to know of it."""
+
+    offset: int
+    loss_mask: np.ndarray  # as stored
+    finite: bool
 
 
 @dataclass
@@ -131,22 +144,24 @@ class PartWriter:
         self.append_batch(input_ids, loss_mask, hidden_bits, hidden_scales, [row])
 
     def append_batch(self, input_ids: np.ndarray, loss_mask: np.ndarray, hidden_bits: np.ndarray,
-                     hidden_scales: np.ndarray | None, rows: list[RowOfBatch]) -> None:
+                     hidden_scales: np.ndarray | None, rows: list[RowOfBatch]) -> int:
         """A batch's computed tokens, stored once whatever rows read them, and its rows, each made of ranges of
         them. `loss_mask`: 1 where some row reading a token trains on it; a row whose own mask differs keeps it.
-        Each row is committed as soon as the shards hold the tokens it reads (rows in order of their last)."""
+        Each row is committed as soon as the shards hold the tokens it reads (rows in order of their last).
+        Returns where the batch's first token lies in the part."""
         first = self.end
         values = {"hidden_states": hidden_bits, "hidden_states_scales": hidden_scales, "input_ids": input_ids,
                   "loss_mask": loss_mask}
         written = 0
-        for row in sorted(rows, key=lambda r: max(a + n for a, n in r.ranges)):
-            needed = max(a + n for a, n in row.ranges)
+        for row in sorted(rows, key=lambda r: max((a + n for a, n in r.ranges), default=0)):
+            needed = max((a + n for a, n in row.ranges), default=0)
             if needed > written:
                 self._write_tokens({name: v[written:needed] for name, v in values.items() if v is not None})
                 written = needed
-            self._add_row(row, [(first + a, n) for a, n in row.ranges], loss_mask)
+            self._add_row(row, [*row.stored_before, *((first + a, n) for a, n in row.ranges)], loss_mask)
         if written < len(input_ids):
             self._write_tokens({name: v[written:] for name, v in values.items() if v is not None})
+        return first
 
     def _write_tokens(self, values: dict[str, np.ndarray]) -> None:
         T, done = len(values["input_ids"]), 0
@@ -161,7 +176,8 @@ class PartWriter:
 
     def _add_row(self, row: RowOfBatch, ranges: list[tuple[int, int]], stored_mask: np.ndarray) -> None:
         mask = np.ascontiguousarray(row.loss_mask, dtype=np.uint8)
-        there = np.concatenate([stored_mask[a : a + n] for a, n in row.ranges])
+        there = np.concatenate([*([row.stored_mask] if row.stored_before else []),
+                                *(stored_mask[a : a + n] for a, n in row.ranges)])
         own = None if np.array_equal(there, mask) else mask
         if (len(ranges) > 1 or own is not None) and not self.shares:
             raise StoreError(f"{self.part.path} was created before streamx shared tokens between rows: resume it with "
@@ -350,6 +366,7 @@ class WriterStage:
                  source_rows: Callable[[], int | None] = lambda: None):
         self.writer, self.done, self.rate, self.times = writer, done, rate, times
         self.source_rows = source_rows  # the data's rows, asked when it has run out (recorded in the commit)
+        self.kept: dict[Segment, KeptSegment] = {}  # stored segments that later batches' rows start with
 
     def run(self, items: queue.Queue, failed: threading.Event, fill: QueueFill | None = None,
             rows_left: threading.Event | None = None) -> None:
@@ -384,25 +401,36 @@ class WriterStage:
                 batch.host.release()
 
     def _append(self, captured: CapturedBatch) -> None:
-        """The batch's computed tokens, once, then each of its rows not committed before, as ranges of them; a
-        row with a NaN or Inf among its states is a reject."""
-        batch = captured.batch
+        """The batch's computed tokens, once, then each of its rows not committed before, as ranges of them (after
+        the segments an earlier batch stored, which it keeps where later batches continue them); a row with a NaN
+        or Inf among its states is a reject."""
+        batch, carry = captured.batch, captured.batch.carry
         finite = captured.host.finite.tolist()
         rows = []
-        for sample, ranges, segments in zip(batch.samples, batch.row_ranges, batch.row_segments(), strict=True):
+        for k, (sample, segments) in enumerate(zip(batch.samples, batch.row_segments(), strict=True)):
             if sample.row_id in self.done:
                 continue
-            if all(finite[s] for s in segments):
-                rows.append((sample, ranges))
+            before = [(self.kept[segment], n) for segment, n in carry.rows[k]] if carry is not None else []
+            if all(finite[s] for s in segments) and all(kept.finite for kept, _ in before):
+                rows.append((k, sample, before))
             else:
                 self.reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states",
                                    sample.content_key))
-        if not rows:
-            return
-        hidden_bits = self.writer.storage.to_bits(captured.host.hidden)
-        scales = None if captured.host.scales is None else captured.host.scales.numpy()
-        self.writer.append_batch(batch.computed_ids(), batch.stored_loss_mask(), hidden_bits, scales,
-                                 [RowOfBatch(sample.row_id, ranges, sample.loss_mask.numpy(), sample.duplicate,
-                                             sample.content_key) for sample, ranges in rows])
+        if rows or (carry is not None and carry.exports):  # (a resume stores again what later rows start with)
+            hidden_bits = self.writer.storage.to_bits(captured.host.hidden)
+            scales = None if captured.host.scales is None else captured.host.scales.numpy()
+            stored_mask = batch.stored_loss_mask()
+            first = self.writer.append_batch(
+                batch.computed_ids(), stored_mask, hidden_bits, scales,
+                [RowOfBatch(sample.row_id, batch.row_ranges[k], sample.loss_mask.numpy(), sample.duplicate,
+                            sample.content_key, [(kept.offset, n) for kept, n in before],
+                            np.concatenate([kept.loss_mask[:n] for kept, n in before]) if before else None)
+                 for k, sample, before in rows])
+            bounds = batch.cu_seq_lens.tolist() if carry is not None else []
+            for s, segment in (carry.exports.items() if carry is not None else ()):
+                a, b = bounds[s], bounds[s + 1]
+                self.kept[segment] = KeptSegment(first + a, stored_mask[a:b].copy(), bool(finite[s]))
+        for segment in carry.releases if carry is not None else ():
+            self.kept.pop(segment, None)
         for _ in rows:
             self.rate.accept()

@@ -134,14 +134,18 @@ def check_rows(store: Store) -> Check:
     return _check("rows", problems, f"{len(store):,} samples, every row once", len(store), "rows duplicated")
 
 
-def _spans(store: Store, part: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _spans(store: Store, part: int, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(store positions, first token, end token) of the tokens each of a part's samples reads, by first token
-    (a sample that shares tokens reads them where they lie, within the tokens its batch stored)."""
+    (a sample that shares tokens reads them where they lie, within the tokens its batch stored, or for a
+    prefix that an earlier batch of its tree stored, maybe far before: then its last range, the rest read apart
+    by check_values)."""
     mine = np.flatnonzero(store.index.parts == part)
     firsts, ends = store.index.offsets[mine].copy(), store.index.offsets[mine] + store.index.lengths[mine]
     for k in np.flatnonzero(store.index.range_counts[mine]).tolist():
         ranges = store.ranges(int(mine[k]))
         firsts[k], ends[k] = min(a for a, _ in ranges), max(b for _, b in ranges)
+        if ends[k] - firsts[k] > limit:
+            firsts[k], ends[k] = ranges[-1]
     order = np.argsort(firsts, kind="stable")
     return mine[order], firsts[order], ends[order]
 
@@ -151,7 +155,7 @@ def _blocks(store: Store) -> Iterator[tuple[str, np.ndarray, int, int, Any]]:
     most READ_BYTES of float32 states a read unless one sample reads more."""
     limit = max(1, READ_BYTES // (store.metadata.num_slots * store.metadata.hidden_size * 4))
     for i, (name, part) in enumerate(store.parts.items()):
-        positions, firsts, ends = _spans(store, i)
+        positions, firsts, ends = _spans(store, i, limit)
         k = 0
         while k < positions.size:
             first, last, j = int(firsts[k]), int(ends[k]), k + 1
@@ -183,10 +187,19 @@ def check_values(store: Store, vocab_size: int | None) -> list[Check]:
         low = torch.where(finite[..., None], states, torch.inf).amin(dim=2)
         for pos in positions.tolist():
             row = int(store.index.rows[pos])
-            at = torch.from_numpy(np.concatenate([np.arange(a - first, b - first) for a, b in store.ranges(pos)]))
-            sample_ids = ids[at.numpy()]
-            sample_mask = stored_mask[at.numpy()] if store.index.mask_offsets[pos] < 0 else \
-                store.tokens_at(pos)[1].numpy()
+            spans = store.ranges(pos)
+            if all(first <= a and b <= last for a, b in spans):
+                at = torch.from_numpy(np.concatenate([np.arange(a - first, b - first) for a, b in spans]))
+                sample_ids, sample_mask = ids[at.numpy()], stored_mask[at.numpy()]
+                sample_finite, sample_high, sample_low = finite[at], high[at], low[at]
+            else:  # a prefix stored by an earlier batch of its tree, far before: its tokens read apart
+                sample_ids, sample_mask = (t.numpy() for t in store.tokens_at(pos))
+                apart = torch.cat([_states(store, part, a, b) for a, b in spans])
+                sample_finite = torch.isfinite(apart).all(dim=2)
+                sample_high = torch.where(sample_finite[..., None], apart, -torch.inf).amax(dim=2)
+                sample_low = torch.where(sample_finite[..., None], apart, torch.inf).amin(dim=2)
+            if store.index.mask_offsets[pos] >= 0:
+                sample_mask = store.tokens_at(pos)[1].numpy()
             if sample_ids.min() < 0 or (vocab_size is not None and sample_ids.max() >= vocab_size):
                 ids_bad.append(f"row {row}: token ids {int(sample_ids.min())}..{int(sample_ids.max())} outside "
                                f"0..{vocab_size - 1 if vocab_size else '?'}")
@@ -195,10 +208,10 @@ def check_values(store: Store, vocab_size: int | None) -> list[Check]:
             elif not sample_mask.any():
                 mask_bad.append(f"row {row}: loss mask has no trainable token")
             for slot, layer_id in enumerate(slots):
-                if not bool(finite[at, slot].all()):
+                if not bool(sample_finite[:, slot].all()):
                     states_bad.append(f"row {row}: id {layer_id} holds NaN or Inf")
-                elif float(high[at, slot].max()) == float(low[at, slot].min()):
-                    value = float(high[at[0], slot])
+                elif float(sample_high[:, slot].max()) == float(sample_low[:, slot].min()):
+                    value = float(sample_high[0, slot])
                     states_bad.append(f"row {row}: id {layer_id} is " + ("all zero" if value == 0 else
                                                                          f"constant {value:g}"))
     n = len(store)
@@ -219,9 +232,11 @@ def check_values(store: Store, vocab_size: int | None) -> list[Check]:
 
 def pick_samples(store: Store, n: int, seed: int) -> list[int]:
     """Store positions of n samples spread over the lengths (the longest always among them); in a store that
-    shares tokens between rows, half of them rows that continue a shared prefix."""
+    shares tokens between rows, half of them rows that continue a shared prefix. Every sample when n is as many."""
     if len(store) == 0 or n <= 0:
         return []
+    if n >= len(store):
+        return list(range(len(store)))
     by_length = np.argsort(store.index.lengths, kind="stable")
     strata = np.array_split(by_length[:-1], max(1, min(n, len(store)) - 1))
     rng = np.random.default_rng(seed)
