@@ -191,9 +191,9 @@ def packed_batch(pieces: list[Piece]) -> Batch:
     samples, earlier, ranges = _served(pieces, _starts(segments))
     carry = None
     if any(p.cut for p in pieces):
-        carry = Carry({k: s.parent for k, s in enumerate(segments) if s.parent is not None and id(s.parent) not in number},
-                      {number[id(s)]: s for p in pieces for s in p.exports}, [s for p in pieces for s in p.releases],
-                      earlier)
+        continued = {k: s.parent for k, s in enumerate(segments) if s.parent is not None and id(s.parent) not in number}
+        carry = Carry(continued, {number[id(s)]: s for p in pieces for s in p.exports},
+                      [s for p in pieces for s in p.releases], earlier)
     return Batch(samples, torch.from_numpy(input_ids)[None], None, torch.from_numpy(token_index),
                  _segment_index(lengths), lengths.tolist(), ranges, torch.from_numpy(position_ids)[None],
                  torch.from_numpy(cu_seq_lens), parents if any(p >= 0 for p in parents) else None, carry)
