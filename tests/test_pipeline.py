@@ -13,6 +13,7 @@ import torch
 from helpers import assert_same_samples, cli, committed_samples, reference_states, run_args, small_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from streamx.pipeline.plan import make_plan
 from streamx.pipeline.runner import run
 from streamx.store import open_store
 
@@ -118,6 +119,11 @@ def test_rerun_resumes_and_incompatible_rerun_is_refused(tiny_chat_model_dir, ch
 
 
 def test_kill_9_then_rerun_equals_an_uninterrupted_run(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    """Also where a shared prefix's later batches continue what an earlier batch kept (the chats' system prompt
+    over windows of more tokens than a batch): the kills may fall between them."""
+    plan = make_plan(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "plan.zarr"), log=lambda m: None)
+    carried = [b for b in plan.batch_stream() if getattr(b, "carry", None) is not None and b.carry.parents]
+    assert len(carried) >= 3
     reference = tmp_path / "ref.zarr"
     assert cli(*run_args(tiny_chat_model_dir, chat_jsonl, reference)).returncode == 0
     out = tmp_path / "killed.zarr"
