@@ -111,6 +111,7 @@ def reference_states(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
     base = model.model
     norm, base.norm = base.norm, nn.Identity()
     try:
-        return [h[0] for h in model(input_ids=input_ids[None], output_hidden_states=True).hidden_states]
+        ids = input_ids[None].to(next(model.parameters()).device)
+        return [h[0] for h in model(input_ids=ids, output_hidden_states=True).hidden_states]
     finally:
         base.norm = norm

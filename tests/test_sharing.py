@@ -120,28 +120,31 @@ def capture_rows(model, batches, layer_ids) -> dict[int, torch.Tensor]:
     out, kept = {}, {}
     with LayerCapture(model, layer_ids, gather_into_torch) as capture:
         for batch in batches:
-            states = torch.full((batch.num_tokens, len(layer_ids), H), float("nan"), dtype=torch.bfloat16)
+            states = torch.full((batch.num_tokens, len(layer_ids), H), float("nan"), dtype=torch.bfloat16,
+                                device=next(model.parameters()).device)
             capture.forward(batch, states)
             bounds = batch.cu_seq_lens.tolist() if batch.packed else []
             for s, segment in batch.carry.exports.items() if batch.carry else ():
                 kept[segment] = states[bounds[s] : bounds[s + 1]]
             for k, (sample, ranges) in enumerate(zip(batch.samples, batch.row_ranges, strict=True)):
                 before = [kept[segment][:n] for segment, n in batch.carry.rows[k]] if batch.carry else []
-                out[sample.row_id] = torch.cat([*before, *(states[a : a + n] for a, n in ranges)])
+                out[sample.row_id] = torch.cat([*before, *(states[a : a + n] for a, n in ranges)]).cpu()
     return out
 
 
 # packed trees on the CPU join each segment's attention parts by their log-sum-exps (tree); elsewhere each
 # segment gathers its ancestors' keys (per segment, what CUDA runs)
 PATHS = [(True, "tree"), (True, "per_segment"), (False, None)]
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]  # on a GPU machine (bench/gpu_check.sh) both
 
 
 @pytest.mark.parametrize(("packed", "path"), PATHS, ids=["packed", "packed-per-segment", "padded"])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_5"])
-def test_every_row_of_a_shared_batch_equals_the_row_alone(family, packed, path, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_row_of_a_shared_batch_equals_the_row_alone(family, packed, path, device, monkeypatch):
     if path == "per_segment":
         monkeypatch.setattr(packing, "_ATTENTION_WITH_LSE", None)
-    model, untouched = tiny_model(family), tiny_model(family)
+    model, untouched = tiny_model(family).to(device), tiny_model(family).to(device)
     assert configure(model, "on" if packed else "off").on == packed
     continues = packed and probe_continuation(model) is None
     assert continues == packed  # the hybrid's conv and recurrent states are handed over too (SampleWise)
@@ -160,7 +163,7 @@ def test_every_row_of_a_shared_batch_equals_the_row_alone(family, packed, path, 
     got = capture_rows(model, batches, ids)
     assert sorted(got) == list(range(len(samples)))
     for sample in samples:
-        want_all = reference_states(untouched, sample.input_ids)
+        want_all = [h.cpu() for h in reference_states(untouched, sample.input_ids)]
         for slot, layer_id in enumerate(ids):
             want = want_all[layer_id].to(torch.bfloat16).float()
             torch.testing.assert_close(got[sample.row_id][:, slot].float(), want, rtol=BF16_ULP,
