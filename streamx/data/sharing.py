@@ -243,5 +243,6 @@ class Sharing:
             return ("prefix rows only: a row that is a prefix of another (or a duplicate) is not computed; "
                     f"{self.reason}")
         return (f"on: rows that are prefixes of others (or duplicates) are not computed, and leading runs of "
-                f"{self.min_shared_tokens}+ tokens that rows share are computed once (checked on this model: a row "
-                "continued from a shared prefix has the states it has alone)")
+                f"{self.min_shared_tokens}+ tokens that rows share are computed once, also across batches (checked "
+                "on this model: a row continued from a shared prefix, in its batch or a later one, has the states it "
+                "has alone)")
