@@ -17,7 +17,8 @@ from streamx.data.batching import iter_batches
 from streamx.data.sharing import pieces, share
 from streamx.data.tokenize import Sample
 from streamx.model import packing
-from streamx.model.capture import LayerCapture
+from streamx.model.capture import LayerCapture, find_decoder
+from streamx.model.carry import Carried, carrying, kept_bytes_per_token
 from streamx.model.gather import gather_into_torch
 from streamx.model.packing import _Segments, configure, probe_continuation
 from streamx.pipeline.estimate import estimate
@@ -169,6 +170,25 @@ def test_every_row_of_a_shared_batch_equals_the_row_alone(family, packed, path, 
             torch.testing.assert_close(got[sample.row_id][:, slot].float(), want, rtol=BF16_ULP,
                                        atol=1e-5 * want.abs().max().item(),
                                        msg=f"{family}: row {sample.row_id} id {layer_id}")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_5"])
+def test_what_a_cut_tree_keeps_is_what_the_run_says_it_keeps(family):
+    """The bytes a batch keeps for the later batches of its tree, per kept token, are what the run's log line
+    states from the model's config (every attention layer's keys and values; none for linear attention)."""
+    model = tiny_model(family)
+    assert configure(model, "on").on
+    batches = list(iter_batches(rows_of_every_kind(model.config.vocab_size), 64, 256, 0, packed=True, sharing=True,
+                                min_shared_tokens=16))
+    first = next(b for b in batches if b.carry is not None and b.carry.exports)
+    try:
+        with torch.inference_mode(), carrying(first.carry):
+            find_decoder(model).module(**first.model_inputs(torch.device("cpu")), use_cache=False)
+        kept = sum(k.nbytes + v.nbytes for layers in Carried.keys.values() for k, v in layers.values())
+    finally:
+        Carried.clear()
+    tokens = sum(s.length for s in first.carry.exports.values())
+    assert tokens > 0 and kept == tokens * kept_bytes_per_token(model)
 
 
 def test_a_prefix_without_its_keys_or_its_recurrent_state_is_caught_by_the_probe(monkeypatch):

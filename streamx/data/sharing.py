@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..base.units import gb
 from .tokenize import Sample
 
 
@@ -224,6 +225,7 @@ class Sharing:
     on: bool
     min_shared_tokens: int | None = None  # the shortest leading run computed once; None: no leading runs shared
     reason: str | None = None  # why no leading runs are shared although sharing is on
+    kept_bytes: int | None = None  # at most what a tree cut into batches keeps between them (streamx.model.carry)
 
     @property
     def setting(self) -> str:
@@ -245,4 +247,5 @@ class Sharing:
         return (f"on: rows that are prefixes of others (or duplicates) are not computed, and leading runs of "
                 f"{self.min_shared_tokens}+ tokens that rows share are computed once, also across batches (checked "
                 "on this model: a row continued from a shared prefix, in its batch or a later one, has the states it "
-                "has alone)")
+                "has alone)" + (f"; a prefix continued in later batches keeps at most {gb(self.kept_bytes)} of "
+                                "keys and values meanwhile" if self.kept_bytes else ""))

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 from transformers.cache_utils import Cache
 
 from ..data.batching import Carry
@@ -76,3 +77,15 @@ def carrying(carry: Carry | None) -> Iterator[None]:
     for segment in carry.releases:
         Carried.keys.pop(segment, None)
         Carried.ends.pop(segment, None)
+
+
+def kept_bytes_per_token(model: nn.Module) -> int:
+    """What a kept token costs: the keys and values of every attention layer (not the linear-attention layers,
+    which keep one state per segment, whatever its length), at the model's dtype."""
+    text = model.config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    types = getattr(text, "layer_types", None)
+    layers = sum(t != "linear_attention" for t in types) if types else text.num_hidden_layers
+    return layers * 2 * heads * head_dim * next(model.parameters()).element_size()
+

@@ -32,6 +32,7 @@ from ..data.provenance import fingerprint, regenerated
 from ..data.sharing import Sharing
 from ..data.source import Row, Source, open_source
 from ..data.tokenize import REJECT_REASONS, Reject, Repeats, Sample, SampleBuilder, vocabulary_fingerprint
+from ..model.carry import kept_bytes_per_token
 from ..model.load import (
     ModelInfo,
     load_model,
@@ -198,7 +199,11 @@ def decide_sharing(config: RunConfig, packing: Packing, model: PreTrainedModel) 
         return Sharing(True, None, "padded batches hand no state from one segment to another, so leading runs "
                                    "are computed in every row")
     why = probe_continuation(model)
-    return Sharing(True, config.min_shared_tokens) if why is None else Sharing(True, None, why)
+    if why is not None:
+        return Sharing(True, None, why)
+    # a kept chain is a row's start: at most the longest row
+    kept = min(config.token_budget, config.max_length) * kept_bytes_per_token(model)
+    return Sharing(True, config.min_shared_tokens, kept_bytes=kept)
 
 
 def preflight(config: RunConfig, device: str, log: Callable[[str], None] = lambda m: None) -> Output:
