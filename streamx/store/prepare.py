@@ -8,6 +8,7 @@ banner, the output check and the free-space check), and once when it opens the s
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from ..base import durable
-from ..base.durable import DurableLocalStore
+from ..base.durable import TEMPORARY, DurableLocalStore
 from ..base.location import local_path, zarr_path
 from ..base.locks import Lock, is_lock, lock_file
 from .format import (
@@ -99,10 +100,12 @@ class Output:
 
 
 def _holds_anything(path: str) -> bool:
-    """Whether the local folder, or the object-store prefix, at `path` holds any file."""
+    """Whether the local folder, or the object-store prefix, at `path` holds any file: locks aside, and the
+    temporary files of durable writes (another rank creating the store: its zarr.json is on its way)."""
     target = local_path(path)
     if target is not None:
-        return target.exists() and any(not is_lock(p.name) for p in target.iterdir())
+        return target.exists() and any(not is_lock(p.name) and not fnmatch.fnmatch(p.name, TEMPORARY)
+                                       for p in target.iterdir())
     fs, root = fsspec.core.url_to_fs(path)
     try:
         return bool(fs.ls(root, detail=False))
