@@ -83,7 +83,7 @@ bench() {  # bench NAME CAP MODEL EXTRA...: streamx bench --random-weights, JSON
 }
 
 step tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_writer.py tests/test_kernel.py tests/test_fp8.py \
-    tests/test_sharing.py -k "not pipeline and not speculators and (not test_sharing or equals_the_row_alone)" -rs
+    tests/test_sharing.py -k "not pipeline and not speculators and (not test_sharing or equals_the_row_alone or flash_varlen)" -rs
 bench qwen3_8b 150 "$model_8b" --rounds 2
 # no uncounted round: the shape warm-up already compiles and autotunes every batch (packed and padded), and
 # the packed and padded forwards with streamx make three modes of about 20 s a round at 27B

@@ -133,18 +133,44 @@ def capture_rows(model, batches, layer_ids) -> dict[int, torch.Tensor]:
     return out
 
 
-# packed trees on the CPU join each segment's attention parts by their log-sum-exps (tree); elsewhere each
-# segment gathers its ancestors' keys (per segment, what CUDA runs)
-PATHS = [(True, "tree"), (True, "per_segment"), (False, None)]
+def reference_varlen(query, key, value, cu_q, cu_k, max_q, max_k, causal, scale):
+    """Variable-length attention written out in float64, with each query's log-sum-exp (what packing takes from
+    torch's flash kernel, which needs CUDA): sequence i's queries on its keys, causal aligned at the end."""
+    outs, lses = [], []
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cu_q) - 1):
+        q, k, v = (t[c[i] : c[i + 1]].double().transpose(0, 1) for t, c in ((query, cu_q), (key, cu_k), (value, cu_k)))
+        assert q.shape[1] <= max_q and k.shape[1] <= max_k
+        k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], dim=0) for t in (k, v))
+        scores = q @ k.transpose(1, 2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        if causal:
+            seen = torch.arange(k.shape[1])[None] <= torch.arange(q.shape[1])[:, None] + k.shape[1] - q.shape[1]
+            scores = scores.masked_fill(~seen.to(scores.device), float("-inf"))
+        lses.append(scores.logsumexp(-1))
+        outs.append((scores.softmax(-1) @ v).transpose(0, 1))
+    return torch.cat(outs).to(query.dtype), torch.cat(lses, dim=1).float()
+
+
+def use_path(path: str | None, monkeypatch) -> None:
+    """Packed trees on the CPU join each segment's attention parts by their log-sum-exps (tree); on CUDA in half
+    precision they run as flash attention over variable-length sequences (varlen: here through reference_varlen,
+    so the calls' layout is checked on any device); elsewhere each segment gathers its ancestors' keys."""
+    if path in ("per_segment", "varlen"):
+        monkeypatch.setattr(packing, "_ATTENTION_WITH_LSE", None)
+    if path == "varlen":
+        monkeypatch.setattr(packing, "_uses_varlen", lambda query: True)
+        monkeypatch.setattr(packing, "_varlen_attention", reference_varlen)
+
+
+PATHS = [(True, "tree"), (True, "per_segment"), (True, "varlen"), (False, None)]
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]  # on a GPU machine (bench/gpu_check.sh) both
 
 
-@pytest.mark.parametrize(("packed", "path"), PATHS, ids=["packed", "packed-per-segment", "padded"])
+@pytest.mark.parametrize(("packed", "path"), PATHS, ids=["packed", "packed-per-segment", "packed-varlen", "padded"])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_5"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_row_of_a_shared_batch_equals_the_row_alone(family, packed, path, device, monkeypatch):
-    if path == "per_segment":
-        monkeypatch.setattr(packing, "_ATTENTION_WITH_LSE", None)
+    use_path(path, monkeypatch)
     model, untouched = tiny_model(family).to(device), tiny_model(family).to(device)
     assert configure(model, "on" if packed else "off").on == packed
     continues = packed and probe_continuation(model) is None
@@ -172,6 +198,47 @@ def test_every_row_of_a_shared_batch_equals_the_row_alone(family, packed, path, 
                                        msg=f"{family}: row {sample.row_id} id {layer_id}")
 
 
+flash_varlen_only = pytest.mark.skipif(not torch.cuda.is_available() or packing._VARLEN is None,
+                                       reason="needs a CUDA device and torch's varlen_attn (torch >= 2.10)")
+
+
+@flash_varlen_only
+@pytest.mark.parametrize("causal", [True, False])
+def test_torch_flash_varlen_is_the_attention_the_varlen_path_assumes(causal):
+    """torch's varlen_attn, as packing calls it, against reference_varlen: queries and keys of different lengths
+    per sequence (cu_q != cu_k), grouped-query heads, each query's log-sum-exp [heads, Tq]."""
+    g = torch.Generator().manual_seed(0)
+    cu_q, cu_k = torch.tensor([0, 5, 12, 40], dtype=torch.int32), torch.tensor([0, 9, 16, 60], dtype=torch.int32)
+    q, k, v = (torch.randn(n, heads, 64, generator=g).cuda().bfloat16() for n, heads in ((40, 4), (60, 2), (60, 2)))
+    args = (cu_q.cuda(), cu_k.cuda(), 28, 44, causal, 0.125)
+    out, lse = packing._varlen_attention(q, k, v, *args)
+    want, want_lse = reference_varlen(q, k, v, *args)
+    assert lse.shape == want_lse.shape == (4, 40)
+    torch.testing.assert_close(out.float(), want.float(), rtol=BF16_ULP, atol=1e-2)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-2)
+
+
+@flash_varlen_only
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_5"])
+def test_the_flash_varlen_path_on_cuda_gives_every_row_alone(family):
+    """In bf16 on CUDA packed attention runs on torch's flash kernel (cu_q != cu_k where segments continue others
+    or kept chains): every row of shared, cut batches against the row alone in HF, both in bf16, within the
+    probe's bf16 tolerance (a segment that missed its ancestors' keys is off by O(1))."""
+    model, untouched = (tiny_model(family).cuda().bfloat16() for _ in range(2))
+    assert configure(model, "on").on and probe_continuation(model) is None
+    samples = rows_of_every_kind(model.config.vocab_size)
+    batches = list(iter_batches(samples, 64, 256, 0, packed=True, sharing=True, min_shared_tokens=16))
+    assert any(b.carry is not None and b.carry.parents for b in batches)
+    ids = [0, 2, 4]
+    got = capture_rows(model, batches, ids)
+    for sample in samples:
+        want_all = reference_states(untouched, sample.input_ids)
+        for slot, layer_id in enumerate(ids):
+            want = want_all[layer_id].float().cpu()
+            error = (got[sample.row_id][:, slot].float() - want).abs().max() / want.abs().max()
+            assert error <= 5e-2, f"{family}: row {sample.row_id} id {layer_id}: relative difference {error:.3g}"
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_5"])
 def test_what_a_cut_tree_keeps_is_what_the_run_says_it_keeps(family):
     """The bytes a batch keeps for the later batches of its tree, per kept token, are what the run's log line
@@ -196,6 +263,8 @@ def test_a_prefix_without_its_keys_or_its_recurrent_state_is_caught_by_the_probe
     assert configure(model, "on").on and probe_continuation(model) is None
     no_descendants = staticmethod(lambda bounds, parents: bounds[1:])  # the tree path: no query sees an ancestor
     monkeypatch.setattr(_Segments, "_subtree_ends", no_descendants)
+    assert "do not continue from the prefix's state" in probe_continuation(model)
+    use_path("varlen", monkeypatch)  # the varlen path's joins, from the same descendants
     assert "do not continue from the prefix's state" in probe_continuation(model)
     monkeypatch.undo()
     monkeypatch.setattr(packing, "_ATTENTION_WITH_LSE", None)  # the per-segment path: only its own keys

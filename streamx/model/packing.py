@@ -5,9 +5,10 @@ ids restarting at 0 for each sample and `cu_seq_lens` marking where each one sta
 hands them to the decoder). Three things
 must keep the samples apart:
 
-- attention: the `streamx_packed_sdpa` implementation runs transformers' own sdpa attention once
-  per sample segment (causal inside it), so a packed batch costs what its samples cost alone, never
-  a (sum of lengths)^2 mask; flash_attention_2/3 read the same `cu_seq_lens` natively (varlen);
+- attention: the `streamx_packed_sdpa` implementation attends within each sample segment (causal inside
+  it), so a packed batch costs what its samples cost alone, never a (sum of lengths)^2 mask: on CUDA in
+  one call of torch's flash-attention over variable-length sequences (`varlen_attn`), elsewhere sdpa once
+  per segment; flash_attention_2/3 read the same `cu_seq_lens` natively (varlen);
 - recurrent and convolutional layers (gated delta-net, causal conv1d) must reset at each boundary,
   which depends on the kernels transformers finds (fla reads `cu_seq_lens`; transformers' torch
   fallbacks and its causal conv1d without the `causal-conv1d` package do not): where they do not,
@@ -24,6 +25,7 @@ uses padded batches and says why (in the log and the store's metadata).
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..data.batching import Batch, make_packed_batch, packed_batch
-from ..data.sharing import pieces, share
+from ..data.sharing import Segment, pieces, share
 from ..data.tokenize import Sample
 from .capture import find_decoder
 from .carry import Carried, carrying
@@ -64,11 +66,12 @@ class _Segments:
     subtree_ends: list[int] = []  # segment -> where the tokens of its descendants end (its own end: none)
     positions: torch.Tensor | None = None  # the running forward's position_ids
     keys: dict = {}  # segment -> the ranges of tokens its queries attend to: its ancestors', then its own
+    joins: list[Join] | None = None  # the running forward's (varlen_joins)
 
     @classmethod
     def of(cls, cu_seq_lens: torch.Tensor) -> list[int]:
         if cu_seq_lens is not cls.tensor:
-            cls.tensor, cls.bounds, cls.keys = cu_seq_lens, cu_seq_lens.tolist(), {}
+            cls.tensor, cls.bounds, cls.keys, cls.joins = cu_seq_lens, cu_seq_lens.tolist(), {}, None
             cls.parents = cls._parents(cls.bounds)
             cls.subtree_ends = [] if cls.parents is None else cls._subtree_ends(cls.bounds, cls.parents)
         return cls.bounds
@@ -137,10 +140,72 @@ class _Segments:
                 spans.append((a, end, parent))
         return spans
 
+    @classmethod
+    def varlen_joins(cls) -> list[Join]:
+        """What the running forward's queries attend to besides their own segment's keys, as variable-length
+        attention calls: one per tree depth (each segment there with descendants: the queries of its descendants,
+        which follow it, on its keys; such segments' subtrees are disjoint), then one per kept chain (the runs of
+        queries continuing it, on its keys). Built once per forward, on the running forward's device."""
+        if cls.joins is None:
+            cls.joins = [] if cls.parents is None else cls._joins()
+        return cls.joins
+
+    @classmethod
+    def _joins(cls) -> list[Join]:
+        device, bounds, depth = cls.tensor.device, cls.bounds, []
+        for parent in cls.parents:
+            depth.append(depth[parent] + 1 if parent >= 0 else 0)
+        joins = []
+        for level in range(max(depth) + 1):
+            pairs = [((bounds[s + 1], end), (bounds[s], bounds[s + 1]))
+                     for s, end in enumerate(cls.subtree_ends) if depth[s] == level and end != bounds[s + 1]]
+            if pairs:
+                joins.append(Join.of([q for q, _ in pairs], [k for _, k in pairs], device))
+        by_chain: dict[int, tuple[Segment, list[tuple[int, int]]]] = {}
+        for a, end, kept in cls.carried_spans():
+            by_chain.setdefault(id(kept), (kept, []))[1].append((a, end))
+        joins += [Join.of(spans, [], device, kept) for kept, spans in by_chain.values()]
+        return joins
+
+
+@dataclass(frozen=True)
+class Join:
+    """One variable-length attention call that adds keys to some queries: sequence i's queries (the packed tokens
+    at `queries[cu_q[i]:cu_q[i+1]]`) attend to the keys of the packed tokens at `keys[cu_k[i]:cu_k[i+1]]`, or (one
+    sequence) to a kept segment's whole chain (`kept`, streamx.model.carry)."""
+
+    queries: torch.Tensor  # int64, on the forward's device
+    cu_q: torch.Tensor  # int32 [sequences + 1]
+    max_q: int
+    cu_k: torch.Tensor  # int32 [sequences + 1]
+    max_k: int
+    keys: torch.Tensor | None = None  # int64 (None: the kept chain's)
+    kept: Segment | None = None
+
+    @classmethod
+    def of(cls, query_ranges: list[tuple[int, int]], key_ranges: list[tuple[int, int]], device: torch.device,
+           kept: Segment | None = None) -> Join:
+        """Sequence i: the queries of query_ranges[i] on the keys of key_ranges[i]; or every query of the ranges
+        on the chain of `kept` (its tokens 0..kept.end)."""
+        def index(ranges: list[tuple[int, int]]) -> torch.Tensor:
+            return torch.cat([torch.arange(a, b) for a, b in ranges]).to(device)
+
+        def cumulative(lengths: list[int]) -> torch.Tensor:
+            return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device)
+
+        queries = index(query_ranges)
+        if kept is not None:
+            return cls(queries, cumulative([len(queries)]), len(queries), cumulative([kept.end]), kept.end, kept=kept)
+        q_lengths, k_lengths = [b - a for a, b in query_ranges], [b - a for a, b in key_ranges]
+        return cls(queries, cumulative(q_lengths), max(q_lengths), cumulative(k_lengths), max(k_lengths),
+                   keys=index(key_ranges))
+
 
 def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
-    """sdpa attention over each sample of a packed row separately: [1, heads, T, d] -> [1, T, heads, d]."""
+    """Attention over each sample of a packed row separately (and over the ancestors' keys of a segment that
+    continues others): flash attention over variable-length sequences on CUDA in half precision, else sdpa per
+    segment, or the CPU's tree path. [1, heads, T, d] -> [1, T, heads, d]"""
     unsupported = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
     if unsupported or attention_mask is not None:
         raise NotImplementedError(f"packed attention does not implement {unsupported or 'an attention mask'}")
@@ -152,6 +217,8 @@ def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
     bounds = _Segments.of(cu_seq_lens)
     if Carried.exports:  # what later forwards of this tree continue
         Carried.keep_keys(module.layer_idx, bounds, key, value)
+    if _uses_varlen(query):
+        return _varlen_tree_attention(query, key, value, kwargs.get("scaling"), module.layer_idx), None
     if _Segments.parents is not None:
         if query.device.type == "cpu" and _ATTENTION_WITH_LSE is not None:
             return _tree_attention(query, key, value, kwargs.get("scaling"), module.layer_idx), None
@@ -220,6 +287,55 @@ def _tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         join(a, end, *(all_heads(t) for t in Carried.chain_keys(kept, layer)))
     return joined.to(query.dtype)
 
+
+def _uses_varlen(query: torch.Tensor) -> bool:
+    """Whether packed attention runs as variable-length flash attention: torch's, on CUDA, in half precision."""
+    return _VARLEN is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+
+
+def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
+                      cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool,
+                      scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash attention over variable-length sequences: sequence i's queries cu_q[i]:cu_q[i+1] attend to its keys
+    cu_k[i]:cu_k[i+1] (causal: aligned at the end, so a query sees the keys before its own position). Queries
+    [Tq, heads, d], keys and values [Tk, kv heads, d]; returns the output [Tq, heads, d] and each query's log-sum-exp
+    of its scores [heads, Tq]."""
+    return _VARLEN(query, key, value, cu_q, cu_k, max_q, max_k, return_aux=_AuxRequest(lse=True), scale=scale,
+                   window_size=(-1, 0) if causal else (-1, -1), enable_gqa=query.shape[1] != key.shape[1])
+
+
+def _varlen_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+                           layer: int) -> torch.Tensor:
+    """A packed batch (of trees, or of plain samples) as a few variable-length attention calls: every segment's
+    queries on its own keys (causal), in one call; then each of `_Segments.varlen_joins` (its queries on their
+    ancestors' keys, where cu_q differs from cu_k), joined by log-sum-exps as in `_tree_attention`.
+    [1, heads, T, d] -> [1, T, heads, d]"""
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, heads, d]
+    bounds = _Segments.bounds
+    longest = max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+    out, lse = _varlen_attention(q, k, v, _Segments.tensor, _Segments.tensor, longest, longest, True, scale)
+    joins = _Segments.varlen_joins()
+    if joins:
+        out = out.float()
+    for join in joins:
+        if join.kept is None:
+            keys, values = k.index_select(0, join.keys), v.index_select(0, join.keys)
+        else:
+            keys, values = (t[0].transpose(0, 1).contiguous() for t in Carried.chain_keys(join.kept, layer))
+        part, part_lse = _varlen_attention(q.index_select(0, join.queries), keys, values, join.cu_q, join.cu_k,
+                                           join.max_q, join.max_k, False, scale)
+        gain = part_lse - lse[:, join.queries]  # the part's weight in the joined softmax is sigmoid(gain)
+        joined = out.index_select(0, join.queries).lerp_(part.float(), torch.sigmoid(gain).T.unsqueeze(-1))
+        out.index_copy_(0, join.queries, joined)
+        lse[:, join.queries] += F.softplus(gain)
+    return out.to(query.dtype)[None]
+
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import AuxRequest as _AuxRequest
+    from torch.nn.attention.varlen import varlen_attn as _VARLEN
+except ImportError:
+    _VARLEN = _AuxRequest = None
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa)
 
