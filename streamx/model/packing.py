@@ -25,6 +25,8 @@ uses padded batches and says why (in the log and the store's metadata).
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -289,8 +291,15 @@ def _tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _uses_varlen(query: torch.Tensor) -> bool:
-    """Whether packed attention runs as variable-length flash attention: torch's, on CUDA, in half precision."""
-    return _VARLEN is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+    """Whether packed attention runs as variable-length flash attention: torch's, on CUDA (Ampere or later), in
+    half precision, heads of at most 256 dimensions (what its flash kernels take)."""
+    return (_VARLEN is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and query.shape[-1] <= 256 and _flash_capable(query.device.index))
+
+
+@functools.cache
+def _flash_capable(device_index: int | None) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 8
 
 
 def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
@@ -331,9 +340,12 @@ def _varlen_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     return out.to(query.dtype)[None]
 
 
-try:  # torch >= 2.10
+try:  # torch >= 2.12: with grouped-query heads and window_size (2.10 and 2.11 took is_causal and no enable_gqa)
     from torch.nn.attention.varlen import AuxRequest as _AuxRequest
     from torch.nn.attention.varlen import varlen_attn as _VARLEN
+
+    if not {"window_size", "enable_gqa", "scale"} <= set(inspect.signature(_VARLEN).parameters):
+        _VARLEN = None
 except ImportError:
     _VARLEN = _AuxRequest = None
 
