@@ -22,6 +22,7 @@ from streamx.model.carry import Carried, carrying, kept_bytes_per_token
 from streamx.model.gather import gather_into_torch
 from streamx.model.packing import _Segments, configure, probe_continuation
 from streamx.pipeline.estimate import estimate
+from streamx.pipeline.plan import decide_sharing
 from streamx.pipeline.runner import run
 from streamx.pipeline.writer import PartWriter
 from streamx.store import SharedKinds, open_store
@@ -277,6 +278,62 @@ def test_a_prefix_without_its_keys_or_its_recurrent_state_is_caught_by_the_probe
     fresh = lambda cache: DynamicCache(config=hybrid.config.get_text_config())  # noqa: E731
     monkeypatch.setattr(packing, "handed_over", fresh)  # each continuation from a clean recurrent state
     assert "do not continue from the prefix's state" in probe_continuation(hybrid)
+
+
+def like_native_varlen_kernels(model) -> list[int]:
+    """Have the hybrid's linear-attention layers behave as flash-linear-attention's varlen kernels do: a packed
+    forward keeps its samples apart (each segment from a clean state) and hands no state from one to another.
+    Returns a list that grows by one for each packed call they take whole."""
+    whole = []
+    for module in packing.sequence_mixers(model):
+        def forward(hidden_states, cache=None, attention_mask=None, own=module.forward, **kwargs):
+            cu = kwargs.pop("cu_seq_lens_q", None)
+            for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+                kwargs.pop(name, None)
+            if cu is None:  # one sequence (as SampleWise calls them): the model's own, from the cache it is given
+                return own(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+            whole.append(1)
+            b = cu.tolist()
+            return torch.cat([own(hidden_states[:, x:y], attention_mask=attention_mask, **kwargs)
+                              for x, y in zip(b, b[1:], strict=False)], dim=1)
+        module.forward = forward
+    return whole
+
+
+def test_linear_attention_kernels_that_start_every_sample_clean_hand_states_over_once_per_segment(monkeypatch):
+    """A hybrid whose own kernels keep packed samples apart but cannot continue a segment from its parent's state
+    (flash-linear-attention's varlen path): packing stays native, the continuation probe fails on its own, so
+    those layers run once per segment in batches with shared runs only, and every row equals the row alone."""
+    model, untouched = tiny_model("qwen3_5"), tiny_model("qwen3_5")
+    whole = like_native_varlen_kernels(model)
+    packing_ = configure(model, "on")
+    assert packing_.on and packing_.sample_wise_layers == 0  # native: the packing probe passes as it is
+    assert "do not continue from the prefix's state" in probe_continuation(model)
+    sharing = decide_sharing(RunConfig(token_budget=64, max_length=64), packing_, model)
+    assert sharing.min_shared_tokens is not None and sharing.handing_over == 3, sharing.note()
+    assert "linear-attention layers run once per segment" in sharing.note()
+
+    samples = rows_of_every_kind(model.config.vocab_size)
+    batches = list(iter_batches(samples, 64, 256, 0, packed=True, sharing=True, min_shared_tokens=16))
+    plain = [b for b in batches if b.segment_parents is None and b.carry is None]
+    assert plain and len(plain) < len(batches)
+    whole.clear()
+    got = capture_rows(model, batches, [0, 2, 4])
+    # the model's own kernels took the batches without shared runs whole (3 linear-attention layers each)
+    assert len(whole) == 3 * len(plain)
+    for sample in samples:
+        want_all = reference_states(untouched, sample.input_ids)
+        for slot, layer_id in enumerate([0, 2, 4]):
+            want = want_all[layer_id].to(torch.bfloat16).float()
+            torch.testing.assert_close(got[sample.row_id][:, slot].float(), want, rtol=BF16_ULP,
+                                       atol=1e-5 * want.abs().max().item(), msg=f"row {sample.row_id} id {layer_id}")
+
+    # where even once per segment the states do not carry over, the layers go back to their own kernels
+    other = tiny_model("qwen3_5")
+    like_native_varlen_kernels(other)
+    monkeypatch.setattr(packing, "handed_over", lambda cache: DynamicCache(config=other.config.get_text_config()))
+    sharing = decide_sharing(RunConfig(token_budget=64, max_length=64), configure(other, "on"), other)
+    assert sharing.min_shared_tokens is None and packing.sample_wise_layers(other) == 0
 
 
 def write_rows(path, rows: list[dict]) -> str:

@@ -226,6 +226,7 @@ class Sharing:
     min_shared_tokens: int | None = None  # the shortest leading run computed once; None: no leading runs shared
     reason: str | None = None  # why no leading runs are shared although sharing is on
     kept_bytes: int | None = None  # at most what a tree cut into batches keeps between them (streamx.model.carry)
+    handing_over: int = 0  # linear-attention layers run once per segment in batches with trees, to hand states over
 
     @property
     def setting(self) -> str:
@@ -248,4 +249,7 @@ class Sharing:
                 f"{self.min_shared_tokens}+ tokens that rows share are computed once, also across batches (checked "
                 "on this model: a row continued from a shared prefix, in its batch or a later one, has the states it "
                 "has alone)" + (f"; a prefix continued in later batches keeps at most {gb(self.kept_bytes)} of "
-                                "keys and values meanwhile" if self.kept_bytes else ""))
+                                "keys and values meanwhile" if self.kept_bytes else "")
+                + (f"; in batches with shared runs its {self.handing_over} linear-attention layers run once per "
+                   "segment, each continuing its parent's state (their own kernels start every sample from a clean one)"
+                   if self.handing_over else ""))

@@ -365,8 +365,9 @@ class SampleWise:
     the decoder takes each forward's boundaries (`cu_seq_lens_q`); a forward without them (padded batches)
     runs the layers as they are."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, native: bool = False):
         decoder = find_decoder(model).module
+        self.native = native  # the layers keep packed samples apart themselves: once per segment only to hand over
         self.modules = sequence_mixers(model)
         self.config = model.config.get_text_config()
         self.bounds: list[int] | None = None
@@ -382,8 +383,8 @@ class SampleWise:
     def _per_sample(self, forward, index: int):
         def per_sample(*args, **kwargs):
             bounds = self.bounds
-            if bounds is None:  # not packed
-                return forward(*args, **kwargs)
+            if bounds is None or (self.native and _Segments.parents is None and not Carried.exports):
+                return forward(*args, **kwargs)  # not packed, or nothing handed over: the model's own kernels
             hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
             args = args[1:] if args and hidden is args[0] else args
             for name in _BOUNDARY_KWARGS:  # each call sees one plain sequence
@@ -418,6 +419,23 @@ class SampleWise:
                 del module.forward  # back to the class's own
             else:
                 module.forward = forward
+
+
+def hand_states_over(model: nn.Module) -> bool:
+    """Have the sequence-mixing layers of a model whose own kernels keep packed samples apart, but start each from
+    a clean state (flash-linear-attention's varlen kernels), run once per segment in forwards where a segment
+    continues another's state (SampleWise, native): True when that is new, so the continuation probe is worth
+    running again."""
+    if sample_wise_layers(model) or not sequence_mixers(model):
+        return False
+    model._streamx_sample_wise = SampleWise(model, native=True)
+    return True
+
+
+def keep_samples_apart_natively(model: nn.Module) -> None:
+    """Undo hand_states_over: the layers run as the model's own kernels run them again."""
+    model._streamx_sample_wise.remove()
+    del model._streamx_sample_wise
 
 
 def handed_over(cache: Cache) -> Cache:

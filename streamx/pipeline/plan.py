@@ -42,7 +42,13 @@ from ..model.load import (
     resolve_dtype,
     resolve_model_path,
 )
-from ..model.packing import Packing, probe_continuation
+from ..model.packing import (
+    Packing,
+    hand_states_over,
+    keep_samples_apart_natively,
+    probe_continuation,
+    sample_wise_layers,
+)
 from ..model.packing import configure as configure_packing
 from ..store import (
     Compat,
@@ -199,11 +205,18 @@ def decide_sharing(config: RunConfig, packing: Packing, model: PreTrainedModel) 
         return Sharing(True, None, "padded batches hand no state from one segment to another, so leading runs "
                                    "are computed in every row")
     why = probe_continuation(model)
+    handing_over = 0
+    if why is not None and hand_states_over(model):  # e.g. flash-linear-attention's varlen kernels
+        why = probe_continuation(model)
+        if why is None:
+            handing_over = sample_wise_layers(model)
+        else:
+            keep_samples_apart_natively(model)
     if why is not None:
         return Sharing(True, None, why)
     # a kept chain is a row's start: at most the longest row
     kept = min(config.token_budget, config.max_length) * kept_bytes_per_token(model)
-    return Sharing(True, config.min_shared_tokens, kept_bytes=kept)
+    return Sharing(True, config.min_shared_tokens, kept_bytes=kept, handing_over=handing_over)
 
 
 def preflight(config: RunConfig, device: str, log: Callable[[str], None] = lambda m: None) -> Output:
