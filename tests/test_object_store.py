@@ -31,6 +31,9 @@ def s3_env():
     try:
         import s3fs
 
+        # filesystems made under an earlier server of this module (xdist may tear a module's fixture down and set
+        # it up again on another port when it hands tests between workers) would still point at that one
+        s3fs.S3FileSystem.clear_instance_cache()
         deadline = time.time() + 30
         while True:
             try:
