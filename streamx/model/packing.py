@@ -277,10 +277,7 @@ def _tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                                              is_causal=True, scale=scale)
 
     def join(a: int, b: int, keys: torch.Tensor, values: torch.Tensor) -> None:  # queries a:b also see these
-        part, part_lse = _ATTENTION_WITH_LSE(query[:, :, a:b], keys, values, scale=scale)
-        gain = part_lse - lse[:, :, a:b]  # the part's weight in the joined softmax is sigmoid(gain)
-        out[:, :, a:b].lerp_(part.float(), torch.sigmoid(gain).unsqueeze(-1))
-        lse[:, :, a:b] += F.softplus(gain)  # log(exp(lse) + exp(part_lse))
+        _join_parts(out[:, :, a:b], lse[:, :, a:b], *_ATTENTION_WITH_LSE(query[:, :, a:b], keys, values, scale=scale))
 
     for (a, b), end in zip(pairs, _Segments.subtree_ends, strict=True):
         if end != b:
@@ -288,6 +285,14 @@ def _tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     for a, end, kept in _Segments.carried_spans():
         join(a, end, *(all_heads(t) for t in Carried.chain_keys(kept, layer)))
     return joined.to(query.dtype)
+
+
+def _join_parts(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Attention over more keys, in place: `out` (float32, [..., d]) and its log-sum-exps `lse` ([...]) over some
+    keys, joined with `part` and `part_lse` over others, as flash attention joins its blocks."""
+    gain = part_lse - lse  # the part's weight in the joined softmax is sigmoid(gain)
+    out.lerp_(part.float(), torch.sigmoid(gain).unsqueeze(-1))
+    lse += F.softplus(gain)  # log(exp(lse) + exp(part_lse))
 
 
 def _uses_varlen(query: torch.Tensor) -> bool:
@@ -333,10 +338,10 @@ def _varlen_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
             keys, values = (t[0].transpose(0, 1).contiguous() for t in Carried.chain_keys(join.kept, layer))
         part, part_lse = _varlen_attention(q.index_select(0, join.queries), keys, values, join.cu_q, join.cu_k,
                                            join.max_q, join.max_k, False, scale)
-        gain = part_lse - lse[:, join.queries]  # the part's weight in the joined softmax is sigmoid(gain)
-        joined = out.index_select(0, join.queries).lerp_(part.float(), torch.sigmoid(gain).T.unsqueeze(-1))
+        joined, joined_lse = out.index_select(0, join.queries), lse[:, join.queries].T  # [n, heads, d], [n, heads]
+        _join_parts(joined, joined_lse, part, part_lse.T)
         out.index_copy_(0, join.queries, joined)
-        lse[:, join.queries] += F.softplus(gain)
+        lse[:, join.queries] = joined_lse.T
     return out.to(query.dtype)[None]
 
 
