@@ -551,9 +551,19 @@ def _random_samples(model: nn.Module, lengths: tuple[int, ...]) -> list[Sample]:
             for i, n in enumerate(lengths)]
 
 
-def _difference(batch: Batch, rows: list[Sample], model: nn.Module) -> tuple[int, float] | str:
-    """Run `batch` and each of `rows` alone; the layer output where their states differ most, and by how much
-    (relative to the largest state), or why the batch could not run."""
+def _alone(rows: list[Sample], model: nn.Module) -> dict[int, tuple[torch.Tensor, ...]]:
+    """Each row's states at every layer output, computed alone (the reference the probes compare with), by the
+    row's id(): computed once however many of the probe's batches hold the row."""
+    device = next(model.parameters()).device
+    decoder = find_decoder(model).module
+    return {id(row): decoder(input_ids=row.input_ids[None].to(device), use_cache=False,
+                             output_hidden_states=True).hidden_states for row in rows}
+
+
+def _difference(batch: Batch, alone: dict[int, tuple[torch.Tensor, ...]], model: nn.Module) -> tuple[int, float] | str:
+    """Run `batch`; the layer output where its rows' states differ most from those rows computed `alone`
+    (_alone; the batch's other rows are not compared), and by how much (relative to the largest state), or why
+    the batch could not run."""
     device = next(model.parameters()).device
     decoder = find_decoder(model).module
     try:
@@ -563,12 +573,11 @@ def _difference(batch: Batch, rows: list[Sample], model: nn.Module) -> tuple[int
         return f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     worst = (0, 0.0)
     for k, (row, ranges) in enumerate(zip(batch.samples, batch.row_ranges, strict=True)):
-        if not any(row is r for r in rows):
+        if id(row) not in alone:
             continue
-        alone = decoder(input_ids=row.input_ids[None].to(device), use_cache=False, output_hidden_states=True)
         index = torch.cat([torch.arange(a, a + n) for a, n in ranges]).to(device)
         here = batch.carried_tokens(k)  # the tokens before were checked with the batch that computed them
-        for layer, (t, a) in enumerate(zip(together, alone.hidden_states, strict=True)):
+        for layer, (t, a) in enumerate(zip(together, alone[id(row)], strict=True)):
             got, want = t[0].index_select(0, index).float(), a[0, here:].float()
             error = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
             if not error <= worst[1]:
@@ -585,7 +594,7 @@ def probe(model: nn.Module) -> str | None:
     """Run two unrelated samples packed and each alone; None when the second one's states at every layer
     are the same both ways (up to rounding), else where they differ."""
     first, second = _random_samples(model, PROBE_LENGTHS)
-    found = _difference(make_packed_batch([first, second]), [second], model)
+    found = _difference(make_packed_batch([first, second]), _alone([second], model), model)
     if isinstance(found, str):
         return f"the packed forward failed ({found})"
     layer, error = found
@@ -608,10 +617,11 @@ def probe_continuation(model: nn.Module) -> str | None:
     cut = [packed_batch([piece]) for piece in pieces(share(rows, 1), len(rows[0].input_ids))]
     if together[0].segment_parents is None or len(cut) != 2 or cut[1].carry is None:
         raise AssertionError("the probe's rows must share their leading run")
+    alone = _alone(rows, model)
     try:
         for way, batches in (("in one forward", together), ("across two forwards", cut)):
             for batch in batches:
-                found = _difference(batch, rows, model)
+                found = _difference(batch, alone, model)
                 if isinstance(found, str):
                     return f"the forward with a shared prefix {way} failed ({found})"
                 layer, error = found

@@ -32,7 +32,7 @@ import numpy as np
 import zarr
 
 from ..base.threads import get
-from ..data.batching import Batch
+from ..data.batching import Batch, Carry
 from ..data.sharing import Segment
 from ..data.tokenize import REJECT_REASONS, Reject
 from ..model.transfer import HostBatch
@@ -80,6 +80,30 @@ class KeptSegment:
     offset: int
     loss_mask: np.ndarray  # as stored
     finite: bool
+
+
+class KeptSegments:
+    """Where the segments that later batches' rows start with lie in the part (a tree cut across batches:
+    streamx.model.carry), from the batch that stores each to the last batch that continues it."""
+
+    def __init__(self) -> None:
+        self._kept: dict[Segment, KeptSegment] = {}
+
+    def before(self, carry: Carry | None, k: int) -> list[tuple[KeptSegment, int]]:
+        """The stored segments that row k of a batch starts with, and how many tokens of each it holds."""
+        return [] if carry is None else [(self._kept[segment], n) for segment, n in carry.rows[k]]
+
+    def keep(self, carry: Carry, bounds: list[int], first: int, stored_mask: np.ndarray, finite: list[bool]) -> None:
+        """The batch's segments that later batches continue: segment s is its tokens bounds[s]:bounds[s + 1],
+        stored from token `first` of the part on."""
+        for s, segment in carry.exports.items():
+            a, b = bounds[s], bounds[s + 1]
+            self._kept[segment] = KeptSegment(first + a, stored_mask[a:b].copy(), bool(finite[s]))
+
+    def release(self, carry: Carry) -> None:
+        """Let go of the segments no batch after this one continues."""
+        for segment in carry.releases:
+            self._kept.pop(segment, None)
 
 
 @dataclass
@@ -366,7 +390,7 @@ class WriterStage:
                  source_rows: Callable[[], int | None] = lambda: None):
         self.writer, self.done, self.rate, self.times = writer, done, rate, times
         self.source_rows = source_rows  # the data's rows, asked when it has run out (recorded in the commit)
-        self.kept: dict[Segment, KeptSegment] = {}  # stored segments that later batches' rows start with
+        self.kept = KeptSegments()
 
     def run(self, items: queue.Queue, failed: threading.Event, fill: QueueFill | None = None,
             rows_left: threading.Event | None = None) -> None:
@@ -402,17 +426,19 @@ class WriterStage:
 
     def _append(self, captured: CapturedBatch) -> None:
         """The batch's computed tokens, once, then each of its rows not committed before, as ranges of them (after
-        the segments an earlier batch stored, which it keeps where later batches continue them); a row with a NaN
-        or Inf among its states is a reject."""
+        the segments an earlier batch stored); a row with a NaN or Inf among its states is a reject."""
         batch, carry = captured.batch, captured.batch.carry
         finite = captured.host.finite.tolist()
         rows = []
         for k, (sample, segments) in enumerate(zip(batch.samples, batch.row_segments(), strict=True)):
             if sample.row_id in self.done:
                 continue
-            before = [(self.kept[segment], n) for segment, n in carry.rows[k]] if carry is not None else []
+            before = self.kept.before(carry, k)
             if all(finite[s] for s in segments) and all(kept.finite for kept, _ in before):
-                rows.append((k, sample, before))
+                rows.append(RowOfBatch(
+                    sample.row_id, batch.row_ranges[k], sample.loss_mask.numpy(), sample.duplicate,
+                    sample.content_key, [(kept.offset, n) for kept, n in before],
+                    np.concatenate([kept.loss_mask[:n] for kept, n in before]) if before else None))
             else:
                 self.reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states",
                                    sample.content_key))
@@ -420,17 +446,11 @@ class WriterStage:
             hidden_bits = self.writer.storage.to_bits(captured.host.hidden)
             scales = None if captured.host.scales is None else captured.host.scales.numpy()
             stored_mask = batch.stored_loss_mask()
-            first = self.writer.append_batch(
-                batch.computed_ids(), stored_mask, hidden_bits, scales,
-                [RowOfBatch(sample.row_id, batch.row_ranges[k], sample.loss_mask.numpy(), sample.duplicate,
-                            sample.content_key, [(kept.offset, n) for kept, n in before],
-                            np.concatenate([kept.loss_mask[:n] for kept, n in before]) if before else None)
-                 for k, sample, before in rows])
-            bounds = batch.cu_seq_lens.tolist() if carry is not None else []
-            for s, segment in (carry.exports.items() if carry is not None else ()):
-                a, b = bounds[s], bounds[s + 1]
-                self.kept[segment] = KeptSegment(first + a, stored_mask[a:b].copy(), bool(finite[s]))
-        for segment in carry.releases if carry is not None else ():
-            self.kept.pop(segment, None)
+            first = self.writer.append_batch(batch.computed_ids(), stored_mask, hidden_bits, scales, rows)
+            if carry is not None:
+                self.kept.keep(carry, batch.cu_seq_lens.tolist(), first, stored_mask, finite)
+        if carry is not None:
+            self.kept.release(carry)
         for _ in rows:
             self.rate.accept()
+
