@@ -362,17 +362,18 @@ _BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_lengt
 
 class SampleWise:
     """Runs the decoder's sequence-mixing layers (gated delta-net linear attention with its causal conv1d)
-    once per segment of a packed row, so that each starts from a clean state whatever kernels transformers
-    found; everything else still runs over the whole row. A segment that continues another (a shared prefix,
-    streamx.data.sharing) starts from that segment's final states instead, its conv window's inputs and its
-    recurrent state, handed over through a transformers cache of the layer as generation would (or kept from an
-    earlier forward: streamx.model.carry). A pre-hook on
-    the decoder takes each forward's boundaries (`cu_seq_lens_q`); a forward without them (padded batches)
-    runs the layers as they are."""
+    segment by segment of a packed row, so that each starts from a clean state whatever kernels transformers
+    found; everything else still runs over the whole row. The segments that others continue run alone, in
+    order; the rest as batches of alike lengths, padded after their tokens (which a causal layer's outputs
+    never see), a few calls a layer rather than one per segment. A segment that continues another (a shared
+    prefix, streamx.data.sharing) starts from that segment's final states instead, its conv window's inputs and
+    its recurrent state, handed over through a transformers cache of the layer as generation would (or kept from
+    an earlier forward: streamx.model.carry). A pre-hook on the decoder takes each forward's boundaries
+    (`cu_seq_lens_q`); a forward without them (padded batches) runs the layers as they are."""
 
     def __init__(self, model: nn.Module, native: bool = False):
         decoder = find_decoder(model).module
-        self.native = native  # the layers keep packed samples apart themselves: once per segment only to hand over
+        self.native = native  # the layers keep packed samples apart themselves: sample-wise only to hand over
         self.modules = sequence_mixers(model)
         self.config = model.config.get_text_config()
         self.bounds: list[int] | None = None
@@ -392,25 +393,49 @@ class SampleWise:
                 return forward(*args, **kwargs)  # not packed, or nothing handed over: the model's own kernels
             hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
             args = args[1:] if args and hidden is args[0] else args
-            for name in _BOUNDARY_KWARGS:  # each call sees one plain sequence
-                kwargs.pop(name, None)
+            for name in (*_BOUNDARY_KWARGS, "attention_mask", "cache"):  # each call sees plain sequences (a group's
+                kwargs.pop(name, None)  # padding follows its tokens) and the start states given here
             parents = _Segments.parents or [-1] * (len(bounds) - 1)
             continued = set(parents) | set(Carried.exports)
             ends: dict[int, Cache] = {}  # segment -> its final states, for the segments that continue it
-            outputs = []
-            for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
-                cache = None
+            outputs: list[torch.Tensor | None] = [None] * len(parents)
+
+            def start(s: int) -> Cache | None:
+                """The states segment s starts from (None: a clean start)."""
                 if parents[s] >= 0:
-                    cache = handed_over(ends[parents[s]])
-                elif s in Carried.parents:  # an earlier forward's segment (streamx.model.carry)
-                    cache = handed_over(Carried.end(Carried.parents[s], index))
-                elif s in continued:
-                    cache = DynamicCache(config=self.config)
-                outputs.append(forward(hidden[:, a:b], *args, **{**kwargs, **({"cache": cache} if cache else {})}))
-                if s in continued:
-                    ends[s] = cache
+                    return ends[parents[s]]
+                if s in Carried.parents:  # an earlier forward's segment (streamx.model.carry)
+                    return Carried.end(Carried.parents[s], index)
+                return None
+
+            # segments that others continue run alone, in order (parents come first), each keeping its end states
+            for s in sorted(continued - {-1}):
+                begun = start(s)
+                cache = handed_over(begun) if begun is not None else DynamicCache(config=self.config)
+                outputs[s] = forward(hidden[:, bounds[s]:bounds[s + 1]], *args, **kwargs, cache=cache)
+                ends[s] = cache
                 if s in Carried.exports:
                     Carried.keep_end(Carried.exports[s], index, cache)
+            # the rest end rows: those that start alike and are about as long run as one batch, padded after their
+            # tokens (which, causal, never see it), from copies of their start states
+            leaves = [s for s in range(len(parents)) if s not in continued]
+            for begun, group in _alike(leaves, bounds, start):
+                lengths = [bounds[s + 1] - bounds[s] for s in group]
+                if len(group) == 1:
+                    batch = hidden[:, bounds[group[0]]:bounds[group[0] + 1]]
+                else:
+                    batch = hidden.new_zeros(len(group), max(lengths), hidden.shape[-1])
+                    for row, s in enumerate(group):
+                        batch[row, : lengths[row]] = hidden[0, bounds[s]:bounds[s + 1]]
+                cache = None
+                if begun is not None:
+                    cache = handed_over(begun)
+                    cache.reorder_cache(torch.zeros(len(group), dtype=torch.long, device=hidden.device))
+                out = forward(batch, *args, **kwargs, **({"cache": cache} if cache is not None else {}))
+                if not isinstance(out, torch.Tensor):
+                    raise NotImplementedError(f"sample-wise layers return tensors; got {type(out).__name__}")
+                for row, s in enumerate(group):
+                    outputs[s] = out[row: row + 1, : lengths[row]]
             if not all(isinstance(out, torch.Tensor) for out in outputs):
                 raise NotImplementedError(f"sample-wise layers return tensors; got {type(outputs[0]).__name__}")
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
@@ -446,6 +471,31 @@ def keep_samples_apart_natively(model: nn.Module) -> None:
 def handed_over(cache: Cache) -> Cache:
     """A segment's final states for one segment that continues it (a copy: its siblings continue them too)."""
     return copy.deepcopy(cache)
+
+
+PADDING_ALLOWED = 0.25  # a group of sample-wise rows pads at most this share of its tokens
+
+
+def _alike(segments: list[int], bounds: list[int], start) -> Iterator[tuple[Cache | None, list[int]]]:
+    """`segments` in groups that one padded call runs: the same start states (`start(s)`), and lengths alike
+    enough that padding to the longest adds at most PADDING_ALLOWED of the group's tokens; longest first."""
+    by_start: dict[int, tuple[Cache | None, list[int]]] = {}
+    for s in segments:
+        begun = start(s)
+        by_start.setdefault(id(begun), (begun, []))[1].append(s)
+    for begun, members in by_start.values():
+        members.sort(key=lambda s: bounds[s] - bounds[s + 1])  # longest first
+        group, tokens = [], 0
+        for s in members:
+            n = bounds[s + 1] - bounds[s]
+            longest = bounds[group[0] + 1] - bounds[group[0]] if group else n
+            if group and longest * (len(group) + 1) > (1 + PADDING_ALLOWED) * (tokens + n):
+                yield begun, group
+                group, tokens = [], 0
+            group.append(s)
+            tokens += n
+        if group:
+            yield begun, group
 
 
 def sequence_mixers(model: nn.Module) -> list[nn.Module]:
