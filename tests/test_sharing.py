@@ -199,6 +199,32 @@ def test_every_row_of_a_shared_batch_equals_the_row_alone(family, packed, path, 
                                        msg=f"{family}: row {sample.row_id} id {layer_id}")
 
 
+def test_hybrid_rows_from_different_states_run_as_one_padded_group(monkeypatch):
+    """The hybrid's linear-attention layers run the segments no other continues as padded groups of alike lengths:
+    one group here holds rows continuing two different prefixes and a row starting clean, each row of the group
+    from its own start states; every row equals the row alone."""
+    model, untouched = tiny_model("qwen3_5"), tiny_model("qwen3_5")
+    assert configure(model, "on").on and probe_continuation(model) is None
+    g = torch.Generator().manual_seed(1)
+    draw = lambda n: torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    first, second = draw(20), draw(20)
+    samples = as_samples([first + draw(10), first + draw(10), second + draw(10), second + draw(9), draw(10)])
+    groups, group_start = [], packing._group_start
+    monkeypatch.setattr(packing, "_group_start", lambda starts, layer: groups.append(starts) or group_start(starts,
+                                                                                                             layer))
+    batches = list(iter_batches(samples, 256, 256, 0, packed=True, sharing=True, min_shared_tokens=16))
+    assert len(batches) == 1 and batches[0].segment_parents is not None
+    got = capture_rows(model, batches, [0, 1, 2, 3, 4])
+    mixed = [starts for starts in groups if len(starts) == 5]
+    assert mixed and all(None in starts and len({id(c) for c in starts}) == 3 for starts in mixed)
+    for sample in samples:
+        want_all = reference_states(untouched, sample.input_ids)
+        for slot in range(5):
+            want = want_all[slot].to(torch.bfloat16).float()
+            torch.testing.assert_close(got[sample.row_id][:, slot].float(), want, rtol=BF16_ULP,
+                                       atol=1e-5 * want.abs().max().item(), msg=f"row {sample.row_id} id {slot}")
+
+
 flash_varlen_only = pytest.mark.skipif(not torch.cuda.is_available() or packing._VARLEN is None,
                                        reason="needs a CUDA device and torch's varlen_attn (torch >= 2.10)")
 

@@ -416,10 +416,10 @@ class SampleWise:
                 ends[s] = cache
                 if s in Carried.exports:
                     Carried.keep_end(Carried.exports[s], index, cache)
-            # the rest end rows: those that start alike and are about as long run as one batch, padded after their
-            # tokens (which, causal, never see it), from copies of their start states
+            # the rest end rows: those about as long run as one batch, padded after their tokens (which, causal,
+            # never see it), each row from a copy of its start states
             leaves = [s for s in range(len(parents)) if s not in continued]
-            for begun, group in _alike(leaves, bounds, start):
+            for group in _alike(leaves, bounds):
                 lengths = [bounds[s + 1] - bounds[s] for s in group]
                 if len(group) == 1:
                     batch = hidden[:, bounds[group[0]]:bounds[group[0] + 1]]
@@ -427,10 +427,7 @@ class SampleWise:
                     batch = hidden.new_zeros(len(group), max(lengths), hidden.shape[-1])
                     for row, s in enumerate(group):
                         batch[row, : lengths[row]] = hidden[0, bounds[s]:bounds[s + 1]]
-                cache = None
-                if begun is not None:
-                    cache = handed_over(begun)
-                    cache.reorder_cache(torch.zeros(len(group), dtype=torch.long, device=hidden.device))
+                cache = _group_start([start(s) for s in group], self.modules[index].layer_idx)
                 out = forward(batch, *args, **kwargs, **({"cache": cache} if cache is not None else {}))
                 if not isinstance(out, torch.Tensor):
                     raise NotImplementedError(f"sample-wise layers return tensors; got {type(out).__name__}")
@@ -476,26 +473,40 @@ def handed_over(cache: Cache) -> Cache:
 PADDING_ALLOWED = 0.25  # a group of sample-wise rows pads at most this share of its tokens
 
 
-def _alike(segments: list[int], bounds: list[int], start) -> Iterator[tuple[Cache | None, list[int]]]:
-    """`segments` in groups that one padded call runs: the same start states (`start(s)`), and lengths alike
-    enough that padding to the longest adds at most PADDING_ALLOWED of the group's tokens; longest first."""
-    by_start: dict[int, tuple[Cache | None, list[int]]] = {}
-    for s in segments:
-        begun = start(s)
-        by_start.setdefault(id(begun), (begun, []))[1].append(s)
-    for begun, members in by_start.values():
-        members.sort(key=lambda s: bounds[s] - bounds[s + 1])  # longest first
-        group, tokens = [], 0
-        for s in members:
-            n = bounds[s + 1] - bounds[s]
-            longest = bounds[group[0] + 1] - bounds[group[0]] if group else n
-            if group and longest * (len(group) + 1) > (1 + PADDING_ALLOWED) * (tokens + n):
-                yield begun, group
-                group, tokens = [], 0
-            group.append(s)
-            tokens += n
-        if group:
-            yield begun, group
+def _alike(segments: list[int], bounds: list[int]) -> Iterator[list[int]]:
+    """`segments` in groups that one padded call runs: lengths alike enough that padding to the longest adds at
+    most PADDING_ALLOWED of the group's tokens; longest first."""
+    group, tokens, longest = [], 0, 0
+    for s in sorted(segments, key=lambda s: bounds[s] - bounds[s + 1]):  # longest first
+        n = bounds[s + 1] - bounds[s]
+        if group and longest * (len(group) + 1) > (1 + PADDING_ALLOWED) * (tokens + n):
+            yield group
+            group, tokens = [], 0
+        if not group:
+            longest = n
+        group.append(s)
+        tokens += n
+    if group:
+        yield group
+
+
+def _group_start(starts: list[Cache | None], layer: int) -> Cache | None:
+    """One cache whose row r holds starts[r]'s conv and recurrent states at `layer` (zeros for None, which a
+    causal conv and a recurrence starting from zeros read as a clean start); None when every start is clean."""
+    given = [c for c in starts if c is not None]
+    if not given:
+        return None
+    cache = handed_over(given[0])
+    cache.reorder_cache(torch.zeros(len(starts), dtype=torch.long, device=given[0].get_conv_state(layer).device))
+    conv, recurrent = cache.get_conv_state(layer), cache.get_recurrent_state(layer)  # fresh rows (index_select)
+    for row, begun in enumerate(starts):
+        if begun is None:
+            conv[row].zero_()
+            recurrent[row].zero_()
+        elif begun is not given[0]:
+            conv[row].copy_(begun.get_conv_state(layer)[0])
+            recurrent[row].copy_(begun.get_recurrent_state(layer)[0])
+    return cache
 
 
 def sequence_mixers(model: nn.Module) -> list[nn.Module]:
