@@ -43,7 +43,7 @@ def packed_capture(model, samples, layer_ids) -> torch.Tensor:
 def test_packed_states_equal_each_sample_alone(family):
     model, untouched = tiny_model(family), tiny_model(family)  # same weights; the reference keeps plain sdpa
     assert enable(model) is None and model.config._attn_implementation == PACKED_SDPA
-    # the hybrid's gated delta-net layers run once per sample unless transformers found kernels that reset at
+    # the hybrid's gated delta-net layers run sample by sample unless transformers found kernels that reset at
     # boundaries (flash-linear-attention and causal-conv1d, CUDA only)
     if family != "qwen3_5":
         assert sample_wise_layers(model) == 0

@@ -12,7 +12,7 @@ must keep the samples apart:
 - recurrent and convolutional layers (gated delta-net, causal conv1d) must reset at each boundary,
   which depends on the kernels transformers finds (fla reads `cu_seq_lens`; transformers' torch
   fallbacks and its causal conv1d without the `causal-conv1d` package do not): where they do not,
-  `SampleWise` runs those layers once per sample (the rest of the model still sees the whole batch);
+  `SampleWise` runs those layers sample by sample (the rest of the model still sees the whole batch);
 - nothing else may mix tokens (MLPs, MoE routing and norms work per token).
 
 Rather than trust versions and kernels, `enable` proves it on the loaded model: a probe runs two
@@ -554,8 +554,8 @@ class Packing:
     def note(self) -> str:
         """The run's log line."""
         if self.on:
-            layers = (f"; its {self.sample_wise_layers} linear-attention layers run once per sample"
-                      if self.sample_wise_layers else "")
+            layers = (f"; its {self.sample_wise_layers} linear-attention layers run sample by sample (in padded "
+                      "groups of alike lengths)" if self.sample_wise_layers else "")
             return ("on: each forward's samples side by side, no padding (checked on this model: a sample packed "
                     f"after another has the states it has alone){layers}")
         return f"{self}; padded batches" if self.reason else "off: padded batches"
