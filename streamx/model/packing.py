@@ -400,6 +400,12 @@ class SampleWise:
             ends: dict[int, Cache] = {}  # segment -> its final states, for the segments that continue it
             outputs: list[torch.Tensor | None] = [None] * len(parents)
 
+            def run(x: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+                out = forward(x, *args, **kwargs, **({"cache": cache} if cache is not None else {}))
+                if not isinstance(out, torch.Tensor):
+                    raise NotImplementedError(f"sample-wise layers return tensors; got {type(out).__name__}")
+                return out
+
             def start(s: int) -> Cache | None:
                 """The states segment s starts from (None: a clean start)."""
                 if parents[s] >= 0:
@@ -412,7 +418,7 @@ class SampleWise:
             for s in sorted(continued - {-1}):
                 begun = start(s)
                 cache = handed_over(begun) if begun is not None else DynamicCache(config=self.config)
-                outputs[s] = forward(hidden[:, bounds[s]:bounds[s + 1]], *args, **kwargs, cache=cache)
+                outputs[s] = run(hidden[:, bounds[s]:bounds[s + 1]], cache)
                 ends[s] = cache
                 if s in Carried.exports:
                     Carried.keep_end(Carried.exports[s], index, cache)
@@ -427,14 +433,9 @@ class SampleWise:
                     batch = hidden.new_zeros(len(group), max(lengths), hidden.shape[-1])
                     for row, s in enumerate(group):
                         batch[row, : lengths[row]] = hidden[0, bounds[s]:bounds[s + 1]]
-                cache = _group_start([start(s) for s in group], self.modules[index].layer_idx)
-                out = forward(batch, *args, **kwargs, **({"cache": cache} if cache is not None else {}))
-                if not isinstance(out, torch.Tensor):
-                    raise NotImplementedError(f"sample-wise layers return tensors; got {type(out).__name__}")
+                out = run(batch, _group_start([start(s) for s in group], self.modules[index].layer_idx))
                 for row, s in enumerate(group):
                     outputs[s] = out[row: row + 1, : lengths[row]]
-            if not all(isinstance(out, torch.Tensor) for out in outputs):
-                raise NotImplementedError(f"sample-wise layers return tensors; got {type(outputs[0]).__name__}")
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
         return per_sample
