@@ -3,7 +3,7 @@
 `gather_into(states, slot, hidden, token_index)` is what the capture hooks call, once per
 selected layer: states is [N, K, H] bfloat16, hidden is [B, S, H] (any float dtype, H
 contiguous), token_index holds the flat b * S + t of the N real tokens. The torch path runs
-everywhere; the Triton kernel (kernels/, installed as streamx_kernels) takes the same arguments.
+everywhere; the Triton kernel (streamx_kernels, in kernels/) takes the same arguments.
 """
 
 from __future__ import annotations

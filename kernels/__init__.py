@@ -1,1 +1,0 @@
-"""Triton kernels for streamx (imported as streamx_kernels)."""
