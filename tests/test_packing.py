@@ -15,7 +15,7 @@ from streamx.data.batching import first_fit, make_packed_batch
 from streamx.data.tokenize import Sample
 from streamx.model.capture import LayerCapture
 from streamx.model.gather import gather_into_torch
-from streamx.model.packing import PACKED_SDPA, Packing, configure, enable, probe, sample_wise_layers
+from streamx.model.packing import PACKED_SDPA, Packing, configure, enable, probe, sample_wise_layers, sequence_mixers
 from streamx.pipeline.runner import run
 from streamx.store import open_store
 
@@ -86,6 +86,19 @@ def test_hybrid_linear_attention_mixes_packed_samples_unless_run_sample_wise():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert configure(model, "off") == Packing(on=False) and sample_wise_layers(model) == 0
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_sequence_mixers_that_return_no_tensor_leave_packing_off_and_say_why():
+    """SampleWise cuts and joins the linear-attention layers' outputs as tensors; layers that return anything
+    else (a tuple with their cache, say, which the model's own layer unpacks: a hook here) must not be joined as if
+    they did: packing stays off and says why."""
+    model = tiny_model("qwen3_5")
+    for mixer in sequence_mixers(model):
+        mixer.forward = lambda *args, _own=mixer.forward, **kwargs: (_own(*args, **kwargs), None)
+        mixer.register_forward_hook(lambda module, args, out: out[0] if isinstance(out, tuple) else out)
+    packing = configure(model, "on")
+    assert not packing.on and "sample-wise layers return tensors; got tuple" in packing.reason, packing
+    assert sample_wise_layers(model) == 0 and model.config._attn_implementation == "sdpa"
 
 
 def leaky_attention(module, query, key, value, attention_mask, **kwargs):
