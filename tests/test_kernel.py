@@ -171,11 +171,11 @@ def test_compiled_kernel_writes_pinned_host_memory():
 def test_the_checkout_does_not_shadow_the_pypi_package_named_kernels(tmp_path):
     """transformers 5.25+ requires and imports the PyPI package `kernels`; Python run in the checkout puts the
     checkout first on sys.path, so a `kernels/__init__.py` there broke every transformers import (CI's fresh
-    Python 3.12 venv). A stand-in for the PyPI package, later on the path, must win."""
+    Python 3.12 venv). A stand-in for the PyPI package, next on the path (before any installed one), must win."""
     stand_in = tmp_path / "site" / "kernels"
     stand_in.mkdir(parents=True)
     (stand_in / "__init__.py").write_text("FROM_PYPI = True\n")
     checkout = Path(__file__).resolve().parents[1]
-    probe = f"import sys; sys.path.append({str(stand_in.parent)!r}); import kernels; print(kernels.FROM_PYPI)"
+    probe = f"import sys; sys.path.insert(1, {str(stand_in.parent)!r}); import kernels; print(kernels.FROM_PYPI)"
     done = subprocess.run([sys.executable, "-c", probe], cwd=checkout, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
