@@ -263,9 +263,8 @@ activation = torch.ones(31 << 18)  # 31 MiB of float32, touched
 during = libc.mallinfo2()
 del activation
 after = libc.mallinfo2()
-# kept: what the heap's free lists gained when the tensor went (the heap may have had free room before, which the
-# tensor took: the arena then grows by less than the tensor, and the free room before by less, so neither is the
-# measure)
+# kept: what the heap's free lists gained when the tensor went (the tensor may take free room the heap had before,
+# so neither the arena's growth nor the free room's change since then measures it)
 print(json.dumps({"mmapped": during.hblkhd - before.hblkhd, "heap_kept": after.fordblks - during.fordblks}))
 """
 
