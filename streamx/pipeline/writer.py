@@ -453,4 +453,3 @@ class WriterStage:
             self.kept.release(carry)
         for _ in rows:
             self.rate.accept()
-
