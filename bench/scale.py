@@ -13,6 +13,12 @@ command runs as its own process (`python -m streamx ...`), timed by GNU time (pe
     python bench/scale.py --scratch /tmp/streamx-scale            # all sizes; deletes the scratch dir at the end
     python bench/scale.py --scratch /tmp/s --sizes 10000 --keep   # one size, keep the stores
 
+    python bench/scale.py --scratch /tmp/s --rows fanned  # fanned-out chats: every kind of sharing, at scale
+
+--rows fanned writes chats as speculators' regenerate fans them out (one row per assistant turn, each row the
+whole history before it, loss on its last reply) behind one of 8 system prompts, a tenth of the chats repeated:
+prefix rows, duplicates and shared leading runs at a million rows; it also times `convert --merge-prefix-rows`.
+
 Results: --json (rewritten after every command) and a markdown table at the end. The tokenizer comes from
 --tokenizer, else the embedded model's converted folder (streamx.model.load.resolve_model_path).
 """
@@ -36,16 +42,20 @@ REPO = Path(__file__).resolve().parent.parent
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--scratch", type=Path, required=True, help="scratch folder (data, model, stores)")
 parser.add_argument("--sizes", default="10000,100000,1000000")
-parser.add_argument("--json", type=Path, default=REPO / "bench/results/scale-cpu.json")
+parser.add_argument("--json", type=Path, default=None, help="default: bench/results/scale-cpu[-fanned].json")
 parser.add_argument("--hs-files-max", type=int, default=1_000_000, help="largest N converted with hs files")
 parser.add_argument("--chunk-tokens", type=int, default=2048)
 parser.add_argument("--shard-tokens", type=int, default=8192, help="small shards: many commits, as long rows give")
 parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the embedded model's)")
 parser.add_argument("--src", type=Path, default=REPO, help="folder holding the streamx package to measure, e.g. "
                     "`git archive HEAD | tar -x -C DIR` while the checkout is being edited (default: this checkout)")
+parser.add_argument("--rows", choices=["random", "fanned"], default="random",
+                    help="random: 8-24 random tokens a row (nothing shared); fanned: fanned-out chats (see above)")
 parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
 args = parser.parse_args()
 sizes = [int(s) for s in args.sizes.split(",")]
+args.json = args.json or REPO / f"bench/results/scale-cpu{'-fanned' if args.rows == 'fanned' else ''}.json"
+max_length = 64 if args.rows == "random" else 256
 sys.path.insert(0, str(args.src.resolve()))  # the measured streamx, here and (PYTHONPATH below) in the commands
 args.scratch.mkdir(parents=True, exist_ok=True)
 # OMP_NUM_THREADS=1: this tiny model's ops are too small for OpenMP; with 2 threads on 2 cores its forward runs
@@ -83,6 +93,32 @@ def write_rows(path: Path, n: int) -> None:
             mask = [0] * (T // 3) + [1] * (T - T // 3)
             f.write(json.dumps({"input_ids": ids[start:start + T], "loss_mask": mask}, separators=(",", ":")) + "\n")
             start += T
+
+
+def write_fanned_rows(path: Path, n: int) -> None:
+    """n rows of fanned-out chats: each chat of 1-8 turns (a user message and a reply of 3-8 tokens each) behind
+    one of 8 system prompts of 24 tokens gives one row per reply, the whole history before it included, the loss
+    on that reply alone; a tenth of the chats repeat an earlier chat whole (exact duplicates)."""
+    rng = np.random.default_rng(n)
+    prompts = rng.integers(3, vocab, (8, 24)).tolist()
+    chats: list[list[list[int]]] = []  # a chat: its turns, each a user message then a reply, as [user, reply]
+    written = 0
+    with open(path, "w") as f:
+        while written < n:
+            if chats and rng.random() < 0.1:
+                prompt, turns = chats[int(rng.integers(len(chats)))]
+            else:
+                prompt = prompts[int(rng.integers(8))]
+                turns = [[rng.integers(3, vocab, int(rng.integers(3, 9))).tolist() for _ in range(2)]
+                         for _ in range(int(rng.integers(1, 9)))]
+                chats.append((prompt, turns))
+            ids = list(prompt)
+            for user, reply in turns[:n - written]:
+                ids += user
+                mask = [0] * len(ids) + [1] * len(reply)
+                ids += reply
+                f.write(json.dumps({"input_ids": ids, "loss_mask": mask}, separators=(",", ":")) + "\n")
+                written += 1
 
 
 MARKS = {"planned": "  packing ", "resuming": "resuming "}  # run's log lines: plan made, committed rows read
@@ -132,11 +168,12 @@ results["settings"] = {k: str(v) for k, v in results["settings"].items()}
 for n in sizes:
     data, out = args.scratch / f"rows-{n}.jsonl", args.scratch / f"s{n}.zarr"
     if not data.exists():
-        write_rows(data, n)
-    for old in (out, args.scratch / f"conv-store-{n}", args.scratch / f"conv-files-{n}"):
+        (write_rows if args.rows == "random" else write_fanned_rows)(data, n)
+    converted = [args.scratch / f"conv-{kind}-{n}" for kind in ("store", "files", "merged")]
+    for old in (out, *converted):
         shutil.rmtree(old, ignore_errors=True)
     run_flags = ["--model", str(model_dir), "--data", str(data), "--out", str(out), "--layers", "2,4",
-                 "--max-length", "64", "--token-budget", "4096", "--chunk-tokens", str(args.chunk_tokens),
+                 "--max-length", str(max_length), "--token-budget", "4096", "--chunk-tokens", str(args.chunk_tokens),
                  "--shard-tokens", str(args.shard_tokens), "--device", "cpu"]
     row: dict = {"samples": n}
     results["sizes"][str(n)] = row
@@ -147,6 +184,9 @@ for n in sizes:
              ("plan", ["plan", *run_flags]),
              ("convert_store", ["convert", str(out), "--out", str(args.scratch / f"conv-store-{n}"),
                                 "--hidden-states", "store", "--no-progress"])]
+    if args.rows == "fanned":
+        steps.append(("convert_merged", ["convert", str(out), "--out", str(args.scratch / f"conv-merged-{n}"),
+                                         "--hidden-states", "store", "--merge-prefix-rows", "--no-progress"]))
     if n <= args.hs_files_max:
         steps.append(("convert_files", ["convert", str(out), "--out", str(args.scratch / f"conv-files-{n}"),
                                         "--no-progress"]))
@@ -158,11 +198,11 @@ for n in sizes:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
         if name == "run":
             row["store_mb"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 1e6
-    for old in (args.scratch / f"conv-store-{n}", args.scratch / f"conv-files-{n}"):
+    for old in converted:
         shutil.rmtree(old, ignore_errors=True)
 
 # per sample: the whole command / N, and the marginal cost between consecutive sizes (fixed start-up cancels)
-names = ["run", "resume", "inspect", "verify", "plan", "convert_store", "convert_files"]
+names = ["run", "resume", "inspect", "verify", "plan", "convert_store", "convert_merged", "convert_files"]
 rows = [row for _, row in sorted(results["sizes"].items(), key=lambda kv: int(kv[0]))]
 print("\n| samples | " + " | ".join(f"{s} µs/sample" for s in names) + " | run start-up s | resume start-up s |")
 print("|" + " ---: |" * (len(names) + 3))

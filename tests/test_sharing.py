@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
+import zarr
 from helpers import assert_same_samples, reference_states
 from tiny_models import tiny_model
 from transformers.cache_utils import DynamicCache
@@ -26,6 +27,7 @@ from streamx.pipeline.plan import decide_sharing
 from streamx.pipeline.runner import run
 from streamx.pipeline.writer import PartWriter
 from streamx.store import SharedKinds, open_store
+from streamx.store.reader import ChunkCache
 
 BF16_ULP = 2.0**-7
 
@@ -414,6 +416,40 @@ def test_a_shared_store_reads_every_row_as_the_unshared_store(tmp_path, tiny_cha
     assert estimate(RunConfig(model=tiny_chat_model_dir, data=data, out=str(tmp_path / "plan.zarr"), layers="1,2,4",
                               sort_window=16, token_budget=256, max_length=256)).shared.kinds == kinds
     assert "duplicates" in " ".join(on.describe()) and "leading runs" in " ".join(on.describe())
+
+
+class CountingReads:
+    """A zarr array that counts the reads made through it."""
+
+    def __init__(self, arr):
+        self.arr, self.chunks, self.dtype, self.reads = arr, arr.chunks, arr.dtype, 0
+
+    def __getitem__(self, key):
+        self.reads += 1
+        return self.arr[key]
+
+
+def test_own_loss_masks_are_read_a_chunk_at_a_time_whatever_the_ranges(tmp_path):
+    """Rows' own loss masks (row_loss_mask, compressed) come through ChunkCache: any range, across chunks and up
+    to the array's end, equals zarr's own read of it, and rows read in order cost one read a chunk, not one a row,
+    with no more chunks kept than the budget allows."""
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 2, 1000).astype(np.uint8)
+    arr = zarr.create_array(str(tmp_path / "masks.zarr"), shape=(1000,), chunks=(64,), dtype="uint8",
+                            compressors=zarr.codecs.ZstdCodec(level=1))
+    arr[:] = values
+    counted = CountingReads(arr)
+    cache = ChunkCache(counted, budget=3 * 64)
+    lengths = rng.integers(1, 30, 60)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    assert 800 < starts[-1] + lengths[-1] <= 1000
+    for a, n in zip(starts.tolist(), lengths.tolist(), strict=True):  # rows in store order
+        assert cache.read(a, a + n).tolist() == values[a : a + n].tolist()
+    assert counted.reads == -(-int(starts[-1] + lengths[-1]) // 64) < lengths.size
+    for a, b in [(0, 0), (63, 65), (0, 1000), (990, 1000), (5, 200), *rng.integers(0, 1000, (30, 2)).tolist()]:
+        a, b = min(a, b), max(a, b)
+        assert cache.read(a, b).tolist() == values[a:b].tolist()
+        assert len(cache.chunks) <= 3
 
 
 def test_a_prompt_over_more_tokens_than_a_batch_is_computed_and_stored_once(tmp_path, tiny_chat_model_dir,

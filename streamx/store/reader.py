@@ -11,6 +11,8 @@ Only what the commit records name is read; the arrays' shapes mean nothing to a 
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -25,6 +27,7 @@ from ..base.units import gb
 from .format import (
     CONTENT_KEY_ARRAYS,
     READABLE_FORMATS,
+    ROW_MASK_ARRAYS,
     SHARING_ARRAYS,
     Commit,
     SharedKinds,
@@ -55,6 +58,36 @@ class SampleIndex:
     range_starts: np.ndarray  # where its ranges start in its part's range table (with --sharing)
     range_counts: np.ndarray  # 0: its tokens are `lengths` tokens from `offsets`; else its ranges
     mask_offsets: np.ndarray  # -1: its loss mask is the stored tokens'; else where its own is in row_loss_mask
+
+
+class ChunkCache:
+    """Entries a..b of a one-dimensional compressed array, read whole chunks at a time, the chunks last read kept
+    up to `budget` bytes: a read through zarr costs about a millisecond however short, so rows read in store
+    order (convert, verify, --merge-prefix-rows over a million fanned-out rows' own loss masks) pay it once a
+    chunk, not once a row. Safe across threads (convert's)."""
+
+    def __init__(self, arr: zarr.Array, budget: int = 32 << 20):
+        self.arr, self.chunk = arr, arr.chunks[0]
+        self.keep = max(1, budget // (self.chunk * arr.dtype.itemsize))
+        self.chunks: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        pieces = [self._chunk(k)[max(a, k * self.chunk) - k * self.chunk : b - k * self.chunk]
+                  for k in range(a // self.chunk, -(-b // self.chunk))]
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces or [np.zeros(0, self.arr.dtype)])
+
+    def _chunk(self, k: int) -> np.ndarray:
+        with self.lock:
+            if k in self.chunks:
+                self.chunks.move_to_end(k)
+                return self.chunks[k]
+        values = self.arr[k * self.chunk : (k + 1) * self.chunk]  # (the last chunk: as far as the array goes)
+        with self.lock:
+            self.chunks[k] = values
+            while len(self.chunks) > self.keep:
+                self.chunks.popitem(last=False)
+        return values
 
 
 class RowSet(Collection[int]):
@@ -237,7 +270,7 @@ class Store:
         if at < 0:
             mask = self.read_tokens(position, "loss_mask")
         else:  # its own mask: the stored tokens' is the union of the masks of the rows that share them
-            mask = self._part_list[int(self.index.parts[position])]["row_loss_mask"][at : at + len(ids)]
+            mask = self._read(int(self.index.parts[position]), "row_loss_mask", at, at + len(ids))
         return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))
 
     def ranges(self, position: int) -> list[tuple[int, int]]:
@@ -300,7 +333,12 @@ class Store:
         key = (part, name)
         if key not in self._ranges:
             arr = self._part_list[part][name]
-            self._ranges[key] = ShardFiles(arr).read if streamable_dir(arr) else lambda a, b, arr=arr: arr[a:b]
+            if name in ROW_MASK_ARRAYS:  # compressed, one short read per row
+                self._ranges[key] = ChunkCache(arr).read
+            elif streamable_dir(arr):
+                self._ranges[key] = ShardFiles(arr).read
+            else:
+                self._ranges[key] = lambda a, b, arr=arr: arr[a:b]
         return self._ranges[key](a, b)
 
     def samples(self, raw: bool = False) -> Iterator[StoredSample]:

@@ -39,10 +39,9 @@ def prefix_folds(store: Store, window: int | None = None) -> PrefixFolds:
     """The store's rows that are prefixes of another row of their sorting window (`window` rows: by default the
     store's --sort-window), and the row each folds into."""
     window = window or int(store.metadata.config.get("sort_window", 1024))
-    rows = store.row_ids()
+    rows = store.row_ids()  # ascending: each window's rows are one run
     into: dict[int, list[int]] = {}
-    for w in np.unique(rows // window):
-        mine = rows[rows // window == w]
+    for mine in np.split(rows, np.flatnonzero(np.diff(rows // window)) + 1) if rows.size else []:
         samples = []
         for row in mine.tolist():
             ids, mask = store.tokens_at(store.position(row))
