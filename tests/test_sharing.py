@@ -26,8 +26,10 @@ from streamx.pipeline.estimate import estimate
 from streamx.pipeline.plan import decide_sharing
 from streamx.pipeline.runner import run
 from streamx.pipeline.writer import PartWriter
-from streamx.store import SharedKinds, open_store
+from streamx.store import SharedKinds, open_store, reader
 from streamx.store.reader import ChunkCache
+from streamx.train import verify as verify_module
+from streamx.train.verify import check_index, verify
 
 BF16_ULP = 2.0**-7
 
@@ -369,9 +371,9 @@ def write_rows(path, rows: list[dict]) -> str:
     return str(path)
 
 
-def test_a_shared_store_reads_every_row_as_the_unshared_store(tmp_path, tiny_chat_model_dir):
-    """Pretokenized rows of all three kinds through `streamx run`, sharing on and off: the same rows, ids and
-    masks exactly, states within rounding, fewer tokens stored; rows whose masks differ keep their own."""
+def rows_of_all_kinds() -> list[dict]:
+    """Pretokenized rows behind one 24-token system prompt: 12 chats fanned out in 3 rows each (each row a
+    prefix of the next), 5 duplicates, and a row of another row's ids with another mask."""
     rng = np.random.default_rng(0)
     system = rng.integers(10, 40000, 24).tolist()
     stems = [system + rng.integers(10, 40000, int(n)).tolist() for n in rng.integers(10, 60, 12)]
@@ -382,6 +384,13 @@ def test_a_shared_store_reads_every_row_as_the_unshared_store(tmp_path, tiny_cha
             rows.append({"input_ids": ids, "loss_mask": [0] * 24 + [1] * (len(ids) - 24)})
     rows += rows[:5]  # duplicates
     rows.append({"input_ids": stems[0], "loss_mask": [1] * len(stems[0])})  # the same ids, another mask
+    return rows
+
+
+def test_a_shared_store_reads_every_row_as_the_unshared_store(tmp_path, tiny_chat_model_dir):
+    """Pretokenized rows of all three kinds through `streamx run`, sharing on and off: the same rows, ids and
+    masks exactly, states within rounding, fewer tokens stored; rows whose masks differ keep their own."""
+    rows = rows_of_all_kinds()
     data = write_rows(tmp_path / "rows.jsonl", rows)
     stores = {}
     for sharing in ("off", "on"):
@@ -418,35 +427,134 @@ def test_a_shared_store_reads_every_row_as_the_unshared_store(tmp_path, tiny_cha
     assert "duplicates" in " ".join(on.describe()) and "leading runs" in " ".join(on.describe())
 
 
-class CountingReads:
-    """A zarr array that counts the reads made through it."""
+def row_problems(store, vocab_size: int) -> dict[str, set[str]]:
+    """What verify's structural pass should name, found row by row from whole rows as `Store.sample` reads
+    them (not verify's reads of each block's rows at once)."""
+    found: dict[str, set[str]] = {"token_ids": set(), "loss_mask": set(), "states": set()}
+    for row in store.row_ids().tolist():
+        s = store.sample(row)
+        ids, mask, states = s.input_ids, s.loss_mask, s.hidden_states.float()
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            found["token_ids"].add(f"row {row}: token ids {int(ids.min())}..{int(ids.max())} outside "
+                                   f"0..{vocab_size - 1}")
+        if not ((mask == 0) | (mask == 1)).all():
+            found["loss_mask"].add(f"row {row}: loss mask values other than 0 and 1")
+        elif not mask.any():
+            found["loss_mask"].add(f"row {row}: loss mask has no trainable token")
+        for slot, layer_id in enumerate(store.layer_ids):
+            values = states[:, slot]
+            if not torch.isfinite(values).all():
+                found["states"].add(f"row {row}: id {layer_id} holds NaN or Inf")
+            elif values.max() == values.min():
+                found["states"].add(f"row {row}: id {layer_id} is constant {float(values.max()):g}")
+    return found
 
-    def __init__(self, arr):
-        self.arr, self.chunks, self.dtype, self.reads = arr, arr.chunks, arr.dtype, 0
 
-    def __getitem__(self, key):
-        self.reads += 1
-        return self.arr[key]
+@pytest.mark.parametrize("read_bytes", [None, 3 * 64 * 4 * 40], ids=["whole-part-reads", "40-token-reads"])
+def test_verify_names_exactly_the_shared_rows_that_read_damage(tmp_path, tiny_chat_model_dir, monkeypatch,
+                                                               read_bytes):
+    """A shared store damaged where rows share tokens (an id, a mask value, a NaN in a prefix that several rows
+    read), in one row's own mask (all zero), over a whole row's slot (constant) and another's (the same values
+    in every token, not constant): verify's structural pass,
+    which checks each read's rows at once, names exactly the rows that a row-by-row reading finds wrong, with
+    reads that hold whole trees and with reads so small that prefixes are read apart."""
+    from streamx.store.format import bf16_to_bits
+
+    rows = rows_of_all_kinds()
+    out = str(tmp_path / "on.zarr")
+    run(RunConfig(model=tiny_chat_model_dir, data=write_rows(tmp_path / "rows.jsonl", rows), out=out, layers="1,2,4",
+                  sort_window=16, token_budget=256, max_length=256), progress=False, log=lambda m: None)
+    store = open_store(out)
+    assert verify(out, use_model=False, log=lambda m: None).passed
+    part = zarr.open_group(f"{out}/parts/part-00000", mode="r+")
+    readers = {}  # token -> positions of the rows that read it
+    for position in range(len(store)):
+        for a, b in store.ranges(position):
+            for token in range(a, b):
+                readers.setdefault(token, []).append(position)
+    shared = [t for t, ps in sorted(readers.items()) if 2 <= len(ps) <= 4]  # a prefix a few rows read
+    part["input_ids"][shared[0] : shared[0] + 1] = 49152 + 7
+    part["loss_mask"][shared[1] : shared[1] + 1] = 2
+    nan = bf16_to_bits(torch.full((1, 3, 64), float("nan"), dtype=torch.bfloat16))
+    part["hidden_states"][shared[2] : shared[2] + 1] = nan
+    own = int(np.flatnonzero(store.index.mask_offsets >= 0)[0])
+    at = int(store.index.mask_offsets[own])
+    part["row_loss_mask"][at : at + int(store.index.lengths[own])] = 0
+    leaf = max(range(len(store)), key=lambda p: store.ranges(p)[-1][1] - store.ranges(p)[-1][0])
+    a, b = store.ranges(leaf)[-1]
+    constant = part["hidden_states"][a:b]
+    constant[:, 1] = bf16_to_bits(torch.full((1, 64), 0.5, dtype=torch.bfloat16))
+    part["hidden_states"][a:b] = constant
+    other = next(p for p in range(len(store)) if p not in readers[shared[2]])
+    for c, d in store.ranges(other):  # every token's greatest and least value the same, but not constant
+        varied = part["hidden_states"][c:d]
+        varied[:, 2] = bf16_to_bits(torch.linspace(-1, 1, 64, dtype=torch.bfloat16)[None].expand(d - c, 64))
+        part["hidden_states"][c:d] = varied
+
+    damaged = open_store(out)
+    want = row_problems(damaged, 49152)
+    assert all(want.values()) and len(want["states"]) >= 3  # every kind of damage is read by some row
+    if read_bytes is not None:
+        monkeypatch.setattr(verify_module, "READ_BYTES", read_bytes)
+    report = verify(out, use_model=False, log=lambda m: None)
+    checks = {c.name: c for c in report.checks}
+    for name, problems in want.items():
+        assert not checks[name].passed and checks[name].summary.startswith(f"{len(problems):,} of ")
+        assert set(checks[name].problems) <= problems and len(checks[name].problems) == min(10, len(problems))
 
 
-def test_own_loss_masks_are_read_a_chunk_at_a_time_whatever_the_ranges(tmp_path):
-    """Rows' own loss masks (row_loss_mask, compressed) come through ChunkCache: any range, across chunks and up
-    to the array's end, equals zarr's own read of it, and rows read in order cost one read a chunk, not one a row,
-    with no more chunks kept than the budget allows."""
+def test_verify_names_the_rows_whose_ranges_leave_their_part(tmp_path, tiny_chat_model_dir):
+    """A shared store's index damaged: a shared range that runs past the committed tokens, and a row whose length
+    disagrees with its tokens. verify's index check, which reads every row's ranges at once, names exactly the
+    rows that a row-by-row look at their ranges finds out of place, and no other."""
+    out = str(tmp_path / "on.zarr")
+    run(RunConfig(model=tiny_chat_model_dir, data=write_rows(tmp_path / "rows.jsonl", rows_of_all_kinds()), out=out,
+                  layers="1,2,4", sort_window=16, token_budget=256, max_length=256), progress=False, log=lambda m: None)
+    store = open_store(out)
+    part = zarr.open_group(f"{out}/parts/part-00000", mode="r+")
+    tokens = store.commits["part-00000"].tokens
+    tabled = int(np.flatnonzero(store.index.range_counts)[3])
+    first = int(store.index.range_starts[tabled])
+    part["range_length"][first : first + 1] = tokens + 5  # read by every row that lists this range
+    part["sample_length"][len(store) - 1 :] = int(store.index.lengths[-1]) + 1
+
+    damaged = open_store(out)
+    want = {f"part-00000: sample {p} spans tokens {damaged.ranges(p)} of {tokens:,}, its length "
+            f"{int(damaged.index.lengths[p])}" for p in range(len(damaged))
+            if any(b <= a or a < 0 or b > tokens for a, b in damaged.ranges(p))
+            or sum(b - a for a, b in damaged.ranges(p)) != int(damaged.index.lengths[p])}
+    assert len(want) >= 2
+    index = check_index(damaged)
+    assert set(index.problems) == want and index.summary.startswith(f"{len(want)} of ")
+
+
+@pytest.mark.parametrize("through", ["chunk files", "zarr"])
+def test_own_loss_masks_are_read_a_chunk_at_a_time_whatever_the_ranges(tmp_path, monkeypatch, through):
+    """Rows' own loss masks (row_loss_mask, zstd chunks) come through ChunkCache, which decompresses a local
+    array's chunk files itself (else reads through zarr): any range, across chunks, over a chunk zarr left out
+    (all zeros) and up to the array's end, equals zarr's own read of it; rows read in order load one chunk
+    each, not one a row, and no more chunks stay than the budget allows."""
     rng = np.random.default_rng(0)
     values = rng.integers(0, 2, 1000).astype(np.uint8)
+    values[128:192] = 0  # a chunk of nothing but the fill value: zarr writes no file for it
     arr = zarr.create_array(str(tmp_path / "masks.zarr"), shape=(1000,), chunks=(64,), dtype="uint8",
                             compressors=zarr.codecs.ZstdCodec(level=1))
     arr[:] = values
-    counted = CountingReads(arr)
-    cache = ChunkCache(counted, budget=3 * 64)
+    assert not (tmp_path / "masks.zarr" / "c" / "2").exists() and (tmp_path / "masks.zarr" / "c" / "3").exists()
+    if through == "zarr":
+        monkeypatch.setattr(reader, "zstd_chunk_dir", lambda arr: None)
+    loads = []
+    load = ChunkCache._load
+    monkeypatch.setattr(ChunkCache, "_load", lambda self, k: loads.append(k) or load(self, k))
+    cache = ChunkCache(arr, budget=3 * 64)
+    assert (cache.dir is None) == (through == "zarr")
     lengths = rng.integers(1, 30, 60)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     assert 800 < starts[-1] + lengths[-1] <= 1000
     for a, n in zip(starts.tolist(), lengths.tolist(), strict=True):  # rows in store order
         assert cache.read(a, a + n).tolist() == values[a : a + n].tolist()
-    assert counted.reads == -(-int(starts[-1] + lengths[-1]) // 64) < lengths.size
-    for a, b in [(0, 0), (63, 65), (0, 1000), (990, 1000), (5, 200), *rng.integers(0, 1000, (30, 2)).tolist()]:
+    assert loads == list(range(-(-int(starts[-1] + lengths[-1]) // 64)))
+    for a, b in [(0, 0), (63, 65), (120, 200), (0, 1000), (990, 1000), *rng.integers(0, 1000, (30, 2)).tolist()]:
         a, b = min(a, b), max(a, b)
         assert cache.read(a, b).tolist() == values[a:b].tolist()
         assert len(cache.chunks) <= 3
@@ -549,10 +657,6 @@ def test_merge_prefix_rows_folds_each_prefix_into_the_row_it_starts(tmp_path, ti
 def test_verify_recomputes_shared_rows_and_names_a_damaged_shared_prefix(tmp_path, tiny_chat_model_dir, chat_jsonl):
     """A shared store passes verify with the model (shared rows among those recomputed alone); damage to a shared
     prefix's stored states is named in every row that reads it, and only in those."""
-    import zarr
-
-    from streamx.train.verify import verify
-
     out = str(tmp_path / "s.zarr")
     run(RunConfig(model=tiny_chat_model_dir, data=chat_jsonl, out=out, layers="1,2,4", sharing="on",
                   token_budget=512, max_length=256, max_samples=16), progress=False, log=lambda m: None)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 import zarr
+from numcodecs import Zstd
 
 from .. import __version__
 from ..base.location import local_path, zarr_path
@@ -35,7 +36,9 @@ from .format import (
     StoreMetadata,
     committed_parts,
 )
-from .shards import ShardFiles, streamable_dir
+from .shards import ShardFiles, streamable_dir, zstd_chunk_dir
+
+ZSTD = Zstd()
 
 
 @dataclass
@@ -61,13 +64,14 @@ class SampleIndex:
 
 
 class ChunkCache:
-    """Entries a..b of a one-dimensional compressed array, read whole chunks at a time, the chunks last read kept
-    up to `budget` bytes: a read through zarr costs about a millisecond however short, so rows read in store
-    order (convert, verify, --merge-prefix-rows over a million fanned-out rows' own loss masks) pay it once a
-    chunk, not once a row. Safe across threads (convert's)."""
+    """Entries a..b of a one-dimensional compressed array (rows' own loss masks), read whole chunks at a time, the
+    chunks last read kept up to `budget` bytes: rows read in store order (convert, verify, --merge-prefix-rows)
+    read each chunk once, not once a row. A local zstd array's chunk files are decompressed here (~0.1 ms a
+    chunk; through zarr a read costs ~1 ms however short), so shuffled training reads stay cheap when a
+    million rows' masks outgrow the budget. Safe across threads (convert's)."""
 
     def __init__(self, arr: zarr.Array, budget: int = 32 << 20):
-        self.arr, self.chunk = arr, arr.chunks[0]
+        self.arr, self.chunk, self.dir = arr, arr.chunks[0], zstd_chunk_dir(arr)
         self.keep = max(1, budget // (self.chunk * arr.dtype.itemsize))
         self.chunks: OrderedDict[int, np.ndarray] = OrderedDict()
         self.lock = threading.Lock()
@@ -82,12 +86,21 @@ class ChunkCache:
             if k in self.chunks:
                 self.chunks.move_to_end(k)
                 return self.chunks[k]
-        values = self.arr[k * self.chunk : (k + 1) * self.chunk]  # (the last chunk: as far as the array goes)
+        values = self._load(k)
         with self.lock:
             self.chunks[k] = values
             while len(self.chunks) > self.keep:
                 self.chunks.popitem(last=False)
         return values
+
+    def _load(self, k: int) -> np.ndarray:
+        if self.dir is None:
+            return self.arr[k * self.chunk : (k + 1) * self.chunk]  # (the last chunk: as far as the array goes)
+        try:
+            data = (self.dir / self.arr.metadata.encode_chunk_key((k,))).read_bytes()
+        except FileNotFoundError:  # zarr leaves out a chunk of nothing but the fill value
+            return np.full(self.chunk, self.arr.metadata.fill_value, dtype=self.arr.dtype)
+        return np.frombuffer(ZSTD.decode(data), dtype=self.arr.dtype.newbyteorder("<"))
 
 
 class RowSet(Collection[int]):
@@ -189,7 +202,7 @@ class Store:
         self.commits = {name: Commit.from_json(part.attrs["commit"]) for name, part in self.parts.items()}
         columns: dict[str, list[np.ndarray]] = {name: [] for name in ("rows", "parts", "offsets", "lengths",
                                                                     "range_starts", "range_counts", "mask_offsets")}
-        self._range_tables: list[np.ndarray] = []  # per part: [G, 2] (offset, length) of the shared rows' ranges
+        tables: list[np.ndarray] = []  # per part: [G, 2] (offset, length) of the shared rows' ranges
         for i, (name, part) in enumerate(self.parts.items()):
             commit = self.commits[name]
             n = commit.samples
@@ -201,12 +214,14 @@ class Store:
             columns["range_starts"].append(part["sample_range_start"][:n] if shares else np.zeros(n, dtype=np.int64))
             columns["range_counts"].append(part["sample_range_count"][:n] if shares else np.zeros(n, dtype=np.int64))
             columns["mask_offsets"].append(part["sample_mask_offset"][:n] if shares else np.full(n, -1))
-            self._range_tables.append(np.stack([part["range_offset"][: commit.ranges],
-                                                part["range_length"][: commit.ranges]], axis=1) if commit.ranges
-                                      else np.zeros((0, 2), dtype=np.int64))
+            tables.append(np.stack([part["range_offset"][: commit.ranges], part["range_length"][: commit.ranges]],
+                                   axis=1).astype(np.int64) if commit.ranges else np.zeros((0, 2), dtype=np.int64))
         self.index = SampleIndex(*(np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, dtype=np.int64)
                                    for xs in columns.values()))
         self._by_row = np.argsort(self.index.rows, kind="stable")
+        # the parts' range tables as one, and where each part's starts in it
+        self._range_table = np.concatenate([np.zeros((0, 2), dtype=np.int64), *tables])
+        self._range_table_starts = np.cumsum([0, *(len(t) for t in tables)])[:-1].astype(np.int64)
         self._part_list = list(self.parts.values())
         self._ranges: dict[tuple[int, str], Callable[[int, int], np.ndarray]] = {}
 
@@ -266,12 +281,15 @@ class Store:
     def tokens_at(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The token ids and loss mask (int64) of the sample at `position`, without its states."""
         ids = self.read_tokens(position, "input_ids")
-        at = int(self.index.mask_offsets[position])  # (in range: read_tokens checked it)
+        return torch.from_numpy(ids), torch.from_numpy(self.loss_mask_at(position).astype(np.int64))
+
+    def loss_mask_at(self, position: int) -> np.ndarray:
+        """The loss mask of the sample at `position`, as stored (uint8)."""
+        at = int(self.index.mask_offsets[position])
         if at < 0:
-            mask = self.read_tokens(position, "loss_mask")
-        else:  # its own mask: the stored tokens' is the union of the masks of the rows that share them
-            mask = self._read(int(self.index.parts[position]), "row_loss_mask", at, at + len(ids))
-        return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))
+            return self.read_tokens(position, "loss_mask")
+        # its own mask: the stored tokens' is the union of the masks of the rows that share them
+        return self._read(int(self.index.parts[position]), "row_loss_mask", at, at + int(self.index.lengths[position]))
 
     def ranges(self, position: int) -> list[tuple[int, int]]:
         """Where the sample at `position` lies in its part's token arrays: (first token, end) of each of its
@@ -282,9 +300,23 @@ class Store:
         if count == 0:
             a = int(self.index.offsets[position])
             return [(a, a + int(self.index.lengths[position]))]
-        start = int(self.index.range_starts[position])
-        table = self._range_tables[int(self.index.parts[position])][start : start + count]
-        return [(int(a), int(a + n)) for a, n in table]
+        start = int(self._range_table_starts[int(self.index.parts[position])] + self.index.range_starts[position])
+        return [(int(a), int(a + n)) for a, n in self._range_table[start : start + count]]
+
+    def spans(self, positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`ranges` of many samples at once, flat and in order: for each range, the sample it belongs to (its
+        index in `positions`; all samples by default), its first token in its part and its length."""
+        idx = self.index
+        positions = np.arange(len(self)) if positions is None else np.asarray(positions, dtype=np.int64)
+        counts = np.maximum(idx.range_counts[positions], 1)
+        owner = np.repeat(np.arange(positions.size), counts)
+        at = positions[owner]
+        tabled = idx.range_counts[at] > 0
+        row = np.where(tabled, self._range_table_starts[idx.parts[at]] + idx.range_starts[at]
+                       + np.arange(owner.size) - (np.cumsum(counts) - counts)[owner], 0)
+        table = self._range_table if self._range_table.size else np.zeros((1, 2), dtype=np.int64)
+        return (owner, np.where(tabled, table[row, 0], idx.offsets[at]),
+                np.where(tabled, table[row, 1], idx.lengths[at]))
 
     def shared_kinds(self) -> SharedKinds:
         """What the samples share, by kind, read from where their ranges lie (docs/store.md "Shared tokens"). Every
@@ -292,20 +324,11 @@ class Store:
         an earlier row ends at the same token, a prefix row when a longer row reads past its last token, and
         the other rows' tokens beyond the segments they read (each counted once) were shared in leading runs."""
         idx = self.index
-        counts = np.maximum(idx.range_counts, 1)
-        first = np.cumsum(counts) - counts  # each sample's first range in the flat arrays below
-        tabled = np.repeat(idx.range_counts > 0, counts)
-        sample = np.repeat(np.arange(len(self)), counts)
-        sizes = [len(t) for t in self._range_tables]
-        table = np.concatenate([np.zeros((0, 2), dtype=np.int64), *self._range_tables])
-        at = (np.concatenate([[0], np.cumsum(sizes)])[idx.parts] + idx.range_starts)[sample] \
-            + np.arange(sample.size) - first[sample]
-        offsets = np.where(tabled, table[np.where(tabled, at, 0), 0] if table.size else 0, idx.offsets[sample])
-        lengths = np.where(tabled, table[np.where(tabled, at, 0), 1] if table.size else 0, idx.lengths[sample])
+        sample, offsets, lengths = self.spans()
+        last = np.cumsum(np.maximum(idx.range_counts, 1)) - 1  # each sample's last range in the flat arrays
         places, place = np.unique(idx.parts[sample] << 40 | offsets, return_inverse=True)
         longest = np.zeros(places.size, dtype=np.int64)
         np.maximum.at(longest, place, lengths)
-        last = first + counts - 1
         not_last = np.ones(sample.size, dtype=bool)
         not_last[last] = False
         read_past = np.zeros(places.size, dtype=bool)  # a row reads the whole range there, then goes on

@@ -106,12 +106,14 @@ def check_index(store: Store) -> Check:
     shares = store.metadata.sharing != "off"
     for i, name in enumerate(store.parts):
         tokens = store.commits[name].tokens
-        for pos in np.flatnonzero(store.index.parts == i).tolist():
-            ranges = store.ranges(pos)
-            if any(b <= a or a < 0 or b > tokens for a, b in ranges) or \
-                    sum(b - a for a, b in ranges) != int(store.index.lengths[pos]):
-                problems.append(f"{name}: sample {pos} spans tokens {ranges} of {tokens:,}, its length "
-                                f"{int(store.index.lengths[pos])}")
+        mine = np.flatnonzero(store.index.parts == i)
+        owner, firsts, lengths = store.spans(mine)
+        outside = (lengths <= 0) | (firsts < 0) | (firsts + lengths > tokens)
+        bad = np.bincount(owner, weights=outside, minlength=mine.size) > 0
+        bad |= np.bincount(owner, weights=lengths, minlength=mine.size) != store.index.lengths[mine]
+        for pos in mine[bad].tolist():
+            problems.append(f"{name}: sample {pos} spans tokens {store.ranges(pos)} of {tokens:,}, its length "
+                            f"{int(store.index.lengths[pos])}")
         if shares:
             continue
         mine = store.index.parts == i
@@ -140,12 +142,14 @@ def _spans(store: Store, part: int, limit: int) -> tuple[np.ndarray, np.ndarray,
     prefix that an earlier batch of its tree stored, maybe far before: then its last range, the rest read apart
     by check_values)."""
     mine = np.flatnonzero(store.index.parts == part)
-    firsts, ends = store.index.offsets[mine].copy(), store.index.offsets[mine] + store.index.lengths[mine]
-    for k in np.flatnonzero(store.index.range_counts[mine]).tolist():
-        ranges = store.ranges(int(mine[k]))
-        firsts[k], ends[k] = min(a for a, _ in ranges), max(b for _, b in ranges)
-        if ends[k] - firsts[k] > limit:
-            firsts[k], ends[k] = ranges[-1]
+    if mine.size == 0:
+        return mine, mine, mine
+    owner, starts, lengths = store.spans(mine)
+    first_range = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])  # every sample has a range
+    last_range = np.r_[first_range[1:], owner.size] - 1
+    firsts, ends = np.minimum.reduceat(starts, first_range), np.maximum.reduceat(starts + lengths, first_range)
+    far = ends - firsts > limit
+    firsts[far], ends[far] = starts[last_range[far]], starts[last_range[far]] + lengths[last_range[far]]
     order = np.argsort(firsts, kind="stable")
     return mine[order], firsts[order], ends[order]
 
@@ -171,6 +175,69 @@ def _states(store: Store, part: Any, a: int, b: int) -> torch.Tensor:
     return store.storage.decode_float32(part["hidden_states"][a:b], scales)
 
 
+@dataclass
+class _Values:
+    """What check_values asks of each sample of a read, one entry per sample: its ids' least and greatest, whether
+    its mask holds values other than 0/1 or a 1 at all, and per slot whether every value is finite, and the
+    greatest and least finite value."""
+
+    low_id: np.ndarray
+    high_id: np.ndarray
+    non_binary: np.ndarray
+    trainable: np.ndarray
+    finite: np.ndarray  # [S, K]
+    high: np.ndarray  # [S, K]
+    low: np.ndarray  # [S, K]
+
+
+def _values(ids: np.ndarray, mask: np.ndarray, finite: np.ndarray, high: np.ndarray, low: np.ndarray,
+            starts: np.ndarray) -> _Values:
+    """_Values of samples laid end to end in per-token arrays, each starting at `starts` (none empty)."""
+    return _Values(np.minimum.reduceat(ids, starts), np.maximum.reduceat(ids, starts),
+                   np.logical_or.reduceat((mask != 0) & (mask != 1), starts),
+                   np.logical_or.reduceat(mask != 0, starts), np.logical_and.reduceat(finite, starts),
+                   np.maximum.reduceat(high, starts), np.minimum.reduceat(low, starts))
+
+
+def _token_values(states: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per token and slot of float32 [T, K, H] states: all finite, greatest and least finite value."""
+    finite = torch.isfinite(states).all(dim=2)  # [T, K]
+    high = torch.where(finite[..., None], states, -torch.inf).amax(dim=2)
+    low = torch.where(finite[..., None], states, torch.inf).amin(dim=2)
+    return finite.numpy(), high.numpy(), low.numpy()
+
+
+def _block_values(store: Store, part: Any, positions: np.ndarray, first: int, last: int, ids: np.ndarray,
+                  stored_mask: np.ndarray, states: torch.Tensor) -> _Values:
+    """_Values of the samples at `positions` from one read of tokens first..last of their part, gathered for all
+    at once; a sample whose prefix an earlier batch of its tree stored far before is read apart."""
+    owner, starts, lengths = store.spans(positions)
+    apart = np.bincount(owner, weights=(starts < first) | (starts + lengths > last), minlength=positions.size) > 0
+    apart |= store.index.lengths[positions] == 0
+    together = ~apart[owner]
+    owner, starts, lengths = owner[together], starts[together], lengths[together]
+    tokens = np.repeat(starts - first - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
+    sizes = store.index.lengths[positions]
+    bounds = np.cumsum(np.where(apart, 0, sizes)) - np.where(apart, 0, sizes)  # each sample's first gathered token
+    mask = stored_mask[tokens]
+    for k in np.flatnonzero(~apart & (store.index.mask_offsets[positions] >= 0)).tolist():  # its own mask
+        mask[bounds[k] : bounds[k] + sizes[k]] = store.loss_mask_at(int(positions[k]))
+    finite, high, low = _token_values(states)
+    values = _values(ids[tokens], mask, finite[tokens], high[tokens], low[tokens], bounds[~apart])
+    everyone = _Values(*(np.zeros((positions.size, *v.shape[1:]), dtype=v.dtype) for v in vars(values).values()))
+    for name, v in vars(values).items():
+        getattr(everyone, name)[~apart] = v
+    everyone.finite[apart] = True  # (an empty sample: nothing to check but its mask)
+    for k in np.flatnonzero(apart & (sizes > 0)).tolist():
+        pos = int(positions[k])
+        sample_ids, sample_mask = (t.numpy() for t in store.tokens_at(pos))
+        sample_states = torch.cat([_states(store, part, a, b) for a, b in store.ranges(pos)])
+        one = _values(sample_ids, sample_mask, *_token_values(sample_states), np.zeros(1, dtype=np.int64))
+        for name, v in vars(one).items():
+            getattr(everyone, name)[k] = v[0]
+    return everyone
+
+
 def check_values(store: Store, vocab_size: int | None) -> list[Check]:
     """Token ids, loss masks and states of every sample, read part by part in large slices."""
     ids_bad, mask_bad, states_bad, unreadable = [], [], [], []
@@ -182,36 +249,27 @@ def check_values(store: Store, vocab_size: int | None) -> list[Check]:
         except Exception as err:  # noqa: BLE001 - a damaged file: say which part and go on
             unreadable.append(f"{name}: tokens {first:,}..{last:,} cannot be read ({type(err).__name__}: {err})")
             continue
-        finite = torch.isfinite(states).all(dim=2)  # [T, K]
-        high = torch.where(finite[..., None], states, -torch.inf).amax(dim=2)
-        low = torch.where(finite[..., None], states, torch.inf).amin(dim=2)
-        for pos in positions.tolist():
-            row = int(store.index.rows[pos])
-            spans = store.ranges(pos)
-            if all(first <= a and b <= last for a, b in spans):
-                at = torch.from_numpy(np.concatenate([np.arange(a - first, b - first) for a, b in spans]))
-                sample_ids, sample_mask = ids[at.numpy()], stored_mask[at.numpy()]
-                sample_finite, sample_high, sample_low = finite[at], high[at], low[at]
-            else:  # a prefix stored by an earlier batch of its tree, far before: its tokens read apart
-                sample_ids, sample_mask = (t.numpy() for t in store.tokens_at(pos))
-                apart = torch.cat([_states(store, part, a, b) for a, b in spans])
-                sample_finite = torch.isfinite(apart).all(dim=2)
-                sample_high = torch.where(sample_finite[..., None], apart, -torch.inf).amax(dim=2)
-                sample_low = torch.where(sample_finite[..., None], apart, torch.inf).amin(dim=2)
-            if store.index.mask_offsets[pos] >= 0:
-                sample_mask = store.tokens_at(pos)[1].numpy()
-            if sample_ids.min() < 0 or (vocab_size is not None and sample_ids.max() >= vocab_size):
-                ids_bad.append(f"row {row}: token ids {int(sample_ids.min())}..{int(sample_ids.max())} outside "
+        values = _block_values(store, part, positions, first, last, ids, stored_mask, states)
+        constant = values.finite & (values.high == values.low)
+        flagged = (values.low_id < 0) | values.non_binary | ~values.trainable | ~values.finite.all(1) \
+            | constant.any(1)
+        if vocab_size is not None:
+            flagged |= values.high_id >= vocab_size
+        for k in np.flatnonzero(flagged).tolist():
+            row = int(store.index.rows[positions[k]])
+            low_id, high_id = int(values.low_id[k]), int(values.high_id[k])
+            if low_id < 0 or (vocab_size is not None and high_id >= vocab_size):
+                ids_bad.append(f"row {row}: token ids {low_id}..{high_id} outside "
                                f"0..{vocab_size - 1 if vocab_size else '?'}")
-            if not np.isin(sample_mask, (0, 1)).all():
+            if values.non_binary[k]:
                 mask_bad.append(f"row {row}: loss mask values other than 0 and 1")
-            elif not sample_mask.any():
+            elif not values.trainable[k]:
                 mask_bad.append(f"row {row}: loss mask has no trainable token")
             for slot, layer_id in enumerate(slots):
-                if not bool(sample_finite[:, slot].all()):
+                if not values.finite[k, slot]:
                     states_bad.append(f"row {row}: id {layer_id} holds NaN or Inf")
-                elif float(sample_high[:, slot].max()) == float(sample_low[:, slot].min()):
-                    value = float(sample_high[0, slot])
+                elif constant[k, slot]:
+                    value = float(values.high[k, slot])
                     states_bad.append(f"row {row}: id {layer_id} is " + ("all zero" if value == 0 else
                                                                          f"constant {value:g}"))
     n = len(store)
