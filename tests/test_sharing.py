@@ -27,7 +27,7 @@ from streamx.pipeline.plan import decide_sharing
 from streamx.pipeline.runner import run
 from streamx.pipeline.writer import PartWriter
 from streamx.store import SharedKinds, open_store, reader
-from streamx.store.reader import ChunkCache
+from streamx.store.reader import ChunkCache, ChunkPool
 from streamx.train import verify as verify_module
 from streamx.train.verify import check_index, verify
 
@@ -533,7 +533,7 @@ def test_own_loss_masks_are_read_a_chunk_at_a_time_whatever_the_ranges(tmp_path,
     """Rows' own loss masks (row_loss_mask, zstd chunks) come through ChunkCache, which decompresses a local
     array's chunk files itself (else reads through zarr): any range, across chunks, over a chunk zarr left out
     (all zeros) and up to the array's end, equals zarr's own read of it; rows read in order load one chunk
-    each, not one a row, and no more chunks stay than the budget allows."""
+    each, not one a row, and no more chunks stay than the process's budget allows."""
     rng = np.random.default_rng(0)
     values = rng.integers(0, 2, 1000).astype(np.uint8)
     values[128:192] = 0  # a chunk of nothing but the fill value: zarr writes no file for it
@@ -546,7 +546,8 @@ def test_own_loss_masks_are_read_a_chunk_at_a_time_whatever_the_ranges(tmp_path,
     loads = []
     load = ChunkCache._load
     monkeypatch.setattr(ChunkCache, "_load", lambda self, k: loads.append(k) or load(self, k))
-    cache = ChunkCache(arr, budget=3 * 64)
+    pool = ChunkPool(budget=3 * 64)
+    cache = ChunkCache(arr, pool)
     assert (cache.dir is None) == (through == "zarr")
     lengths = rng.integers(1, 30, 60)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
@@ -557,7 +558,9 @@ def test_own_loss_masks_are_read_a_chunk_at_a_time_whatever_the_ranges(tmp_path,
     for a, b in [(0, 0), (63, 65), (120, 200), (0, 1000), (990, 1000), *rng.integers(0, 1000, (30, 2)).tolist()]:
         a, b = min(a, b), max(a, b)
         assert cache.read(a, b).tolist() == values[a:b].tolist()
-        assert len(cache.chunks) <= 3
+        assert len(pool.chunks) <= 3 and pool.held == sum(v.nbytes for v in pool.chunks.values())
+    other = ChunkCache(arr, pool)  # another reader of the same array (another part, another Store): one budget
+    assert other.read(5, 200).tolist() == values[5:200].tolist() and len(pool.chunks) <= 3
 
 
 def test_a_prompt_over_more_tokens_than_a_batch_is_computed_and_stored_once(tmp_path, tiny_chat_model_dir,

@@ -10,6 +10,7 @@ Only what the commit records name is read; the arrays' shapes mean nothing to a 
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections import OrderedDict
@@ -63,18 +64,45 @@ class SampleIndex:
     mask_offsets: np.ndarray  # -1: its loss mask is the stored tokens'; else where its own is in row_loss_mask
 
 
-class ChunkCache:
-    """Entries a..b of a one-dimensional compressed array (rows' own loss masks), read whole chunks at a time, the
-    chunks last read kept up to `budget` bytes: rows read in store order (convert, verify, --merge-prefix-rows)
-    read each chunk once, not once a row. A local zstd array's chunk files are decompressed here (~0.1 ms a
-    chunk; through zarr a read costs ~1 ms however short), so shuffled training reads stay cheap when a
-    million rows' masks outgrow the budget. Safe across threads (convert's)."""
+class ChunkPool:
+    """Decoded chunks for every ChunkCache of a process, the least recently used dropped first once they hold
+    more than `budget` bytes in all (a store written by 8 ranks has 8 parts, and a DataLoader has a process per
+    worker: one bound each, not one per part)."""
 
-    def __init__(self, arr: zarr.Array, budget: int = 32 << 20):
-        self.arr, self.chunk, self.dir = arr, arr.chunks[0], zstd_chunk_dir(arr)
-        self.keep = max(1, budget // (self.chunk * arr.dtype.itemsize))
-        self.chunks: OrderedDict[int, np.ndarray] = OrderedDict()
+    def __init__(self, budget: int = 32 << 20):
+        self.budget, self.held = budget, 0
+        self.chunks: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self.lock = threading.Lock()
+
+    def get(self, key: tuple[int, int]) -> np.ndarray | None:
+        with self.lock:
+            if key in self.chunks:
+                self.chunks.move_to_end(key)
+            return self.chunks.get(key)
+
+    def put(self, key: tuple[int, int], values: np.ndarray) -> None:
+        with self.lock:
+            if key not in self.chunks:
+                self.chunks[key] = values
+                self.held += values.nbytes
+            while self.held > self.budget and len(self.chunks) > 1:
+                self.held -= self.chunks.popitem(last=False)[1].nbytes
+
+
+PROCESS_CHUNKS = ChunkPool()
+_CHUNK_CACHES = itertools.count()
+
+
+class ChunkCache:
+    """Entries a..b of a one-dimensional compressed array (rows' own loss masks), read whole chunks at a time and
+    kept in the process's ChunkPool: rows read in store order (convert, verify, --merge-prefix-rows) read each
+    chunk once, not once a row. A local zstd array's chunk files are decompressed here (~0.1 ms a chunk;
+    through zarr a read costs ~1 ms however short), so shuffled training reads stay cheap when a million
+    rows' masks outgrow the pool. Safe across threads (convert's)."""
+
+    def __init__(self, arr: zarr.Array, pool: ChunkPool = PROCESS_CHUNKS):
+        self.arr, self.chunk, self.dir, self.pool = arr, arr.chunks[0], zstd_chunk_dir(arr), pool
+        self.number = next(_CHUNK_CACHES)  # this array's chunks in the pool
 
     def read(self, a: int, b: int) -> np.ndarray:
         pieces = [self._chunk(k)[max(a, k * self.chunk) - k * self.chunk : b - k * self.chunk]
@@ -82,15 +110,10 @@ class ChunkCache:
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces or [np.zeros(0, self.arr.dtype)])
 
     def _chunk(self, k: int) -> np.ndarray:
-        with self.lock:
-            if k in self.chunks:
-                self.chunks.move_to_end(k)
-                return self.chunks[k]
-        values = self._load(k)
-        with self.lock:
-            self.chunks[k] = values
-            while len(self.chunks) > self.keep:
-                self.chunks.popitem(last=False)
+        values = self.pool.get((self.number, k))
+        if values is None:
+            values = self._load(k)
+            self.pool.put((self.number, k), values)
         return values
 
     def _load(self, k: int) -> np.ndarray:
