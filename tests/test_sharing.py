@@ -26,8 +26,8 @@ from streamx.pipeline.estimate import estimate
 from streamx.pipeline.plan import decide_sharing
 from streamx.pipeline.runner import run
 from streamx.pipeline.writer import PartWriter
-from streamx.store import SharedKinds, open_store, reader
-from streamx.store.reader import ChunkCache, ChunkPool
+from streamx.store import SharedKinds, open_store, shards
+from streamx.store.shards import ChunkCache, ProcessCache
 from streamx.train import verify as verify_module
 from streamx.train.verify import check_index, verify
 
@@ -542,11 +542,11 @@ def test_own_loss_masks_are_read_a_chunk_at_a_time_whatever_the_ranges(tmp_path,
     arr[:] = values
     assert not (tmp_path / "masks.zarr" / "c" / "2").exists() and (tmp_path / "masks.zarr" / "c" / "3").exists()
     if through == "zarr":
-        monkeypatch.setattr(reader, "zstd_chunk_dir", lambda arr: None)
+        monkeypatch.setattr(shards, "zstd_chunk_dir", lambda arr: None)
     loads = []
     load = ChunkCache._load
     monkeypatch.setattr(ChunkCache, "_load", lambda self, k: loads.append(k) or load(self, k))
-    pool = ChunkPool(budget=3 * 64)
+    pool = ProcessCache(lambda values: values.nbytes, 1 << 20, 3 * 64)
     cache = ChunkCache(arr, pool)
     assert (cache.dir is None) == (through == "zarr")
     lengths = rng.integers(1, 30, 60)
@@ -558,9 +558,9 @@ def test_own_loss_masks_are_read_a_chunk_at_a_time_whatever_the_ranges(tmp_path,
     for a, b in [(0, 0), (63, 65), (120, 200), (0, 1000), (990, 1000), *rng.integers(0, 1000, (30, 2)).tolist()]:
         a, b = min(a, b), max(a, b)
         assert cache.read(a, b).tolist() == values[a:b].tolist()
-        assert len(pool.chunks) <= 3 and pool.held == sum(v.nbytes for v in pool.chunks.values())
+        assert len(pool.items) <= 3 and pool.held == sum(v.nbytes for v in pool.items.values())
     other = ChunkCache(arr, pool)  # another reader of the same array (another part, another Store): one budget
-    assert other.read(5, 200).tolist() == values[5:200].tolist() and len(pool.chunks) <= 3
+    assert other.read(5, 200).tolist() == values[5:200].tolist() and len(pool.items) <= 3
 
 
 def test_a_prompt_over_more_tokens_than_a_batch_is_computed_and_stored_once(tmp_path, tiny_chat_model_dir,

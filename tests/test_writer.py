@@ -359,7 +359,7 @@ def test_shard_files_read_what_zarr_reads(tmp_path, samples, layout):
                                                                zip(store.index.offsets, store.index.lengths,
                                                                    strict=True))]:
             assert np.array_equal(files.read(a, b), arr[a:b]), (name, a, b)
-            assert np.array_equal(few.read(b - 1, b), arr[b - 1 : b]) and len(few_maps.maps) <= 2  # dropped
+            assert np.array_equal(few.read(b - 1, b), arr[b - 1 : b]) and len(few_maps.items) <= 2  # dropped
     got = store.sample(samples[3][0])  # the read API goes the direct way on this local, uncompressed store
     assert torch.equal(got.input_ids, torch.from_numpy(samples[3][1]))
     shard = path / "parts/part-00000/hidden_states" / shard_key(part["hidden_states"], 0)
@@ -389,7 +389,7 @@ def test_shard_files_read_from_many_threads(tmp_path, samples):
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda r: files.read(*r).copy(), ranges))
     assert all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True))
-    assert maps.mapped == sum(len(m) for m, _ in maps.maps.values())
+    assert maps.held == sum(len(m) for m, _ in maps.items.values())
 
 
 def test_a_file_url_is_a_local_store(tmp_path, samples):
@@ -462,7 +462,7 @@ def test_one_map_budget_for_the_whole_process(tmp_path, samples):
     for reader in readers:
         for a in range(0, n, LAYOUT.shard_tokens):
             assert np.array_equal(reader.read(a, a + 1), reader.arr[a : a + 1])
-            assert len(maps.maps) <= 3
+            assert len(maps.items) <= 3
     assert ShardFiles(readers[0].arr).maps is PROCESS_MAPS  # the default: the process's one budget
 
 

@@ -10,10 +10,7 @@ Only what the commit records name is read; the arrays' shapes mean nothing to a 
 
 from __future__ import annotations
 
-import itertools
 import json
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -21,7 +18,6 @@ from typing import Any
 import numpy as np
 import torch
 import zarr
-from numcodecs import Zstd
 
 from .. import __version__
 from ..base.location import local_path, zarr_path
@@ -37,9 +33,7 @@ from .format import (
     StoreMetadata,
     committed_parts,
 )
-from .shards import ShardFiles, streamable_dir, zstd_chunk_dir
-
-ZSTD = Zstd()
+from .shards import ChunkCache, ShardFiles, streamable_dir
 
 
 @dataclass
@@ -62,68 +56,6 @@ class SampleIndex:
     range_starts: np.ndarray  # where its ranges start in its part's range table (with --sharing)
     range_counts: np.ndarray  # 0: its tokens are `lengths` tokens from `offsets`; else its ranges
     mask_offsets: np.ndarray  # -1: its loss mask is the stored tokens'; else where its own is in row_loss_mask
-
-
-class ChunkPool:
-    """Decoded chunks for every ChunkCache of a process, the least recently used dropped first once they hold
-    more than `budget` bytes in all (a store written by 8 ranks has 8 parts, and a DataLoader has a process per
-    worker: one bound each, not one per part)."""
-
-    def __init__(self, budget: int = 32 << 20):
-        self.budget, self.held = budget, 0
-        self.chunks: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-        self.lock = threading.Lock()
-
-    def get(self, key: tuple[int, int]) -> np.ndarray | None:
-        with self.lock:
-            if key in self.chunks:
-                self.chunks.move_to_end(key)
-            return self.chunks.get(key)
-
-    def put(self, key: tuple[int, int], values: np.ndarray) -> None:
-        with self.lock:
-            if key not in self.chunks:
-                self.chunks[key] = values
-                self.held += values.nbytes
-            while self.held > self.budget and len(self.chunks) > 1:
-                self.held -= self.chunks.popitem(last=False)[1].nbytes
-
-
-PROCESS_CHUNKS = ChunkPool()
-_CHUNK_CACHES = itertools.count()
-
-
-class ChunkCache:
-    """Entries a..b of a one-dimensional compressed array (rows' own loss masks), read whole chunks at a time and
-    kept in the process's ChunkPool: rows read in store order (convert, verify, --merge-prefix-rows) read each
-    chunk once, not once a row. A local zstd array's chunk files are decompressed here (~0.1 ms a chunk;
-    through zarr a read costs ~1 ms however short), so shuffled training reads stay cheap when a million
-    rows' masks outgrow the pool. Safe across threads (convert's)."""
-
-    def __init__(self, arr: zarr.Array, pool: ChunkPool = PROCESS_CHUNKS):
-        self.arr, self.chunk, self.dir, self.pool = arr, arr.chunks[0], zstd_chunk_dir(arr), pool
-        self.number = next(_CHUNK_CACHES)  # this array's chunks in the pool
-
-    def read(self, a: int, b: int) -> np.ndarray:
-        pieces = [self._chunk(k)[max(a, k * self.chunk) - k * self.chunk : b - k * self.chunk]
-                  for k in range(a // self.chunk, -(-b // self.chunk))]
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces or [np.zeros(0, self.arr.dtype)])
-
-    def _chunk(self, k: int) -> np.ndarray:
-        values = self.pool.get((self.number, k))
-        if values is None:
-            values = self._load(k)
-            self.pool.put((self.number, k), values)
-        return values
-
-    def _load(self, k: int) -> np.ndarray:
-        if self.dir is None:
-            return self.arr[k * self.chunk : (k + 1) * self.chunk]  # (the last chunk: as far as the array goes)
-        try:
-            data = (self.dir / self.arr.metadata.encode_chunk_key((k,))).read_bytes()
-        except FileNotFoundError:  # zarr leaves out a chunk of nothing but the fill value
-            return np.full(self.chunk, self.arr.metadata.fill_value, dtype=self.arr.dtype)
-        return np.frombuffer(ZSTD.decode(data), dtype=self.arr.dtype.newbyteorder("<"))
 
 
 class RowSet(Collection[int]):

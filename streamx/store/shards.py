@@ -7,6 +7,10 @@ stream a shard's bytes from the host batch straight into the file (`StreamedShar
 zarr's per-chunk encode, fill-value scan and concatenation, and zarr reads the file as if it had
 written it (tests/test_writer.py compares the bytes). Anything else (compressed arrays, object
 stores) is collected in host memory and written through zarr (`BufferedShards`).
+
+Readers go to the files too where zarr's per-read cost would weigh: `ShardFiles` (token ranges as views of
+mapped shard files) and `ChunkCache` (rows' own loss masks, zstd chunks decompressed here), both kept within
+one budget per process (`ProcessCache`).
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import google_crc32c
 import numpy as np
 import zarr
+from numcodecs import Zstd
 from zarr.storage import LocalStore
 
 from ..base import durable
@@ -32,6 +37,8 @@ from ..base import durable
 _UNUSED_CHUNK = np.iinfo(np.uint64).max  # index entry of a chunk that holds nothing (reads as fill value)
 _INDEX_ENTRY_BYTES = 2 * 8  # (offset, nbytes) as little-endian uint64
 _CHECKSUM_BYTES = 4  # the index's crc32c
+_ZSTD = Zstd()
+V = TypeVar("V")
 
 
 def _streamable_codecs(arr: zarr.Array) -> list[dict[str, Any]]:
@@ -83,44 +90,58 @@ def shard_index(filled_chunks: int, chunks_per_shard: int, chunk_nbytes: int) ->
     return index.tobytes() + np.uint32(google_crc32c.value(index.tobytes())).astype("<u4").tobytes()
 
 
-class ShardMaps:
-    """The shard files this process keeps mapped, least recently used first, under one budget for the whole
-    process (every store, array and part it reads; each DataLoader worker is a process of its own): at most
-    `max_maps` files and `max_bytes` mapped. A map costs no descriptor and its pages are read on use, but the
-    pages read count in the process's RSS (page cache, reclaimable) until it is unmapped. Small shards get many
-    maps for shuffled reads (64 remapped 97% of reads over 2k shards, bench/RESULTS.md "Flat costs at scale");
-    256 MiB shards a few, where one remap is small beside one sample's read. A returned view keeps its own
-    map alive. Thread-safe (convert's threads read one store at once)."""
+class ProcessCache(Generic[V]):
+    """What this process keeps of the files it reads (shard maps, decoded chunks), least recently used dropped
+    first, under one budget for the whole process (every store, array and part it reads; each DataLoader worker
+    is a process of its own): at most `max_items` values and `max_bytes` as `size` counts them. Keys are a
+    reader's own number and what it read. Thread-safe (convert's threads read one store at once)."""
 
-    def __init__(self, max_maps: int = 4096, max_bytes: int = 1 << 30):
-        self.max_maps, self.max_bytes = max_maps, max_bytes
-        self.maps: OrderedDict[tuple[int, int], tuple[mmap.mmap | None, np.ndarray]] = OrderedDict()  # -> (map, index)
-        self.mapped = 0  # bytes
+    def __init__(self, size: Callable[[V], int], max_items: int, max_bytes: int):
+        self.size, self.max_items, self.max_bytes = size, max_items, max_bytes
+        self.items: OrderedDict[tuple[int, int], V] = OrderedDict()
+        self.held = 0  # bytes, as `size` counts them
         self._lock = threading.Lock()
         os.register_at_fork(after_in_child=self._after_fork)
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()  # a fork while another thread held it would leave it held forever
 
-    def get(self, key: tuple[int, int], path: Path, chunks: int) -> tuple[mmap.mmap | None, np.ndarray]:
-        """The map of the shard file at `path` and its index of `chunks` (offset, nbytes) entries, its checksum
-        checked, kept under `key` (a reader's own number and the shard's: a reader opened later maps the files
-        anew, as they are then); a file that is not there (zarr leaves out a shard that is all fill value) maps
-        to None with every chunk unused."""
+    def get(self, key: tuple[int, int], load: Callable[[], V]) -> V:
+        """The value kept under `key`, else `load()`'s, kept."""
         with self._lock:
-            if key in self.maps:
-                self.maps.move_to_end(key)
-                return self.maps[key]
-            entry = self.maps[key] = _map_shard(path, chunks)
-            self.mapped += len(entry[0]) if entry[0] is not None else 0
-            while len(self.maps) > 1 and (len(self.maps) > self.max_maps or self.mapped > self.max_bytes):
-                dropped = self.maps.popitem(last=False)[1][0]
-                self.mapped -= len(dropped) if dropped is not None else 0
-            return entry
+            if key in self.items:
+                self.items.move_to_end(key)
+                return self.items[key]
+            value = self.items[key] = load()
+            self.held += self.size(value)
+            while len(self.items) > 1 and (len(self.items) > self.max_items or self.held > self.max_bytes):
+                self.held -= self.size(self.items.popitem(last=False)[1])
+            return value
+
+
+ShardMap = tuple["mmap.mmap | None", np.ndarray]  # a shard file's map (None: no file) and its chunk index
+
+
+class ShardMaps(ProcessCache[ShardMap]):
+    """The shard files this process keeps mapped: at most `max_maps` files and `max_bytes` mapped. A map costs no
+    descriptor and its pages are read on use, but the pages read count in the process's RSS (page cache,
+    reclaimable) until it is unmapped. Small shards get many maps for shuffled reads (64 remapped 97% of reads
+    over 2k shards, bench/RESULTS.md "Flat costs at scale"); 256 MiB shards a few, where one remap is small
+    beside one sample's read. A returned view keeps its own map alive."""
+
+    def __init__(self, max_maps: int = 4096, max_bytes: int = 1 << 30):
+        super().__init__(lambda entry: len(entry[0]) if entry[0] is not None else 0, max_maps, max_bytes)
+
+    def shard(self, key: tuple[int, int], path: Path, chunks: int) -> ShardMap:
+        """The map of the shard file at `path` and its index of `chunks` (offset, nbytes) entries, its checksum
+        checked (a reader opened later maps the files anew, as they are then); a file that is not there (zarr
+        leaves out a shard that is all fill value) maps to None with every chunk unused."""
+        return self.get(key, lambda: _map_shard(path, chunks))
 
 
 PROCESS_MAPS = ShardMaps()  # the one budget of this process
-_READERS = itertools.count()
+PROCESS_CHUNKS: ProcessCache[np.ndarray] = ProcessCache(lambda values: values.nbytes, 1 << 20, 32 << 20)
+_READERS = itertools.count()  # each reader's number: its part of the keys
 
 
 def _map_shard(path: Path, chunks: int) -> tuple[mmap.mmap | None, np.ndarray]:
@@ -162,8 +183,8 @@ class ShardFiles:
         while token < b:
             shard = token // self.shard_tokens
             stop = min(b, (shard + 1) * self.shard_tokens)
-            mapped, index = self.maps.get((self.number, shard), self.dir / shard_key(self.arr, shard),
-                                          self.shard_tokens // self.chunk_tokens)
+            mapped, index = self.maps.shard((self.number, shard), self.dir / shard_key(self.arr, shard),
+                                            self.shard_tokens // self.chunk_tokens)
             for offset, start, end in self._runs(index, token - shard * self.shard_tokens,
                                                  stop - shard * self.shard_tokens):
                 if offset is None:  # left out by zarr: the fill value
@@ -195,6 +216,35 @@ class ShardFiles:
             else:
                 runs.append((start, lo - a, hi - a))
         return runs
+
+
+class ChunkCache:
+    """Entries a..b of a one-dimensional compressed array (rows' own loss masks), read whole chunks at a time and
+    kept in the process's ProcessCache: rows read in store order (convert, verify, --merge-prefix-rows) read
+    each chunk once, not once a row. A local zstd array's chunk files are decompressed here (~0.1 ms a chunk;
+    through zarr a read costs ~1 ms however short), so shuffled training reads stay cheap when a million
+    rows' masks outgrow the budget."""
+
+    def __init__(self, arr: zarr.Array, pool: ProcessCache[np.ndarray] = PROCESS_CHUNKS):
+        self.arr, self.chunk, self.dir, self.pool = arr, arr.chunks[0], zstd_chunk_dir(arr), pool
+        self.number = next(_READERS)  # this reader's chunks in the pool
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        pieces = [self._chunk(k)[max(a, k * self.chunk) - k * self.chunk : b - k * self.chunk]
+                  for k in range(a // self.chunk, -(-b // self.chunk))]
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces or [np.zeros(0, self.arr.dtype)])
+
+    def _chunk(self, k: int) -> np.ndarray:
+        return self.pool.get((self.number, k), lambda: self._load(k))
+
+    def _load(self, k: int) -> np.ndarray:
+        if self.dir is None:
+            return self.arr[k * self.chunk : (k + 1) * self.chunk]  # (the last chunk: as far as the array goes)
+        try:
+            data = (self.dir / self.arr.metadata.encode_chunk_key((k,))).read_bytes()
+        except FileNotFoundError:  # zarr leaves out a chunk of nothing but the fill value
+            return np.full(self.chunk, self.arr.metadata.fill_value, dtype=self.arr.dtype)
+        return np.frombuffer(_ZSTD.decode(data), dtype=self.arr.dtype.newbyteorder("<"))
 
 
 class ShardSink(Protocol):
