@@ -101,9 +101,11 @@ class RunConfig:
                                       "common leading run of --min-shared-tokens (system prompts, a shared history) "
                                       "is computed once and the rows continue from its state, where a check at start "
                                       "proves this model gives them their states alone (else only the prefix rows, "
-                                      "with the reason logged). Found within each --sort-window. Readers see whole "
-                                      "rows either way. off: every row computed in full (the reference; stores "
-                                      "written before streamx 0.5 resume with it).")
+                                      "with the reason logged). Found within each --sort-window, but for a row "
+                                      "whose content repeats an earlier row's anywhere in the data: it is not "
+                                      "computed and reads that row. Readers see whole rows either way. off: every "
+                                      "row computed in full (the reference; stores written before streamx 0.5 resume "
+                                      "with it).")
     min_shared_tokens: int = setting(16, "The shortest common leading run of tokens that --sharing computes once.")
     max_batch_size: int = setting(256, "Max samples per forward pass.")
     sort_window: int = setting(1024, "Consecutive source rows sorted by length together before batching (more: "

@@ -2,6 +2,7 @@
 CLI in a subprocess, a part's commit record, the bit-for-bit store comparison, a tiny store written without a
 model, and the independent reference (an unbatched HF forward)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -83,6 +84,19 @@ def cli(*args, env=None, **kw) -> subprocess.CompletedProcess:
     """`python -m streamx ARGS` offline, its output captured as text."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "streamx", *args], env=env, capture_output=True, text=True, **kw)
+
+
+def distinct_copies(jsonl, copies: int) -> str:
+    """The chats of `jsonl` `copies` times over, each copy's first message marked with its number: longer data
+    whose rows all differ (--sharing would read a repeated row's states from its first row, not compute them)."""
+    rows = [json.loads(line) for line in open(jsonl)]
+    out = []
+    for copy in range(copies):
+        for row in rows:
+            first = dict(row["messages"][0], content=f"{row['messages'][0]['content']} ({copy})" if copy else
+                         row["messages"][0]["content"])
+            out.append(json.dumps({**row, "messages": [first, *row["messages"][1:]]}) + "\n")
+    return "".join(out)
 
 
 def committed_samples(out, part: str = "part-00000") -> int:

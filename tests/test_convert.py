@@ -370,6 +370,7 @@ def test_speculators_trains_eagle3_and_dflash_on_converted_data(smollm2_dir, spe
     print(json.dumps({name: r["targets"] for name, r in result.items() if name != "versions"}))  # shown with -s
 
     for name, (store, meta) in specs.items():  # the no-copy runs read the store through the streamx backend
+        assert store.num_tokens < store.row_tokens  # a shared store: the template's system prompt stored once
         algo, tag = (*name.split(":"), "")[:2]
         fp8 = tag == "fp8" or store.metadata.storage == "fp8"
         r = result[name]

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import assert_same_samples, committed_samples, run_args
+from helpers import assert_same_samples, committed_samples, distinct_copies, run_args
 
 from streamx.config import load_config
 from streamx.model.load import load_model
@@ -28,7 +28,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 def test_two_ranks_equal_one_process_and_resume_after_a_rank_dies(tiny_chat_model_dir, chat_jsonl, tmp_path):
     data = tmp_path / "data.jsonl"  # long enough that a rank can be killed mid-run
-    data.write_text(open(chat_jsonl).read() * 6)
+    data.write_text(distinct_copies(chat_jsonl, 6))
     chat_jsonl = str(data)
     reference = tmp_path / "ref.zarr"
     subprocess.run(streamx_cmd(tiny_chat_model_dir, chat_jsonl, reference), env=ENV, check=True, capture_output=True)

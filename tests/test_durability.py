@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_samples, cli, committed_samples, run_args, small_config
+from helpers import assert_same_samples, cli, committed_samples, distinct_copies, run_args, small_config
 
 from streamx.base.locks import Lock, lock_file
 from streamx.pipeline.runner import run
@@ -150,7 +150,7 @@ def long_chats(tiny_chat_model_dir, chat_jsonl, tmp_path_factory):
     """(data, reference): the chats repeated, and the store an uninterrupted run writes of their first ROWS."""
     folder = tmp_path_factory.mktemp("long")
     data = folder / "data.jsonl"
-    data.write_text(open(chat_jsonl).read() * (ROWS // 40 + 1))
+    data.write_text(distinct_copies(chat_jsonl, ROWS // 40 + 1))
     reference = folder / "ref.zarr"
     result = cli(*long_run(tiny_chat_model_dir, str(data), reference, chunk_tokens=0, shard_tokens=0))
     assert result.returncode == 0, result.stderr

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import assert_same_samples, committed_samples, run_args
+from helpers import assert_same_samples, committed_samples, distinct_copies, run_args
 
 from streamx.store import open_store
 from streamx.train.convert import convert
@@ -62,7 +62,7 @@ def run_cmd(model_dir, data, out):
 
 def test_s3_store_run_kill_resume_equals_local(tiny_chat_model_dir, chat_jsonl, tmp_path, s3_env):
     data = tmp_path / "data.jsonl"
-    data.write_text(open(chat_jsonl).read() * 2)
+    data.write_text(distinct_copies(chat_jsonl, 2))
     local = tmp_path / "local.zarr"
     subprocess.run(run_cmd(tiny_chat_model_dir, str(data), str(local)), env=s3_env, check=True, capture_output=True)
 

@@ -410,11 +410,20 @@ def test_a_shared_store_reads_every_row_as_the_unshared_store(tmp_path, tiny_cha
         torch.testing.assert_close(b.hidden_states.float(), a.hidden_states.float(), rtol=BF16_ULP,
                                    atol=1e-5 * a.hidden_states.float().abs().max().item())
 
-    # the share of each kind, read from the stored ranges, against the rows counted window by window, and
-    # against what `streamx plan` finds from the rows before anything is computed
+    # the share of each kind, read from the stored ranges, against the rows counted window by window (a row whose
+    # ids and mask repeat an earlier row's, in any window, is a duplicate), and against what `streamx plan` finds
+    # from the rows before anything is computed
     duplicates = prefixes = 0
+    seen = set()
     for start in range(0, len(rows), 16):
-        window = [tuple(r["input_ids"]) for r in rows[start : start + 16]]
+        window = []
+        for r in rows[start : start + 16]:
+            content = (tuple(r["input_ids"]), tuple(r["loss_mask"]))
+            if content in seen:
+                duplicates += len(r["input_ids"])
+            else:
+                seen.add(content)
+                window.append(content[0])
         distinct = set(window)
         duplicates += sum(len(r) for r in window) - sum(len(r) for r in distinct)
         prefixes += sum(len(r) for r in distinct if any(len(o) > len(r) and o[: len(r)] == r for o in distinct))
@@ -425,6 +434,110 @@ def test_a_shared_store_reads_every_row_as_the_unshared_store(tmp_path, tiny_cha
     assert estimate(RunConfig(model=tiny_chat_model_dir, data=data, out=str(tmp_path / "plan.zarr"), layers="1,2,4",
                               sort_window=16, token_budget=256, max_length=256)).shared.kinds == kinds
     assert "duplicates" in " ".join(on.describe()) and "leading runs" in " ".join(on.describe())
+
+
+def repeated_rows() -> list[dict]:
+    """24 distinct pretokenized rows, then 12 repeats of earlier ones (ids and mask), each in a later sorting window
+    of 4 rows than its first, and a row of an earlier row's ids with another mask (not a repeat)."""
+    rng = np.random.default_rng(3)
+    rows = [{"input_ids": ids, "loss_mask": [0] * 4 + [1] * (len(ids) - 4)}
+            for ids in (rng.integers(10, 40000, int(n)).tolist() for n in rng.integers(8, 40, 24))]
+    rows += [rows[i] for i in (0, 3, 3, 7, 11, 2, 20, 0, 5, 9, 23, 16)]
+    rows.append({"input_ids": rows[1]["input_ids"], "loss_mask": [1] * len(rows[1]["input_ids"])})
+    return rows
+
+
+def test_a_row_repeated_anywhere_in_the_data_is_computed_once(tmp_path, tiny_chat_model_dir, monkeypatch):
+    """Rows whose content repeats an earlier row's in another sorting window (and, at two ranks, another part) are
+    not computed: they read the first row's sample, so they hold its states bit for bit, and every row reads as
+    in the unshared store. The same at one rank and at two, and after a run that fails part way and a resume; a
+    rank that runs before the rank holding the first rows leaves its repeats unread until that rank commits."""
+    rows = repeated_rows()
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    settings = dict(model=tiny_chat_model_dir, data=data, layers="1,2,4", sort_window=4, token_budget=256,
+                    max_length=256)
+    stores = {}
+    for sharing in ("off", "on"):
+        out = str(tmp_path / f"{sharing}.zarr")
+        run(RunConfig(out=out, sharing=sharing, **settings), progress=False, log=lambda m: None)
+        stores[sharing] = open_store(out)
+    off, on = stores["off"], stores["on"]
+    firsts = {}
+    for row, r in enumerate(rows):
+        firsts.setdefault((tuple(r["input_ids"]), tuple(r["loss_mask"])), row)
+    first_of = [firsts[(tuple(r["input_ids"]), tuple(r["loss_mask"]))] for r in rows]
+    repeats = [row for row, first in enumerate(first_of) if first != row]
+    assert len(repeats) == 12 and all(first_of[row] // 4 < row // 4 for row in repeats)  # in earlier windows
+    assert on.num_tokens == off.num_tokens - sum(len(rows[row]["input_ids"]) for row in repeats)
+    assert on.row_tokens == off.row_tokens and len(on) == len(off) == len(rows)
+    assert sorted(on.index.rows[on.same_as >= 0].tolist()) == repeats
+    assert on.shared_kinds().duplicate_rows == len(repeats)
+    for row in range(len(rows)):
+        a, b = off.sample(row), on.sample(row)
+        assert a.input_ids.tolist() == b.input_ids.tolist() == rows[row]["input_ids"]
+        assert a.loss_mask.tolist() == b.loss_mask.tolist() == rows[row]["loss_mask"]
+        torch.testing.assert_close(b.hidden_states.float(), a.hidden_states.float(), rtol=BF16_ULP,
+                                   atol=1e-5 * a.hidden_states.float().abs().max().item())
+        assert torch.equal(b.hidden_states.view(torch.int16), on.sample(first_of[row]).hidden_states.view(torch.int16))
+    assert estimate(RunConfig(out=str(tmp_path / "plan.zarr"), **settings)).shared.leading_runs == on.num_tokens
+    assert verify(str(tmp_path / "on.zarr"), use_model=False, log=lambda m: None).passed
+    # convert --merge-prefix-rows trains on each repeated content once: the repeats fold into their first rows
+    from streamx.train.convert import convert
+
+    merged = tmp_path / "merged"
+    convert(str(tmp_path / "on.zarr"), str(merged), progress=False, allow_random_weights=True, merge_prefix_rows=True,
+            hidden_states="store", log=lambda m: None)
+    kept = np.load(merged / "store_rows.npy").tolist()
+    assert sorted(kept) == [row for row in range(len(rows)) if row not in repeats]
+
+    # two independent ranks, rank 1 first: its repeats of rank 0's rows wait for them, then read them
+    ranks = str(tmp_path / "ranks.zarr")
+    run(RunConfig(out=ranks, rank=1, world_size=2, **settings), progress=False, log=lambda m: None)
+    alone = open_store(ranks)
+    waiting = alone.repeated.unread.tolist()
+    assert waiting and all((first_of[row] // 4) % 2 == 0 for row in waiting)  # their first rows are rank 0's
+    assert set(waiting) <= set(alone.done_row_ids()) and not set(waiting) & set(alone.row_ids().tolist())
+    run(RunConfig(out=ranks, rank=0, world_size=2, **settings), progress=False, log=lambda m: None)
+    assert len(open_store(ranks).parts) == 2 and not open_store(ranks).repeated.unread.size
+    assert_same_samples(tmp_path / "on.zarr", ranks)
+
+    appended = PartWriter.append_batch
+
+    def fail_fifth(self, *args, **kwargs):
+        self.batches = getattr(self, "batches", 0) + 1
+        if self.batches == 5:
+            raise OSError("injected: the disk went away")
+        return appended(self, *args, **kwargs)
+
+    resumed = str(tmp_path / "resumed.zarr")
+    monkeypatch.setattr(PartWriter, "append_batch", fail_fifth)
+    with pytest.raises(OSError, match="injected"):
+        run(RunConfig(out=resumed, chunk_tokens=16, shard_tokens=64, **settings), progress=False, log=lambda m: None)
+    monkeypatch.undo()
+    assert 0 < len(open_store(resumed)) < len(rows)
+    run(RunConfig(out=resumed, chunk_tokens=16, shard_tokens=64, **settings), progress=False, log=lambda m: None)
+    assert_same_samples(tmp_path / "on.zarr", resumed)
+
+
+def test_verify_names_a_repeated_row_that_reads_no_row_or_another_length(tmp_path, tiny_chat_model_dir):
+    rows = repeated_rows()
+    out = tmp_path / "s.zarr"
+    run(RunConfig(model=tiny_chat_model_dir, data=write_rows(tmp_path / "rows.jsonl", rows), out=str(out),
+                  layers="1,2,4", sort_window=4, token_budget=256, max_length=256), progress=False, log=lambda m: None)
+    part = zarr.open_group(str(out))["parts/part-00000"]
+    same_as, lengths, row_ids = part["sample_same_as"][:], part["sample_length"][:], part["sample_row_id"][:]
+    repeats = np.flatnonzero(same_as >= 0)
+    lost, longer = repeats[:2]
+    same_as[lost] = 10_000  # a row the data does not have
+    lengths[longer] += 1
+    part["sample_same_as"][:] = same_as
+    part["sample_length"][:] = lengths
+    report = verify(str(out), use_model=False, log=lambda m: None)
+    rows_check = next(c for c in report.checks if c.name == "rows")
+    assert not rows_check.passed and sorted(rows_check.problems) == sorted([
+        f"row {row_ids[lost]} repeats row 10000, which is neither a sample nor a reject",
+        f"row {row_ids[longer]} has another length than the row it repeats (their content keys collide): make the "
+        "store again with --sharing off"])
 
 
 def row_problems(store, vocab_size: int) -> dict[str, set[str]]:

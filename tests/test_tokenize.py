@@ -338,12 +338,13 @@ def test_content_key_is_what_a_sample_is_built_from():
     rows = [Row(i, r) for i, r in enumerate([chat, ids, {**chat, "id": 1}, {"other": 1}, {"other": 1}, ids])]
     seen = Repeats()
     first, second = seen.of(rows[:3]), seen.of(rows[3:])
-    assert [r for r, (_, again) in {**first, **second}.items() if again] == [2, 5]  # earlier windows count
+    # each repeated row names the first row with its content; earlier windows count
+    assert {r: first_row for r, (_, first_row) in {**first, **second}.items() if first_row is not None} == {2: 0, 5: 1}
     assert sorted({**first, **second}) == [0, 1, 2, 5]  # rows without content have no key
     assert first[2][0] == first[0][0] == content_key(chat) and second[5][0] == content_key(ids)
     passed = Repeats()
-    passed.add([content_key(chat), 0])  # keys of rows a resume did not read
-    assert passed.of(rows[2:3]) == {2: (content_key(chat), True)}
+    passed.add([4, 7, 9], [content_key(chat), 0, content_key(chat)])  # rows a resume did not read, and their keys
+    assert passed.of(rows[2:3]) == {2: (content_key(chat), 4)}
 
 
 def test_reasoning_is_trained_on_where_the_template_renders_it(qwen):

@@ -30,7 +30,7 @@ import torch
 
 from .sharing import Piece, Segment, pieces, row_ranges, share
 from .source import Row
-from .tokenize import Reject, Sample
+from .tokenize import Duplicate, Reject, Sample
 
 
 @dataclass
@@ -263,16 +263,17 @@ def iter_windows(rows: Iterable[Row], sort_window: int) -> Iterator[list[Row]]:
         yield window
 
 
-def iter_batches(items: list[Sample | Reject], token_budget: int, max_batch_size: int,
+def iter_batches(items: list[Sample | Reject | Duplicate], token_budget: int, max_batch_size: int,
                  pad_token_id: int, packed: bool = False, sharing: bool = False,
-                 min_shared_tokens: int | None = None) -> Iterator[Batch | Reject]:
-    """One window's samples as batches, packed or padded; rejects pass straight through. With `sharing`, rows
+                 min_shared_tokens: int | None = None) -> Iterator[Batch | Reject | Duplicate]:
+    """One window's samples as batches, packed or padded; rejects and duplicates (nothing to compute) pass
+    straight through. With `sharing`, rows
     that are prefixes of others (duplicates too) are served by those rows' states (streamx.data.sharing), and,
     packed, common leading runs of `min_shared_tokens` (None: none) are computed once (a tree too large for one
     batch in pieces, each alone in its batch and after the ones it continues)."""
     samples = []
     for item in items:
-        if isinstance(item, Reject):
+        if isinstance(item, (Reject, Duplicate)):
             yield item
         elif len(item.input_ids) > token_budget:
             raise ValueError(f"row {item.row_id}: {len(item.input_ids)} tokens exceed token_budget {token_budget}")
@@ -290,14 +291,14 @@ def iter_batches(items: list[Sample | Reject], token_budget: int, max_batch_size
                                                                        max_batch_size))
 
 
-def to_run(items: list[Batch | Reject], done: Collection[int]) -> Iterator[Batch | Reject]:
-    """A window's batches and rejects less those whose rows are all in `done` (an earlier run committed them),
-    but for a batch that keeps a segment a later batch to run continues (`Carry`): it runs again, and what it
-    computes is stored again (a resume's only repeat)."""
+def to_run(items: list[Batch | Reject | Duplicate], done: Collection[int]) -> Iterator[Batch | Reject | Duplicate]:
+    """A window's batches, rejects and duplicates less those whose rows are all in `done` (an earlier run
+    committed them), but for a batch that keeps a segment a later batch to run continues (`Carry`): it runs
+    again, and what it computes is stored again (a resume's only repeat)."""
     needed: set[Segment] = set()  # segments continued by a batch that runs after this one
     runs: list[bool] = []
     for item in reversed(items):
-        rows = [item.row_id] if isinstance(item, Reject) else [s.row_id for s in item.samples]
+        rows = [s.row_id for s in item.samples] if isinstance(item, Batch) else [item.row_id]
         carry = item.carry if isinstance(item, Batch) else None
         runs.append(not all(r in done for r in rows) or
                     (carry is not None and any(s in needed for s in carry.exports.values())))

@@ -63,29 +63,30 @@ def content_key(record: dict | None) -> int | None:
 
 
 class Repeats:
-    """Which rows repeat an earlier row's content (content_key), row after row in source order. Every
-    rank and every resume passes every row, read or (a resume's done windows) with its key from the store,
-    so all of them agree on which is first. Memory: one 64-bit
-    key per distinct row (a Python set, ~60 bytes each: ~60 MB at a million rows)."""
+    """Which rows repeat an earlier row's content (content_key), and the first row that had it, row after row in
+    source order. Every rank and every resume passes every row, read or (a resume's done windows) with its key
+    from the store, so all of them agree on which is first. Memory: a 64-bit key and a row id per distinct row
+    (a Python dict, ~100 bytes an entry: ~100 MB at a million rows)."""
 
     def __init__(self) -> None:
-        self.keys: set[int] = set()
+        self.first: dict[int, int] = {}
 
-    def of(self, rows: Iterable[Row]) -> dict[int, tuple[int, bool]]:
-        """Row id -> (its content key, whether an earlier row, here or before, had it) of the rows here that
-        have a key."""
+    def of(self, rows: Iterable[Row]) -> dict[int, tuple[int, int | None]]:
+        """Row id -> (its content key, the earlier row that had it, here or before, or None) of the rows here
+        that have a key."""
         found = {}
         for row in rows:
             key = content_key(row.record)
             if key is not None:
-                found[row.row_id] = (key, key in self.keys)
-                self.keys.add(key)
+                first = self.first.setdefault(key, row.row_id)
+                found[row.row_id] = (key, None if first == row.row_id else first)
         return found
 
-    def add(self, keys: Iterable[int]) -> None:
-        """The keys of rows passed without being read (a resume's done windows, from the store)."""
-        self.keys.update(k for k in keys if k)
-
+    def add(self, rows: Iterable[int], keys: Iterable[int]) -> None:
+        """The keys of rows passed without being read (a resume's done windows, from the store), in source order."""
+        for row, key in zip(rows, keys, strict=True):
+            if key:
+                self.first.setdefault(int(key), int(row))
 
 class NoChatTemplateError(ValueError):
     """A chat row met a tokenizer without a chat template: fatal for the run, not per row."""
@@ -98,6 +99,18 @@ class Sample:
     loss_mask: torch.Tensor  # int64 0/1 [T], not shifted: 1 on assistant tokens
     duplicate: bool = False  # its content repeats an earlier row's
     content_key: int = 0  # content_key of its row (0: not computed)
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """A row whose content repeats an earlier row's, anywhere in the data: with --sharing it is not computed and
+    reads that row (`same_as`) in the store."""
+
+    row_id: int
+    same_as: int  # the first row with its content
+    length: int  # its tokens (the same as that row's)
+    trainable: int  # of them, where its loss mask is 1
+    content_key: int
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ model's config.
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from ..store.format import (
     GROUP_DOCUMENTS,
     INDEX_CHUNK,
     REJECT_ARRAYS,
+    SAME_AS_ARRAYS,
     SAMPLE_ARRAYS,
     SHARING_ARRAYS,
     TOKEN_ID_ARRAYS,
@@ -90,7 +91,7 @@ def store_size(layout: Layout, tokens: int, samples: int, rejects: int) -> Store
               + samples * entry_bytes(SAMPLE_ARRAYS) + rejects * entry_bytes(REJECT_ARRAYS))
     index_files = len(SAMPLE_ARRAYS) * -(-samples // INDEX_CHUNK) + len(REJECT_ARRAYS) * -(-rejects // INDEX_CHUNK)
     # --sharing's arrays hold only their fill values where no row shares (no chunk files): the unshared bound
-    arrays = token_arrays + len(SAMPLE_ARRAYS) + len(REJECT_ARRAYS) + len(SHARING_ARRAYS)
+    arrays = token_arrays + len(SAMPLE_ARRAYS) + len(REJECT_ARRAYS) + len(SHARING_ARRAYS) + len(SAME_AS_ARRAYS)
     nbytes += GROUP_METADATA_BYTES + arrays * ARRAY_METADATA_BYTES
     return StoreSize(nbytes, GROUP_DOCUMENTS + arrays + shards * token_arrays + index_files, layout.bytes_per_token)
 
@@ -119,20 +120,21 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
     layer_ids = resolve_layer_ids(config.layers, L)
     rows, total = sampled(source, sample_rows)
     exact = total is not None and len(rows) == total
+    shared = SharedTokens(0, 0) if exact and config.sharing == "on" else None
     repeats: set[int] = set()
-    if count_duplicates and total is not None:
+    if (count_duplicates or shared is not None) and total is not None:
         seen = Repeats()
         for window in iter_windows(rows if exact else source, 1024):
-            repeats |= {row for row, (_, again) in seen.of(window).items() if again}
+            repeats |= {row for row, (_, first) in seen.of(window).items() if first is not None}
     samples, tokens, trainable, longest, rejects, duplicates = 0, 0, 0, 0, {}, 0
-    shared = SharedTokens(0, 0) if exact and config.sharing == "on" else None
     window: list[Sample] = []
     for row in rows:
         if shared is not None and window and row.row_id // config.sort_window != window[0].row_id // config.sort_window:
             shared = _add_shared(shared, window, config)
             window = []
         item = builder(row)
-        if exact and row.row_id in repeats and not isinstance(item, Reject):  # as the run marks them
+        repeat = exact and row.row_id in repeats and not isinstance(item, Reject)  # as the run marks them
+        if repeat:
             duplicates += 1
             if config.skip_duplicates:
                 item = Reject(row.row_id, "duplicate_content", "")
@@ -140,7 +142,10 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
             rejects[item.reason] = rejects.get(item.reason, 0) + 1
             continue
         samples += 1
-        window.append(item)
+        if repeat and shared is not None:  # not computed: it reads the first row with its content
+            shared = _add_duplicate(shared, len(item.input_ids))
+        else:
+            window.append(item)
         tokens += len(item.input_ids)
         trainable += int(item.loss_mask.sum())
         longest = max(longest, len(item.input_ids))
@@ -161,6 +166,13 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
              for storage in STORAGES}
     return Estimate(total, len(rows), samples, rejects, tokens, trainable, longest,
                     duplicates if count_duplicates and total is not None else None, shared, layer_ids, L, H, sizes)
+
+
+def _add_duplicate(shared: SharedTokens, length: int) -> SharedTokens:
+    """A row that repeats an earlier row's content (anywhere in the data): nothing computed or stored."""
+    k = shared.kinds
+    return replace(shared, kinds=replace(
+        k, duplicate_rows=k.duplicate_rows + 1, duplicate_tokens=k.duplicate_tokens + length))
 
 
 def _add_shared(shared: SharedTokens, window: list[Sample], config: RunConfig) -> SharedTokens:

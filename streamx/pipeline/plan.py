@@ -31,7 +31,15 @@ from ..data.batching import Batch, iter_batches, iter_windows, to_run
 from ..data.provenance import fingerprint, regenerated
 from ..data.sharing import Sharing
 from ..data.source import Row, Source, open_source
-from ..data.tokenize import REJECT_REASONS, Reject, Repeats, Sample, SampleBuilder, vocabulary_fingerprint
+from ..data.tokenize import (
+    REJECT_REASONS,
+    Duplicate,
+    Reject,
+    Repeats,
+    Sample,
+    SampleBuilder,
+    vocabulary_fingerprint,
+)
 from ..model.carry import kept_bytes_per_token
 from ..model.load import (
     ModelInfo,
@@ -95,7 +103,8 @@ class RunPlan:
     def tokenize(self, window: list[Row]) -> list[Sample | Reject]:
         return [self.builder(row) for row in window]
 
-    def batches(self, samples: list[Sample | Reject], packed: bool | None = None) -> Iterator[Batch | Reject]:
+    def batches(self, samples: list[Sample | Reject | Duplicate], packed: bool | None = None,
+                ) -> Iterator[Batch | Reject | Duplicate]:
         """A window's samples as the run batches them (packed when packing is on), or as asked."""
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         packed = self.packing.on if packed is None else packed
@@ -104,14 +113,16 @@ class RunPlan:
                             min_shared_tokens=self.sharing.min_shared_tokens if packed else None)
 
     def batch_stream(self, done: Collection[int] = frozenset(), packed: bool | None = None,
-                     times: StageTimes | None = None, done_keys: DoneKeys | None = None) -> Iterator[Batch | Reject]:
+                     times: StageTimes | None = None, done_keys: DoneKeys | None = None,
+                     same_as: bool = True) -> Iterator[Batch | Reject | Duplicate]:
         """This rank's batches and rejects, in run order: the sorting windows of source rows it owns,
         tokenized and batched (packed as the run does, or as asked). Windows and batches whose rows are
         all in `done` are left out (`to_run`); a batch with some done rows comes whole (the writer drops those).
         Every row of every window has its content key taken, in source order, so that every rank and every
         resume agree on which rows repeat an earlier one; with `done_keys` (a resume's, from the store), the
         windows it holds whole are not even parsed where the source can skip rows (jsonl): their keys come
-        from the store."""
+        from the store. With --sharing (and `same_as`: a store whose parts record it), a row whose content repeats
+        an earlier row's, anywhere in the data, is not computed: it comes as a Duplicate naming that row."""
         times, sort_window, seen = times or StageTimes(), self.config.sort_window, Repeats()
         rows = self.source if not done_keys else \
             self.source.rows(skip=done_keys.in_whole_windows(sort_window, self.source.num_rows))
@@ -121,7 +132,7 @@ class RunPlan:
             self.rows_seen = max(self.rows_seen, window[-1].row_id + 1)
             with times.measure("source_tokenize"):
                 if done_keys:  # the windows the source skipped, in order
-                    seen.add(done_keys.between(next_window * sort_window, w * sort_window))
+                    seen.add(*done_keys.between(next_window * sort_window, w * sort_window))
                 next_window = w + 1
                 keys = seen.of(window)  # every window, owned or done or not: "earlier" is in source order
             if not self.rank.owns(w):
@@ -129,20 +140,25 @@ class RunPlan:
             if all(row.row_id in done for row in window):
                 continue
             with times.measure("source_tokenize"):
-                samples = [self.with_key(s, *keys.get(s.row_id, (0, False))) for s in self.tokenize(window)]
+                samples = [self.with_key(s, *keys.get(s.row_id, (0, None)), same_as) for s in self.tokenize(window)]
             with times.measure("batching"):
                 items = list(self.batches(samples, packed))
             yield from to_run(items, done)
 
-    def with_key(self, item: Sample | Reject, key: int, repeat: bool) -> Sample | Reject:
-        """The item with its row's content key; a sample that repeats an earlier row is marked so, or with
-        --skip-duplicates becomes a reject."""
+    def with_key(self, item: Sample | Reject, key: int, first: int | None, same_as: bool,
+                 ) -> Sample | Reject | Duplicate:
+        """The item with its row's content key. A sample that repeats an earlier row (`first`) becomes, with
+        --skip-duplicates, a reject; with --sharing (and `same_as`), a Duplicate of that row; else it is marked."""
         if isinstance(item, Reject):
             return dataclasses.replace(item, content_key=key)
         item.content_key = key
-        if repeat and self.config.skip_duplicates:
+        if first is None:
+            return item
+        if self.config.skip_duplicates:
             return Reject(item.row_id, "duplicate_content", "the same content as an earlier row", key)
-        item.duplicate = repeat
+        if same_as and self.sharing.on:
+            return Duplicate(item.row_id, first, len(item.input_ids), int(item.loss_mask.sum()), key)
+        item.duplicate = True
         return item
 
     def unshared(self) -> RunPlan:

@@ -24,7 +24,7 @@ from ..base.progress import Progress
 from ..base.threads import SignalStop, Stopped, Worker, first_error, get, put
 from ..base.units import gb
 from ..config import RunConfig
-from ..data.tokenize import Reject
+from ..data.tokenize import Duplicate, Reject
 from ..model.capture import LayerCapture, segment_is_finite
 from ..model.gather import select_gather_fn
 from ..model.load import library_bars
@@ -108,8 +108,10 @@ class RunSummary:
 class Pipeline:
     """One process's run: the three stages, the queues between them and what they measure."""
 
-    def __init__(self, plan: RunPlan, writer: PartWriter, done: Collection[int], done_keys: DoneKeys | None = None):
+    def __init__(self, plan: RunPlan, writer: PartWriter, done: Collection[int], done_keys: DoneKeys | None = None,
+                 same_as: bool = True):
         self.plan, self.writer, self.done, self.done_keys = plan, writer, done, done_keys
+        self.same_as = same_as  # repeated rows read the first row with their content (a store whose parts can say so)
         cfg = plan.config
         self.failed = threading.Event()  # a stage failed: every stage gives up
         self.signalled = threading.Event()  # SIGINT/SIGTERM: no new batches, commit the rest
@@ -124,11 +126,12 @@ class Pipeline:
     def produce(self) -> None:
         """Producer thread: this rank's batches (RunPlan.batch_stream), pinned on CUDA."""
         pin = self.plan.device.type == "cuda"  # pinned batches: host-to-device copies run async
-        for item in self.plan.batch_stream(self.done, times=self.times, done_keys=self.done_keys):
+        for item in self.plan.batch_stream(self.done, times=self.times, done_keys=self.done_keys,
+                                           same_as=self.same_as):
             if self.signalled.is_set():
                 self.rows_left.set()
                 break
-            if isinstance(item, Reject):
+            if isinstance(item, (Reject, Duplicate)):
                 self.counts.tokenized(rows=1, tokens=0)
             else:
                 self.counts.tokenized(rows=len(item.samples), tokens=item.num_tokens)
@@ -152,7 +155,7 @@ class Pipeline:
         with LayerCapture(plan.model, plan.layer_ids, timed_gather) as capture:
             while (item := self.next_batch()) is not None:
                 self.fill["batches"].record()
-                if isinstance(item, Reject):
+                if isinstance(item, (Reject, Duplicate)):  # nothing to compute
                     put(self.to_write, item, self.failed)
                     self.counts.rows += 1
                     continue
@@ -238,7 +241,7 @@ def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Ca
         log(f"resuming {cfg.out}: {len(target.done_rows)} rows already committed")
     space = SpaceGuard.for_layout(cfg.out, plan.layout) if cfg.space_check else None
     writer = PartWriter(part.open(target, plan.layout), space)
-    pipeline = Pipeline(plan, writer, target.done_rows, target.done_keys)
+    pipeline = Pipeline(plan, writer, target.done_rows, target.done_keys, target.same_as)
 
     total = None if plan.source.num_rows is None else max(0, plan.source.num_rows - len(target.done_rows))
     if total is not None and rank.world_size > 1:

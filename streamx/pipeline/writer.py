@@ -34,13 +34,14 @@ import zarr
 from ..base.threads import get
 from ..data.batching import Batch, Carry
 from ..data.sharing import Segment
-from ..data.tokenize import REJECT_REASONS, Reject
+from ..data.tokenize import REJECT_REASONS, Duplicate, Reject
 from ..model.transfer import HostBatch
 from ..store import Commit, SpaceGuard, StoreError
 from ..store.format import (
     RANGE_ARRAYS,
     REJECT_ARRAYS,
     ROW_MASK_ARRAYS,
+    SAME_AS_ARRAYS,
     SAMPLE_ARRAYS,
     SHARING_ARRAYS,
     SHARING_SAMPLE_ARRAYS,
@@ -118,6 +119,7 @@ class PendingRow:
     content_key: int
     own_mask: np.ndarray | None  # its loss mask, where it differs from the stored tokens' over its ranges
     end: int  # the end of the tokens appended with it: committed once the shards hold them
+    same_as: int = -1  # a repeated row: the row it reads (its ranges are empty)
 
 
 class PartWriter:
@@ -143,6 +145,7 @@ class PartWriter:
         self._last_writer = self.opened.writer  # who wrote the record as it stands
         self.sizes = {name: arr.shape[0] for name, arr in self.arrays.items()}
         self.shares = all(name in self.arrays for name in SHARING_ARRAYS)  # a part from before --sharing: no
+        self.same_as = all(name in self.arrays for name in SAME_AS_ARRAYS)  # one from before format /4: no
         committed = self.commit.tokens
         self.flushed = committed // self.shard * self.shard  # tokens handed to the committer in whole shards
         self.end = committed  # tokens appended so far (committed + pending)
@@ -209,6 +212,14 @@ class PartWriter:
         self.pending_samples.append(PendingRow(row.row_id, ranges, sum(n for _, n in ranges), int(mask.sum()),
                                                row.duplicate, row.content_key, own, self.end))
 
+    def duplicate(self, row: Duplicate) -> None:
+        """A row that repeats an earlier row's content: it stores no token and reads that row's sample."""
+        if not self.same_as:
+            raise StoreError(f"{self.part.path} was created before streamx recorded repeated rows: resume it with the "
+                             "streamx that made it, or with --sharing off")
+        self.pending_samples.append(PendingRow(row.row_id, [(0, 0)], row.length, row.trainable, True, row.content_key,
+                                               None, self.end, row.same_as))
+
     def reject(self, reject: Reject) -> None:
         self.pending_rejects.append(reject)
 
@@ -273,7 +284,8 @@ class PartWriter:
             return self.commit.ranges
         if name in ROW_MASK_ARRAYS:
             return self.commit.row_masks
-        return self.commit.samples if name in SAMPLE_ARRAYS or name in SHARING_SAMPLE_ARRAYS else self.commit.rejects
+        samples = name in SAMPLE_ARRAYS or name in SHARING_SAMPLE_ARRAYS or name in SAME_AS_ARRAYS
+        return self.commit.samples if samples else self.commit.rejects
 
     def _grow(self, name: str, stop: int) -> None:
         """Make room for `stop` entries. Arrays grow by doubling (a resize is a metadata write, as dear
@@ -318,6 +330,8 @@ class PartWriter:
                 self._write("sample_range_start", c.samples, starts)
                 self._write("sample_range_count", c.samples, counts)
                 self._write("sample_mask_offset", c.samples, mask_offsets)
+            if self.same_as:
+                self._write("sample_same_as", c.samples, np.array([r.same_as for r in samples], dtype=np.int64))
             if ranges:
                 table = np.array(ranges, dtype=np.int64)
                 self._write("range_offset", c.ranges, table[:, 0])
@@ -406,6 +420,10 @@ class WriterStage:
                 return
             if isinstance(item, Reject):
                 self.reject(item)
+            elif isinstance(item, Duplicate):
+                if item.row_id not in self.done:
+                    self.writer.duplicate(item)
+                    self.rate.accept()
             else:
                 self.write(item)
 

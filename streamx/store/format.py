@@ -18,6 +18,9 @@
         range_offset   int64  [G]         ranges of rows that share tokens with other rows (a shared prefix)
         range_length   int64  [G]
         row_loss_mask  uint8  [M]         the own loss masks of rows whose mask differs from loss_mask's
+        sample_same_as int64  [N]         -1; else the source row whose content it repeats (format /4): it reads
+                                          that row's sample, wherever it lies, and its own offset and ranges mean
+                                          nothing
         reject_row_id  int64  [R]
         reject_reason  uint8  [R]         index into metadata["reject_reasons"]
         reject_content_key uint64 [R]
@@ -29,8 +32,10 @@ a run that stopped before committing it and is overwritten on resume. Readers us
 With --sharing (format streamx-store/3), a row that is a prefix of another, or that starts like others, reads
 the tokens they share where they lie once: its states are the concatenation of its ranges, and the token
 arrays' loss_mask is, on a shared token, the union of the masks of the rows that read it (each row keeps its
-own mask where it differs). Format /2 added fp8 storage; /1 and /2 stores are read and resumed as they are
-(their parts lack the range arrays: every sample is contiguous).
+own mask where it differs). Format /4 adds `sample_same_as`: a row whose content repeats an earlier row's, anywhere
+in the data, is not computed and reads that row. Format /2 added fp8 storage; /1, /2 and /3 stores are read and
+resumed as they are (parts without the range arrays: every sample is contiguous; without `sample_same_as`: every
+repeated row is computed in its sorting window).
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ import zarr
 
 from .fp8 import FP8, dequantize_fp8, quantize_fp8
 
-STORE_FORMAT = "streamx-store/3"
-READABLE_FORMATS = ("streamx-store/1", "streamx-store/2", STORE_FORMAT)
+STORE_FORMAT = "streamx-store/4"
+READABLE_FORMATS = ("streamx-store/1", "streamx-store/2", "streamx-store/3", STORE_FORMAT)
 PARTS = "parts"
 GROUP_DOCUMENTS = 3  # zarr.json of the store, of parts/ and of the part
 INDEX_CHUNK = 65536  # entries per chunk of the per-sample / per-reject index arrays
@@ -63,6 +68,8 @@ SHARING_SAMPLE_ARRAYS = {"sample_range_start": "int64", "sample_range_count": "i
 RANGE_ARRAYS = {"range_offset": "int64", "range_length": "int64"}
 ROW_MASK_ARRAYS = {"row_loss_mask": "uint8"}
 SHARING_ARRAYS = (*SHARING_SAMPLE_ARRAYS, *RANGE_ARRAYS, *ROW_MASK_ARRAYS)
+# format /4 (streamx >= 0.6): the row a repeated row reads (-1: none), so that repeats anywhere in the data share
+SAME_AS_ARRAYS = {"sample_same_as": "int64"}
 TOKEN_ID_ARRAYS = {"input_ids": "int64", "loss_mask": "uint8"}
 SCALE_DTYPE = "float32"  # hidden_states_scales, one per token (fp8 storage)
 
@@ -374,10 +381,11 @@ def create_part(root: zarr.Group, name: str, layout: Layout) -> zarr.Group:
     token_arrays = {**({"hidden_states_scales": SCALE_DTYPE} if layout.storage.scaled else {}), **TOKEN_ID_ARRAYS}
     for array, dtype in token_arrays.items():
         part.create_array(array, shape=(0,), dtype=dtype, chunks=(c,), shards=(s,), compressors=None, fill_value=0)
-    for array, dtype in {**SAMPLE_ARRAYS, **REJECT_ARRAYS, **SHARING_SAMPLE_ARRAYS, **RANGE_ARRAYS,
+    for array, dtype in {**SAMPLE_ARRAYS, **REJECT_ARRAYS, **SHARING_SAMPLE_ARRAYS, **SAME_AS_ARRAYS, **RANGE_ARRAYS,
                          **ROW_MASK_ARRAYS}.items():
+        # (their fill values are what a sample that shares nothing holds: no chunk files when nothing is shared)
         part.create_array(array, shape=(0,), dtype=dtype, chunks=(INDEX_CHUNK,), compressors=codecs("zstd"),
-                          fill_value=-1 if array == "sample_mask_offset" else 0)  # no chunk files when unshared
+                          fill_value=-1 if array in ("sample_mask_offset", "sample_same_as") else 0)
     part.attrs["commit"] = Commit(row_tokens=0).to_json()
     return part
 

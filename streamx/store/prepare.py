@@ -25,6 +25,7 @@ from ..base.location import local_path, zarr_path
 from ..base.locks import Lock, is_lock, lock_file
 from .format import (
     PARTS,
+    SAME_AS_ARRAYS,
     Commit,
     Compat,
     Layout,
@@ -176,6 +177,7 @@ class RunStore:
     root: zarr.Group
     done_rows: RowSet
     done_keys: DoneKeys | None  # the done rows' content keys (None: a part from before streamx recorded them)
+    same_as: bool  # every committed part records the row a repeated row reads (format /4): repeats need no compute
 
     def totals(self) -> tuple[int, int]:
         """(samples, tokens) of the whole store as its commit records stand now (every part, read afresh)."""
@@ -190,7 +192,8 @@ def open_for_run(path: str, metadata: StoreMetadata, root: zarr.Group | None = N
         root = zarr.open_group(_writable(path), mode="r+")
         _check_compatible(root, path, metadata)
     store = Store(path, root)
-    return RunStore(root, store.done_row_ids(), store.done_keys())
+    return RunStore(root, store.done_row_ids(), store.done_keys(),
+                    all(name in part for part in store.parts.values() for name in SAME_AS_ARRAYS))
 
 
 class OwnedPart:

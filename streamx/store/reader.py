@@ -98,10 +98,10 @@ class DoneKeys:
     def __len__(self) -> int:
         return self.rows.size
 
-    def between(self, a: int, b: int) -> np.ndarray:
-        """The keys of the committed rows a..b-1."""
+    def between(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """The committed rows a..b-1 and their keys."""
         i, j = np.searchsorted(self.rows, [a, b])
-        return self.keys[i:j]
+        return self.rows[i:j], self.keys[i:j]
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,7 @@ class Store:
         columns: dict[str, list[np.ndarray]] = {name: [] for name in ("rows", "parts", "offsets", "lengths",
                                                                     "range_starts", "range_counts", "mask_offsets")}
         tables: list[np.ndarray] = []  # per part: [G, 2] (offset, length) of the shared rows' ranges
+        same_as: list[np.ndarray] = []  # per part: the row each repeated row reads (-1: none; format /4)
         for i, (name, part) in enumerate(self.parts.items()):
             commit = self.commits[name]
             n = commit.samples
@@ -169,10 +170,14 @@ class Store:
             columns["range_starts"].append(part["sample_range_start"][:n] if shares else np.zeros(n, dtype=np.int64))
             columns["range_counts"].append(part["sample_range_count"][:n] if shares else np.zeros(n, dtype=np.int64))
             columns["mask_offsets"].append(part["sample_mask_offset"][:n] if shares else np.full(n, -1))
+            same_as.append(part["sample_same_as"][:n] if "sample_same_as" in part else np.full(n, -1))
             tables.append(np.stack([part["range_offset"][: commit.ranges], part["range_length"][: commit.ranges]],
                                    axis=1).astype(np.int64) if commit.ranges else np.zeros((0, 2), dtype=np.int64))
-        self.index = SampleIndex(*(np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, dtype=np.int64)
-                                   for xs in columns.values()))
+        committed = SampleIndex(*(np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, dtype=np.int64)
+                                  for xs in columns.values()))
+        self._committed_rows = committed.rows  # every committed sample's row, in part order (as the key arrays)
+        self.index, self.same_as, self.repeated = resolve_same_as(
+            committed, np.concatenate(same_as).astype(np.int64) if same_as else np.zeros(0, dtype=np.int64))
         self._by_row = np.argsort(self.index.rows, kind="stable")
         # the parts' range tables as one, and where each part's starts in it
         self._range_table = np.concatenate([np.zeros((0, 2), dtype=np.int64), *tables])
@@ -325,19 +330,24 @@ class Store:
             yield self.at(position, raw)
 
     def rejected(self) -> list[tuple[int, str]]:
+        """The committed rejects (row, reason), and the repeated rows whose first row was rejected, with its reason."""
         reasons = self.metadata.reject_reasons
         out = []
         for name, part in self.parts.items():
             n = self.commits[name].rejects
             out += [(int(r), reasons[int(c)]) for r, c in zip(part["reject_row_id"][:n], part["reject_reason"][:n],
                                                                            strict=True)]
+        if self.repeated.unread.size:
+            first = dict(out)
+            out += [(int(r), first[int(t)]) for r, t in zip(self.repeated.unread, self.repeated.unread_same_as,
+                                                            strict=True) if int(t) in first]
         return out
 
     def done_keys(self) -> DoneKeys | None:
         """The committed rows' content keys, or None when a part was written before streamx recorded them."""
         if not all(name in part for part in self.parts.values() for name in CONTENT_KEY_ARRAYS):
             return None
-        rows, keys = [self.index.rows], [np.concatenate([part["sample_content_key"][: self.commits[name].samples]
+        rows, keys = [self._committed_rows], [np.concatenate([part["sample_content_key"][: self.commits[name].samples]
                                                          for name, part in self.parts.items()] or [np.zeros(0)])]
         for name, part in self.parts.items():
             n = self.commits[name].rejects
@@ -350,7 +360,7 @@ class Store:
     def done_row_ids(self) -> RowSet:
         """Rows a resumed run must not process again: committed samples and committed rejects."""
         rejects = [part["reject_row_id"][: self.commits[name].rejects] for name, part in self.parts.items()]
-        return RowSet(np.concatenate([self.index.rows, *rejects]))
+        return RowSet(np.concatenate([self._committed_rows, *rejects]))
 
     def completeness(self) -> Completeness:
         """Which parts are still open and which of the data's rows no part holds (`convert` refuses a store that
@@ -372,6 +382,10 @@ class Store:
             for reason, n in c.reject_counts.items():
                 counts[reason] = counts.get(reason, 0) + n
             examples.update({k: v for k, v in c.reject_examples.items() if k not in examples})
+        if self.repeated.unread.size:  # repeated rows whose first row was rejected are rejects too
+            for row, reason in self.rejected()[sum(c.rejects for c in self.commits.values()):]:
+                counts[reason] = counts.get(reason, 0) + 1
+                examples.setdefault(reason, f"row {row}: repeats a rejected row")
         return {
             "path": self.path,
             "samples": len(self),
@@ -437,6 +451,39 @@ class Store:
                      f"complete     NO: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
                      + "; convert refuses it without --allow-partial")
         return lines
+
+
+@dataclass(frozen=True)
+class Repeated:
+    """What resolving the repeated rows (format /4) found beside the index."""
+
+    unread: np.ndarray  # repeated rows whose first row is not a sample here: rejected, or not yet committed
+    unread_same_as: np.ndarray  # the row each of them repeats
+    other_length: np.ndarray  # repeated rows whose own length is not their first row's (a content-key collision)
+
+
+def resolve_same_as(committed: SampleIndex, same_as: np.ndarray) -> tuple[SampleIndex, np.ndarray, Repeated]:
+    """The index in which each repeated row (format /4: `same_as` names the first row with its content) reads that
+    row's sample wherever it lies, its entry that sample's; the `same_as` of the entries kept; and what else it
+    found (the repeated rows left out, whose first row is not a sample here)."""
+    repeats = np.flatnonzero(same_as >= 0)
+    none = np.zeros(0, dtype=np.int64)
+    if not repeats.size:
+        return committed, same_as, Repeated(none, none, none)
+    firsts = np.flatnonzero(same_as < 0)
+    by_row = firsts[np.argsort(committed.rows[firsts], kind="stable")]
+    at = np.minimum(np.searchsorted(committed.rows[by_row], same_as[repeats]), max(by_row.size - 1, 0))
+    found = (committed.rows[by_row[at]] == same_as[repeats]) if by_row.size else np.zeros(repeats.size, dtype=bool)
+    read, first = repeats[found], by_row[at[found]]
+    columns = {name: getattr(committed, name).copy() for name in SampleIndex.__dataclass_fields__}
+    for name, values in columns.items():
+        if name != "rows":
+            values[read] = values[first]
+    keep = np.ones(same_as.size, dtype=bool)
+    keep[repeats[~found]] = False
+    other_length = committed.rows[read[committed.lengths[read] != committed.lengths[first]]]
+    return (SampleIndex(**{name: values[keep] for name, values in columns.items()}), same_as[keep],
+            Repeated(committed.rows[repeats[~found]], same_as[repeats[~found]], other_length))
 
 
 def open_store(path: str) -> Store:

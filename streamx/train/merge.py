@@ -37,9 +37,11 @@ class PrefixFolds:
 
 def prefix_folds(store: Store, window: int | None = None) -> PrefixFolds:
     """The store's rows that are prefixes of another row of their sorting window (`window` rows: by default the
-    store's --sort-window), and the row each folds into."""
+    store's --sort-window), and the row each folds into; a row that repeats an earlier row's content anywhere
+    (format /4: `Store.same_as`) folds where that row does."""
     window = window or int(store.metadata.config.get("sort_window", 1024))
-    rows = store.row_ids()  # ascending: each window's rows are one run
+    repeated = store.same_as >= 0
+    rows = np.sort(store.index.rows[~repeated])  # ascending: each window's rows are one run
     into: dict[int, list[int]] = {}
     for mine in np.split(rows, np.flatnonzero(np.diff(rows // window)) + 1) if rows.size else []:
         samples = []
@@ -49,4 +51,9 @@ def prefix_folds(store: Store, window: int | None = None) -> PrefixFolds:
         for leaf in share(samples, None):
             if leaf.covered:
                 into[leaf.leaf.row_id] = sorted(s.row_id for s in leaf.covered)
+    if repeated.any():
+        leaf_of = {row: leaf for leaf, folded in into.items() for row in folded}
+        for row, first in zip(store.index.rows[repeated].tolist(), store.same_as[repeated].tolist(), strict=True):
+            into.setdefault(leaf_of.get(first, first), []).append(row)
+        into = {leaf: sorted(folded) for leaf, folded in into.items()}
     return PrefixFolds(into)

@@ -133,6 +133,13 @@ def check_rows(store: Store) -> Check:
     twice = counts > 1  # in numpy: a million rows are a million Python objects otherwise
     problems = [f"row {int(r)} stored {int(n)} times" for r, n in zip(unique[twice], counts[twice], strict=True)]
     problems += [f"row {int(r)} is both a sample and a reject" for r in np.intersect1d(unique, rejected)]
+    repeated = store.repeated  # rows that read the first row with their content (format /4)
+    if store.completeness().complete:
+        unread = ~np.isin(repeated.unread, rejected)
+        problems += [f"row {int(r)} repeats row {int(t)}, which is neither a sample nor a reject" for r, t in
+                     zip(repeated.unread[unread], repeated.unread_same_as[unread], strict=True)]
+    problems += [f"row {int(r)} has another length than the row it repeats (their content keys collide): make the "
+                 "store again with --sharing off" for r in repeated.other_length]
     return _check("rows", problems, f"{len(store):,} samples, every row once", len(store), "rows duplicated")
 
 
