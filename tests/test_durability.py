@@ -409,3 +409,28 @@ def test_every_way_zarr_writes_a_local_store_is_durable(tmp_path, monkeypatch):
     fsynced = [e[1] for e in calls.events if e[0] == "fsync"]
     assert b in fsynced and str(tmp_path / "new/s.zarr") in fsynced and str(tmp_path / "new") in fsynced
     assert not list(tmp_path.rglob(".*.tmp-*"))
+
+
+def test_a_failed_run_leaves_no_thread_writing_its_store(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
+    """A writer that fails while a commit is in flight lets that commit end before `run` raises: once the caller
+    has the error, nothing writes the store (a caller that repairs or deletes it would race a late commit)."""
+    from streamx.pipeline.writer import PartWriter
+
+    publish, append = PartWriter._publish, PartWriter.append_batch
+
+    def slow_publish(self, *args, **kwargs):
+        time.sleep(0.5)
+        return publish(self, *args, **kwargs)
+
+    def fail_third(self, *args, **kwargs):
+        self.batches = getattr(self, "batches", 0) + 1
+        if self.batches == 3:
+            raise OSError("injected: the disk went away")
+        return append(self, *args, **kwargs)
+
+    monkeypatch.setattr(PartWriter, "_publish", slow_publish)
+    monkeypatch.setattr(PartWriter, "append_batch", fail_third)
+    with pytest.raises(OSError, match="injected"):
+        run(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", max_batch_size=2), progress=False,
+            log=lambda m: None)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("streamx-commit")]

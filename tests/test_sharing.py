@@ -519,6 +519,43 @@ def test_a_row_repeated_anywhere_in_the_data_is_computed_once(tmp_path, tiny_cha
     assert_same_samples(tmp_path / "on.zarr", resumed)
 
 
+def test_a_store_from_before_repeats_were_read_resumes_computing_them(tmp_path, tiny_chat_model_dir, monkeypatch):
+    """A store of format /3 (its parts without `sample_same_as`), interrupted before its repeated rows: the same
+    command resumes it computing them in their windows, as the store was made, every row as in the unshared
+    store."""
+    rows = repeated_rows()
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    settings = dict(model=tiny_chat_model_dir, data=data, layers="1,2,4", sort_window=4, token_budget=256,
+                    max_length=256, chunk_tokens=16, shard_tokens=64)
+    off, old = str(tmp_path / "off.zarr"), str(tmp_path / "old.zarr")
+    run(RunConfig(out=off, sharing="off", **settings), progress=False, log=lambda m: None)
+    appended = PartWriter.append_batch
+
+    def fail_third(self, *args, **kwargs):
+        self.batches = getattr(self, "batches", 0) + 1
+        if self.batches == 3:
+            raise OSError("injected: the disk went away")
+        return appended(self, *args, **kwargs)
+
+    monkeypatch.setattr(PartWriter, "append_batch", fail_third)
+    with pytest.raises(OSError, match="injected"):
+        run(RunConfig(out=old, **settings), progress=False, log=lambda m: None)
+    monkeypatch.undo()
+    root = zarr.open_group(old)
+    root.attrs["streamx"] = {**root.attrs["streamx"], "format": "streamx-store/3"}
+    del root["parts/part-00000/sample_same_as"]
+    assert 0 < len(open_store(old)) < 24  # none of the repeats committed yet
+    run(RunConfig(out=old, **settings), progress=False, log=lambda m: None)
+    resumed, unshared = open_store(old), open_store(off)
+    assert len(resumed) == len(rows) and (resumed.same_as < 0).all()
+    assert resumed.num_tokens > unshared.num_tokens - sum(len(r["input_ids"]) for r in rows[24:36])  # computed
+    for row in range(len(rows)):
+        a, b = unshared.sample(row), resumed.sample(row)
+        assert a.input_ids.tolist() == b.input_ids.tolist() and a.loss_mask.tolist() == b.loss_mask.tolist()
+        torch.testing.assert_close(b.hidden_states.float(), a.hidden_states.float(), rtol=BF16_ULP,
+                                   atol=1e-5 * a.hidden_states.float().abs().max().item())
+
+
 def test_verify_names_a_repeated_row_that_reads_no_row_or_another_length(tmp_path, tiny_chat_model_dir):
     rows = repeated_rows()
     out = tmp_path / "s.zarr"

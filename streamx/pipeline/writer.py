@@ -241,6 +241,16 @@ class PartWriter:
         self.part.attrs["commit"] = self.commit.to_json()
         self._last_writer = self.writer
 
+    def abandon(self) -> None:
+        """After a failure: let the commit in flight end (what it commits is whole) and stop the committer, so that
+        nothing writes the part once the run has returned. Its own error, if any, gives way to the run's first."""
+        try:
+            self.wait_committed()
+        except Exception:  # the run reports the failure that stopped it
+            pass
+        finally:
+            self._committer.shutdown()
+
     def this_run(self) -> Commit:
         """What this writer has committed beyond what earlier runs had: after close(), this run's work."""
         return self.commit.since(self.opened)
@@ -397,7 +407,7 @@ class RejectRate:
 
 
 class WriterStage:
-    """The writer thread's body: CapturedBatch and Reject items until a None sentinel, then close. Rows
+    """The writer thread's body: CapturedBatch, Reject and Duplicate items until a None sentinel, then close. Rows
     in `done` (committed by an earlier run, recomputed with their batch) are dropped."""
 
     def __init__(self, writer: PartWriter, done: Collection[int], rate: RejectRate, times: StageTimes,
@@ -409,23 +419,27 @@ class WriterStage:
     def run(self, items: queue.Queue, failed: threading.Event, fill: QueueFill | None = None,
             rows_left: threading.Event | None = None) -> None:
         """`rows_left` set when the sentinel comes: the run wound up before the end of its data."""
-        while True:
-            item = get(items, failed)
-            if fill is not None:
-                fill.record()
-            if item is None:
-                complete = rows_left is None or not rows_left.is_set()
-                with self.times.measure("write"):
-                    self.writer.close(complete, self.source_rows() if complete else None)
-                return
-            if isinstance(item, Reject):
-                self.reject(item)
-            elif isinstance(item, Duplicate):
-                if item.row_id not in self.done:
-                    self.writer.duplicate(item)
-                    self.rate.accept()
-            else:
-                self.write(item)
+        try:
+            while True:
+                item = get(items, failed)
+                if fill is not None:
+                    fill.record()
+                if item is None:
+                    complete = rows_left is None or not rows_left.is_set()
+                    with self.times.measure("write"):
+                        self.writer.close(complete, self.source_rows() if complete else None)
+                    return
+                if isinstance(item, Reject):
+                    self.reject(item)
+                elif isinstance(item, Duplicate):
+                    if item.row_id not in self.done:
+                        self.writer.duplicate(item)
+                        self.rate.accept()
+                else:
+                    self.write(item)
+        except BaseException:
+            self.writer.abandon()
+            raise
 
     def reject(self, reject: Reject) -> None:
         if reject.row_id not in self.done:
