@@ -243,13 +243,14 @@ class Sharing:
         if not self.on:
             return "off: every row computed in full"
         if self.min_shared_tokens is None:
-            return ("prefix rows only: a row that is a prefix of another (or a duplicate) is not computed; "
-                    f"{self.reason}")
-        return (f"on: rows that are prefixes of others (or duplicates) are not computed, and leading runs of "
-                f"{self.min_shared_tokens}+ tokens that rows share are computed once, also across batches (checked "
-                "on this model: a row continued from a shared prefix, in its batch or a later one, has the states it "
-                "has alone)" + (f"; a prefix continued in later batches keeps at most {gb(self.kept_bytes)} of "
-                                "keys and values meanwhile" if self.kept_bytes else "")
+            return ("prefix rows only: a row that repeats an earlier row, or is a prefix of another, is not "
+                    f"computed; {self.reason}")
+        return (f"on: rows that repeat an earlier row, or are prefixes of others, are not computed, and leading "
+                f"runs of {self.min_shared_tokens}+ tokens that rows share are computed once, also across batches "
+                "(checked on this model: a row continued from a shared prefix, in its batch or a later one, has the "
+                "states it has alone)"
+                + (f"; a prefix continued in later batches keeps at most {gb(self.kept_bytes)} of keys and values "
+                   "meanwhile" if self.kept_bytes else "")
                 + (f"; in batches with shared runs its {self.handing_over} linear-attention layers run once per "
                    "segment, each continuing its parent's state (their own kernels start every sample from a clean one)"
                    if self.handing_over else ""))
