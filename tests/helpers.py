@@ -99,6 +99,19 @@ def distinct_copies(jsonl, copies: int) -> str:
     return "".join(out)
 
 
+def fail_at_batch(monkeypatch, n: int) -> None:
+    """Each writer fails on the n-th batch it appends (OSError "injected: ..."), as when the disk goes away."""
+    append = PartWriter.append_batch
+
+    def failing(self, *args, **kwargs):
+        self.batches = getattr(self, "batches", 0) + 1
+        if self.batches == n:
+            raise OSError("injected: the disk went away")
+        return append(self, *args, **kwargs)
+
+    monkeypatch.setattr(PartWriter, "append_batch", failing)
+
+
 def committed_samples(out, part: str = "part-00000") -> int:
     """The samples a part's commit record names (0 before the part exists)."""
     try:

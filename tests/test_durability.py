@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_samples, cli, committed_samples, distinct_copies, run_args, small_config
+from helpers import (
+    assert_same_samples,
+    cli,
+    committed_samples,
+    distinct_copies,
+    fail_at_batch,
+    run_args,
+    small_config,
+)
 
 from streamx.base.locks import Lock, lock_file
 from streamx.pipeline.runner import run
@@ -416,20 +424,14 @@ def test_a_failed_run_leaves_no_thread_writing_its_store(tiny_chat_model_dir, ch
     has the error, nothing writes the store (a caller that repairs or deletes it would race a late commit)."""
     from streamx.pipeline.writer import PartWriter
 
-    publish, append = PartWriter._publish, PartWriter.append_batch
+    publish = PartWriter._publish
 
     def slow_publish(self, *args, **kwargs):
         time.sleep(0.5)
         return publish(self, *args, **kwargs)
 
-    def fail_third(self, *args, **kwargs):
-        self.batches = getattr(self, "batches", 0) + 1
-        if self.batches == 3:
-            raise OSError("injected: the disk went away")
-        return append(self, *args, **kwargs)
-
     monkeypatch.setattr(PartWriter, "_publish", slow_publish)
-    monkeypatch.setattr(PartWriter, "append_batch", fail_third)
+    fail_at_batch(monkeypatch, 3)
     with pytest.raises(OSError, match="injected"):
         run(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", max_batch_size=2), progress=False,
             log=lambda m: None)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from helpers import assert_same_samples, reference_states
+from helpers import assert_same_samples, fail_at_batch, reference_states
 from tiny_models import tiny_model
 from transformers.cache_utils import DynamicCache
 
@@ -25,7 +25,6 @@ from streamx.model.packing import _Segments, configure, probe_continuation
 from streamx.pipeline.estimate import estimate
 from streamx.pipeline.plan import decide_sharing
 from streamx.pipeline.runner import run
-from streamx.pipeline.writer import PartWriter
 from streamx.store import SharedKinds, open_store, shards
 from streamx.store.shards import ChunkCache, ProcessCache
 from streamx.train import verify as verify_module
@@ -371,6 +370,27 @@ def write_rows(path, rows: list[dict]) -> str:
     return str(path)
 
 
+def run_off_and_on(tmp_path, **settings):
+    """The rows of `settings` through `streamx run` with --sharing off and on (off.zarr, on.zarr): both stores."""
+    stores = []
+    for sharing in ("off", "on"):
+        out = str(tmp_path / f"{sharing}.zarr")
+        run(RunConfig(out=out, sharing=sharing, **settings), progress=False, log=lambda m: None)
+        stores.append(open_store(out))
+    return stores
+
+
+def assert_rows_as_unshared(off, store, rows: list[dict]) -> None:
+    """Every row of `store` as in `off` (the same rows, every one computed in full) and as the data has it: ids and
+    mask exactly, states within bf16 rounding."""
+    for row, data in enumerate(rows):
+        a, b = off.sample(row), store.sample(row)
+        assert a.input_ids.tolist() == b.input_ids.tolist() == data["input_ids"]
+        assert a.loss_mask.tolist() == b.loss_mask.tolist() == data["loss_mask"]
+        torch.testing.assert_close(b.hidden_states.float(), a.hidden_states.float(), rtol=BF16_ULP,
+                                   atol=1e-5 * a.hidden_states.float().abs().max().item())
+
+
 def rows_of_all_kinds() -> list[dict]:
     """Pretokenized rows behind one 24-token system prompt: 12 chats fanned out in 3 rows each (each row a
     prefix of the next), 5 duplicates, and a row of another row's ids with another mask."""
@@ -392,23 +412,13 @@ def test_a_shared_store_reads_every_row_as_the_unshared_store(tmp_path, tiny_cha
     masks exactly, states within rounding, fewer tokens stored; rows whose masks differ keep their own."""
     rows = rows_of_all_kinds()
     data = write_rows(tmp_path / "rows.jsonl", rows)
-    stores = {}
-    for sharing in ("off", "on"):
-        out = str(tmp_path / f"{sharing}.zarr")
-        run(RunConfig(model=tiny_chat_model_dir, data=data, out=out, layers="1,2,4", sharing=sharing, sort_window=16,
-                      token_budget=256, max_length=256), progress=False, log=lambda m: None)
-        stores[sharing] = open_store(out)
-    off, on = stores["off"], stores["on"]
+    off, on = run_off_and_on(tmp_path, model=tiny_chat_model_dir, data=data, layers="1,2,4", sort_window=16,
+                             token_budget=256, max_length=256)
     assert on.metadata.sharing == "on" and on.metadata.compat.sharing == "on"
     assert len(on) == len(off) == len(rows) and on.row_tokens == off.row_tokens == off.num_tokens
     assert on.num_tokens < 0.6 * off.num_tokens
     assert (on.index.mask_offsets >= 0).any()  # the rows whose masks differ from a row sharing their tokens
-    for row in range(len(rows)):
-        a, b = off.sample(row), on.sample(row)
-        assert a.input_ids.tolist() == b.input_ids.tolist() == rows[row]["input_ids"]
-        assert a.loss_mask.tolist() == b.loss_mask.tolist() == rows[row]["loss_mask"]
-        torch.testing.assert_close(b.hidden_states.float(), a.hidden_states.float(), rtol=BF16_ULP,
-                                   atol=1e-5 * a.hidden_states.float().abs().max().item())
+    assert_rows_as_unshared(off, on, rows)
 
     # the share of each kind, read from the stored ranges, against the rows counted window by window (a row whose
     # ids and mask repeat an earlier row's, in any window, is a duplicate), and against what `streamx plan` finds
@@ -456,12 +466,7 @@ def test_a_row_repeated_anywhere_in_the_data_is_computed_once(tmp_path, tiny_cha
     data = write_rows(tmp_path / "rows.jsonl", rows)
     settings = dict(model=tiny_chat_model_dir, data=data, layers="1,2,4", sort_window=4, token_budget=256,
                     max_length=256)
-    stores = {}
-    for sharing in ("off", "on"):
-        out = str(tmp_path / f"{sharing}.zarr")
-        run(RunConfig(out=out, sharing=sharing, **settings), progress=False, log=lambda m: None)
-        stores[sharing] = open_store(out)
-    off, on = stores["off"], stores["on"]
+    off, on = run_off_and_on(tmp_path, **settings)
     firsts = {}
     for row, r in enumerate(rows):
         firsts.setdefault((tuple(r["input_ids"]), tuple(r["loss_mask"])), row)
@@ -472,13 +477,10 @@ def test_a_row_repeated_anywhere_in_the_data_is_computed_once(tmp_path, tiny_cha
     assert on.row_tokens == off.row_tokens and len(on) == len(off) == len(rows)
     assert sorted(on.index.rows[on.same_as >= 0].tolist()) == repeats
     assert on.shared_kinds().duplicate_rows == len(repeats)
-    for row in range(len(rows)):
-        a, b = off.sample(row), on.sample(row)
-        assert a.input_ids.tolist() == b.input_ids.tolist() == rows[row]["input_ids"]
-        assert a.loss_mask.tolist() == b.loss_mask.tolist() == rows[row]["loss_mask"]
-        torch.testing.assert_close(b.hidden_states.float(), a.hidden_states.float(), rtol=BF16_ULP,
-                                   atol=1e-5 * a.hidden_states.float().abs().max().item())
-        assert torch.equal(b.hidden_states.view(torch.int16), on.sample(first_of[row]).hidden_states.view(torch.int16))
+    assert_rows_as_unshared(off, on, rows)
+    for row in repeats:  # the very states of the first row
+        assert torch.equal(on.sample(row).hidden_states.view(torch.int16),
+                           on.sample(first_of[row]).hidden_states.view(torch.int16))
     assert estimate(RunConfig(out=str(tmp_path / "plan.zarr"), **settings)).shared.leading_runs == on.num_tokens
     assert verify(str(tmp_path / "on.zarr"), use_model=False, log=lambda m: None).passed
     # convert --merge-prefix-rows trains on each repeated content once: the repeats fold into their first rows
@@ -501,16 +503,8 @@ def test_a_row_repeated_anywhere_in_the_data_is_computed_once(tmp_path, tiny_cha
     assert len(open_store(ranks).parts) == 2 and not open_store(ranks).repeated.unread.size
     assert_same_samples(tmp_path / "on.zarr", ranks)
 
-    appended = PartWriter.append_batch
-
-    def fail_fifth(self, *args, **kwargs):
-        self.batches = getattr(self, "batches", 0) + 1
-        if self.batches == 5:
-            raise OSError("injected: the disk went away")
-        return appended(self, *args, **kwargs)
-
     resumed = str(tmp_path / "resumed.zarr")
-    monkeypatch.setattr(PartWriter, "append_batch", fail_fifth)
+    fail_at_batch(monkeypatch, 5)
     with pytest.raises(OSError, match="injected"):
         run(RunConfig(out=resumed, chunk_tokens=16, shard_tokens=64, **settings), progress=False, log=lambda m: None)
     monkeypatch.undo()
@@ -529,15 +523,7 @@ def test_a_store_from_before_repeats_were_read_resumes_computing_them(tmp_path, 
                     max_length=256, chunk_tokens=16, shard_tokens=64)
     off, old = str(tmp_path / "off.zarr"), str(tmp_path / "old.zarr")
     run(RunConfig(out=off, sharing="off", **settings), progress=False, log=lambda m: None)
-    appended = PartWriter.append_batch
-
-    def fail_third(self, *args, **kwargs):
-        self.batches = getattr(self, "batches", 0) + 1
-        if self.batches == 3:
-            raise OSError("injected: the disk went away")
-        return appended(self, *args, **kwargs)
-
-    monkeypatch.setattr(PartWriter, "append_batch", fail_third)
+    fail_at_batch(monkeypatch, 3)
     with pytest.raises(OSError, match="injected"):
         run(RunConfig(out=old, **settings), progress=False, log=lambda m: None)
     monkeypatch.undo()
@@ -549,11 +535,7 @@ def test_a_store_from_before_repeats_were_read_resumes_computing_them(tmp_path, 
     resumed, unshared = open_store(old), open_store(off)
     assert len(resumed) == len(rows) and (resumed.same_as < 0).all()
     assert resumed.num_tokens > unshared.num_tokens - sum(len(r["input_ids"]) for r in rows[24:36])  # computed
-    for row in range(len(rows)):
-        a, b = unshared.sample(row), resumed.sample(row)
-        assert a.input_ids.tolist() == b.input_ids.tolist() and a.loss_mask.tolist() == b.loss_mask.tolist()
-        torch.testing.assert_close(b.hidden_states.float(), a.hidden_states.float(), rtol=BF16_ULP,
-                                   atol=1e-5 * a.hidden_states.float().abs().max().item())
+    assert_rows_as_unshared(unshared, resumed, rows)
 
 
 def test_verify_names_a_repeated_row_that_reads_no_row_or_another_length(tmp_path, tiny_chat_model_dir):
@@ -723,35 +705,17 @@ def test_a_prompt_over_more_tokens_than_a_batch_is_computed_and_stored_once(tmp_
     rng = np.random.default_rng(1)
     system = rng.integers(10, 40000, 40).tolist()
     rows = [system + rng.integers(10, 40000, int(n)).tolist() for n in rng.integers(20, 60, 24)]
-    data = write_rows(tmp_path / "rows.jsonl", [{"input_ids": r, "loss_mask": [0] * 40 + [1] * (len(r) - 40)}
-                                                for r in rows])
+    records = [{"input_ids": r, "loss_mask": [0] * 40 + [1] * (len(r) - 40)} for r in rows]
+    data = write_rows(tmp_path / "rows.jsonl", records)
     settings = dict(model=tiny_chat_model_dir, data=data, layers="1,2,4", sort_window=32, token_budget=256,
                     max_length=256, chunk_tokens=16, shard_tokens=64)
-    stores = {}
-    for sharing in ("off", "on"):
-        out = str(tmp_path / f"{sharing}.zarr")
-        run(RunConfig(out=out, sharing=sharing, **settings), progress=False, log=lambda m: None)
-        stores[sharing] = open_store(out)
-    off, on = stores["off"], stores["on"]
+    off, on = run_off_and_on(tmp_path, **settings)
     distinct = len({tuple(r[:k]) for r in rows for k in range(1, len(r) + 1)})  # a token trie's nodes
     assert sum(map(len, rows)) > 4 * 256 and on.num_tokens == distinct
-    for row in range(len(rows)):
-        a, b = off.sample(row), on.sample(row)
-        assert a.input_ids.tolist() == b.input_ids.tolist() == rows[row]
-        assert a.loss_mask.equal(b.loss_mask)
-        torch.testing.assert_close(b.hidden_states.float(), a.hidden_states.float(), rtol=BF16_ULP,
-                                   atol=1e-5 * a.hidden_states.float().abs().max().item())
-
-    appended = PartWriter.append_batch
-
-    def fail_third(self, *args, **kwargs):
-        self.batches = getattr(self, "batches", 0) + 1
-        if self.batches == 3:
-            raise OSError("injected: the disk went away")
-        return appended(self, *args, **kwargs)
+    assert_rows_as_unshared(off, on, records)
 
     resumed = str(tmp_path / "resumed.zarr")
-    monkeypatch.setattr(PartWriter, "append_batch", fail_third)
+    fail_at_batch(monkeypatch, 3)
     with pytest.raises(OSError, match="injected"):
         run(RunConfig(out=resumed, **settings), progress=False, log=lambda m: None)
     monkeypatch.undo()
