@@ -128,7 +128,7 @@ def test_banner_comes_before_the_weights(tmp_path, config_only_model, monkeypatc
     # packing and sharing are decided once the model is in: the two lines after the weights
     assert made.packing.on and str(made.packing) == "on" and str(made.sharing) == "on"
     assert len(after) == 2 and after[0].startswith("  packing on: each forward's samples")
-    assert after[1].startswith("  sharing on: rows that are prefixes of others")
+    assert after[1].startswith("  sharing on: rows that repeat an earlier row, or are prefixes of others")
 
 
 def test_hybrid_without_flash_linear_attention_is_named_on_cuda(tmp_path, monkeypatch):
