@@ -267,10 +267,10 @@ def iter_batches(items: list[Sample | Reject | Duplicate], token_budget: int, ma
                  pad_token_id: int, packed: bool = False, sharing: bool = False,
                  min_shared_tokens: int | None = None) -> Iterator[Batch | Reject | Duplicate]:
     """One window's samples as batches, packed or padded; rejects and duplicates (nothing to compute) pass
-    straight through. With `sharing`, rows
-    that are prefixes of others (duplicates too) are served by those rows' states (streamx.data.sharing), and,
-    packed, common leading runs of `min_shared_tokens` (None: none) are computed once (a tree too large for one
-    batch in pieces, each alone in its batch and after the ones it continues)."""
+    straight through. With `sharing`, rows that are prefixes of others (duplicates too) are served by those rows'
+    states (streamx.data.sharing), and, packed, common leading runs of `min_shared_tokens` (None: none) are
+    computed once (a tree too large for one batch in pieces, each alone in its batch and after the ones it
+    continues)."""
     samples = []
     for item in items:
         if isinstance(item, (Reject, Duplicate)):

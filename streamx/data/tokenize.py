@@ -88,6 +88,7 @@ class Repeats:
             if key:
                 self.first.setdefault(int(key), int(row))
 
+
 class NoChatTemplateError(ValueError):
     """A chat row met a tokenizer without a chat template: fatal for the run, not per row."""
 
