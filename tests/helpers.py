@@ -1,6 +1,6 @@
 """What several test modules share: small run settings (as a RunConfig and as `streamx run` flags), the
-CLI in a subprocess, a part's commit record, the bit-for-bit store comparison, a tiny store written without a
-model, and the independent reference (an unbatched HF forward)."""
+CLI (in this process, or in one of its own), a part's commit record, the bit-for-bit store comparison, a tiny
+store written without a model, and the independent reference (an unbatched HF forward)."""
 
 import json
 import os
@@ -80,8 +80,27 @@ def write_tiny_store(path: str, rows: int = 6, seed: int = 0) -> str:
     return path
 
 
-def cli(*args, env=None, **kw) -> subprocess.CompletedProcess:
-    """`python -m streamx ARGS` offline, its output captured as text."""
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`streamx ARGS` in this process, offline: its exit code, stdout and stderr as a subprocess gives them,
+    without a new interpreter importing torch and transformers (~5 s each on 2 busy cores). The command line
+    (sys.argv) is the one a user typed: the run prints it as the command that resumes, a lock records it."""
+    from typer.testing import CliRunner
+
+    from streamx.cli import app
+
+    argv = sys.argv
+    sys.argv = ["streamx", *args]
+    try:
+        result = CliRunner().invoke(app, list(args), env={"HF_HUB_OFFLINE": "1", **(env or {})},
+                                    catch_exceptions=False)
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(["streamx", *args], result.exit_code, result.stdout, result.stderr)
+
+
+def cli_process(*args: str, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
+    """`python -m streamx ARGS` offline in a process of its own, its output captured as text: for what only a
+    whole process shows (everything the interpreter and the libraries print, not only the command's lines)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "streamx", *args], env=env, capture_output=True, text=True, **kw)
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import assert_same_samples, committed_samples, distinct_copies, run_args
+from helpers import assert_same_samples, cli, committed_samples, distinct_copies, run_args
 
 from streamx.config import load_config
 from streamx.model.load import load_model
@@ -17,10 +17,16 @@ from streamx.pipeline.plan import make_plan
 from streamx.pipeline.runner import run
 
 
+def rank_args(model_dir, data, out) -> list[str]:
+    """`streamx run`'s flags here: windows of 4 rows, so that each rank gets many."""
+    return run_args(model_dir, data, out, sort_window=4)
+
+
 def streamx_cmd(model_dir, data, out, nproc=None):
+    """The run in a process of its own, or under torchrun in `nproc` ranks."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                  "-m", "streamx"] if nproc else [sys.executable, "-m", "streamx"])
-    return [*launcher, *run_args(model_dir, data, out, sort_window=4)]
+    return [*launcher, *rank_args(model_dir, data, out)]
 
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -28,10 +34,10 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 def test_two_ranks_equal_one_process_and_resume_after_a_rank_dies(tiny_chat_model_dir, chat_jsonl, tmp_path):
     data = tmp_path / "data.jsonl"  # long enough that a rank can be killed mid-run
-    data.write_text(distinct_copies(chat_jsonl, 6))
+    data.write_text(distinct_copies(chat_jsonl, 3))
     chat_jsonl = str(data)
     reference = tmp_path / "ref.zarr"
-    subprocess.run(streamx_cmd(tiny_chat_model_dir, chat_jsonl, reference), env=ENV, check=True, capture_output=True)
+    assert cli(*rank_args(tiny_chat_model_dir, chat_jsonl, reference)).returncode == 0
 
     both = tmp_path / "two.zarr"
     result = subprocess.run(streamx_cmd(tiny_chat_model_dir, chat_jsonl, both, nproc=2), env=ENV,
@@ -53,8 +59,7 @@ def test_two_ranks_equal_one_process_and_resume_after_a_rank_dies(tiny_chat_mode
     os.kill(max(pids), signal.SIGKILL)  # workers start in rank order: this is rank 1
     assert job.wait(timeout=120) != 0  # the job fails with the rank, it does not hang
     assert 0 < committed_samples(killed, "part-00001") < committed_samples(both, "part-00001")
-    result = subprocess.run(streamx_cmd(tiny_chat_model_dir, chat_jsonl, killed), env=ENV, capture_output=True,
-                            text=True)
+    result = cli(*rank_args(tiny_chat_model_dir, chat_jsonl, killed))  # one process resumes
     assert result.returncode == 0, result.stderr[-2000:]
     assert_same_samples(reference, killed)
 
@@ -83,7 +88,7 @@ def test_a_job_array_without_rendezvous_equals_one_process(tiny_chat_model_dir, 
     other by Slurm's array variables, started at once so that both find no store and create it together: the
     store holds two parts whose samples equal one process's, bit for bit, as torchrun's would."""
     reference = tmp_path / "ref.zarr"
-    subprocess.run(streamx_cmd(tiny_chat_model_dir, chat_jsonl, reference), env=ENV, check=True, capture_output=True)
+    assert cli(*rank_args(tiny_chat_model_dir, chat_jsonl, reference)).returncode == 0
     out = tmp_path / "array.zarr"
     jobs = [subprocess.Popen([*streamx_cmd(tiny_chat_model_dir, chat_jsonl, out), "--rank", "0", "--world-size", "2"],
                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import assert_same_samples, committed_samples, distinct_copies, run_args
+from helpers import assert_same_samples, cli, committed_samples, distinct_copies, run_args
 
 from streamx.store import open_store
 from streamx.train.convert import convert
@@ -54,21 +54,20 @@ def s3_env():
                 os.environ[k] = v
 
 
-def run_cmd(model_dir, data, out):
+def s3_run_args(model_dir, data, out) -> list[str]:
     # shards of 256 tokens: still dozens of commits a run, at a quarter of the small runs' requests to the server
-    return [sys.executable, "-m", "streamx", *run_args(model_dir, data, out, sort_window=4, chunk_tokens=64,
-                                                       shard_tokens=256)]
+    return run_args(model_dir, data, out, sort_window=4, chunk_tokens=64, shard_tokens=256)
 
 
 def test_s3_store_run_kill_resume_equals_local(tiny_chat_model_dir, chat_jsonl, tmp_path, s3_env):
     data = tmp_path / "data.jsonl"
     data.write_text(distinct_copies(chat_jsonl, 2))
     local = tmp_path / "local.zarr"
-    subprocess.run(run_cmd(tiny_chat_model_dir, str(data), str(local)), env=s3_env, check=True, capture_output=True)
+    assert cli(*s3_run_args(tiny_chat_model_dir, str(data), str(local))).returncode == 0
 
     remote = "s3://streamx-test/run.zarr"
-    job = subprocess.Popen(run_cmd(tiny_chat_model_dir, str(data), remote), env=s3_env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = subprocess.Popen([sys.executable, "-m", "streamx", *s3_run_args(tiny_chat_model_dir, str(data), remote)],
+                           env=s3_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while committed_samples(remote) < 5 and job.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -76,7 +75,7 @@ def test_s3_store_run_kill_resume_equals_local(tiny_chat_model_dir, chat_jsonl, 
     os.kill(job.pid, signal.SIGKILL)
     job.wait()
     assert 0 < committed_samples(remote) < len(open_store(str(local)))
-    result = subprocess.run(run_cmd(tiny_chat_model_dir, str(data), remote), env=s3_env, capture_output=True, text=True)
+    result = cli(*s3_run_args(tiny_chat_model_dir, str(data), remote))  # the same command resumes
     assert result.returncode == 0, result.stderr[-2000:]
 
     assert_same_samples(local, remote)
@@ -96,8 +95,7 @@ def test_speculators_reads_an_s3_store_through_the_streamx_backend(tiny_chat_mod
     """Train from an object store, no copy: the backend in speculators' environment (s3fs beside it, credentials
     from the environment) returns every row as the hs files of a convert of the same store hold it."""
     remote = "s3://streamx-test/backend.zarr"
-    result = subprocess.run(run_cmd(tiny_chat_model_dir, chat_jsonl, remote), env=s3_env, capture_output=True,
-                            text=True)
+    result = cli(*s3_run_args(tiny_chat_model_dir, chat_jsonl, remote))
     assert result.returncode == 0, result.stderr[-2000:]
     files, nocopy = tmp_path / "files", tmp_path / "nocopy"
     convert(remote, str(files), seed=3, progress=False, log=lambda m: None)

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_samples, cli, committed_samples, reference_states, run_args, small_config
+from helpers import (
+    assert_same_samples,
+    cli,
+    cli_process,
+    committed_samples,
+    reference_states,
+    run_args,
+    small_config,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamx.pipeline.plan import make_plan
@@ -157,17 +165,17 @@ def error_line(result) -> str:
 
 
 def test_cli_errors_are_one_line(tiny_chat_model_dir, chat_jsonl, tmp_path):
-    bad_model = cli("run", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o.zarr"))
+    bad_model = cli_process("run", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o.zarr"))
     assert "nope" in error_line(bad_model)
     args = run_args(tiny_chat_model_dir, chat_jsonl, tmp_path / "o.zarr")
-    bad_layers = cli(*[("2,9" if a == "0,2,4" else a) for a in args])
+    bad_layers = cli_process(*[("2,9" if a == "0,2,4" else a) for a in args])
     assert "valid ids are 0..4" in error_line(bad_layers)
-    bad_data = cli("run", "--model", tiny_chat_model_dir, "--data", str(tmp_path / "missing.jsonl"),
+    bad_data = cli_process("run", "--model", tiny_chat_model_dir, "--data", str(tmp_path / "missing.jsonl"),
                    "--out", str(tmp_path / "o.zarr"))
     assert "missing.jsonl" in error_line(bad_data)
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    unwritable = cli(*run_args(tiny_chat_model_dir, chat_jsonl, blocker / "o.zarr"))
+    unwritable = cli_process(*run_args(tiny_chat_model_dir, chat_jsonl, blocker / "o.zarr"))
     assert f"{blocker} is not a folder" in error_line(unwritable)
 
 
@@ -248,7 +256,7 @@ def test_no_chat_template_is_fatal_with_one_line(tiny_chat_model_dir, chat_jsonl
     cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
     cfg.pop("chat_template", None)
     (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
-    result = cli(*run_args(str(model_dir), chat_jsonl, tmp_path / "o.zarr"))
+    result = cli_process(*run_args(str(model_dir), chat_jsonl, tmp_path / "o.zarr"))
     assert "no chat template" in error_line(result)
 
 

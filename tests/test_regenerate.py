@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ChatServer
+from helpers import cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamx.config import RegenerateConfig, load_config
@@ -67,7 +68,8 @@ def assistant_prompts(messages):
     return [messages[:i] for i, m in enumerate(messages) if m["role"] == "assistant"]
 
 
-def cli(*args, **kw) -> subprocess.Popen:
+def start_regenerate(*args, **kw) -> subprocess.Popen:
+    """`streamx regenerate ARGS` started in a process of its own, for a test to kill or signal."""
     return subprocess.Popen([sys.executable, "-m", "streamx", "regenerate", "--no-progress", *args], env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
@@ -251,12 +253,11 @@ def test_a_server_that_needs_a_key_gets_it_from_the_environment_and_the_key_is_w
     key = "sk-test-0123456789abcdef"
     server = ScriptedServer([(200, completion())], key=key)
     args = ["--data", str(conversations), "--endpoint", server.url, "--model", "m", "--max-samples", "3"]
-    clean = {k: v for k, v in ENV.items() if k not in ("OPENAI_API_KEY", "MY_KEY")}
+    clean = {"OPENAI_API_KEY": None, "MY_KEY": None}  # unset for the command
     try:
         def regenerate(out, env):
-            proc = subprocess.run([sys.executable, "-m", "streamx", "regenerate", "--no-progress", *args, "--out",
-                                   str(tmp_path / out), *(["--api-key-env", "MY_KEY"] if "MY_KEY" in env else [])],
-                                  env=env, capture_output=True, text=True, timeout=300)
+            proc = cli("regenerate", "--no-progress", *args, "--out", str(tmp_path / out),
+                       *(["--api-key-env", "MY_KEY"] if env.get("MY_KEY") else []), env=env)
             return proc.returncode, proc.stdout + proc.stderr
 
         code, said = regenerate("none.jsonl", clean)
@@ -290,10 +291,8 @@ def test_skip_duplicates_leaves_out_rows_that_ask_what_an_earlier_row_asked(tmp_
     out = tmp_path / "out.jsonl"
     args = ["--data", str(data), "--endpoint", server.url, "--model", "m", "--out", str(out), "--skip-duplicates"]
     try:
-        first = subprocess.run([sys.executable, "-m", "streamx", "regenerate", "--no-progress", *args], env=ENV,
-                               capture_output=True, text=True, timeout=300)
-        again = subprocess.run([sys.executable, "-m", "streamx", "regenerate", "--no-progress", *args], env=ENV,
-                               capture_output=True, text=True, timeout=300)
+        first = cli("regenerate", "--no-progress", *args)
+        again = cli("regenerate", "--no-progress", *args)
     finally:
         server.close()
     assert first.returncode == 0 and again.returncode == 0, first.stderr + again.stderr
@@ -369,11 +368,10 @@ SERVED = ["--max-tokens", "8", "--temperature", "0"]  # short turns: the server 
 def served(chat_server, conversations, tmp_path_factory):
     """One uninterrupted `streamx regenerate` of the conversations against the server: (output, stdout)."""
     out = tmp_path_factory.mktemp("served") / "regen.jsonl"
-    proc = cli("--data", str(conversations), "--out", str(out), "--endpoint", chat_server.url, *SERVED,
-               "--concurrency", "3")
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr
-    return out, stdout
+    done = cli("regenerate", "--no-progress", "--data", str(conversations), "--out", str(out), "--endpoint",
+               chat_server.url, *SERVED, "--concurrency", "3")
+    assert done.returncode == 0, done.stderr
+    return out, done.stdout
 
 
 def test_regenerate_against_transformers_serve(chat_server, served, conversations, tmp_path):
@@ -404,9 +402,8 @@ def test_regenerate_against_transformers_serve(chat_server, served, conversation
     assert f"truncated at --max-tokens: {truncated} turns kept" in stdout and "errors: 4 rows" in stdout
 
     store = tmp_path / "store.zarr"
-    run = subprocess.run([sys.executable, "-m", "streamx", "run", "--model", chat_server.model, "--data", str(out),
-                          "--out", str(store), "--no-progress", "--layers", "2,30"], env=ENV, capture_output=True,
-                         text=True, timeout=600)
+    run = cli("run", "--model", chat_server.model, "--data", str(out), "--out", str(store), "--no-progress",
+              "--layers", "2,30")
     assert run.returncode == 0, run.stderr
     assert open_store(str(store)).summary()["samples"] == 8
 
@@ -425,12 +422,12 @@ def kill_when(proc, path, lines):
 def test_kill_9_mid_run_and_the_same_command_gives_every_row_once(chat_server, served, conversations, tmp_path):
     args = ["--data", str(conversations), "--endpoint", chat_server.url, *SERVED, "--concurrency", "2"]
     out = tmp_path / "killed.jsonl"
-    kill_when(cli(*args, "--out", str(out)), out, 3)
+    kill_when(start_regenerate(*args, "--out", str(out)), out, 3)
     with open(out, "a") as fh:  # what a kill in the middle of a write could leave
         fh.write('{"source_row": 9, "messages": [{"ro')
-    resumed = cli(*args, "--out", str(out))
-    stdout, stderr = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, stderr
+    resumed = cli("regenerate", "--no-progress", *args, "--out", str(out))
+    stdout = resumed.stdout
+    assert resumed.returncode == 0, resumed.stderr
     rows = read_rows(out)
     assert sorted(r["source_row"] for r in rows) == [0, 1, 2, 7, 8, 9, 10, 11]  # each once
     assert "; the file holds 8 rows (" in stdout  # the whole output, not only this run's rows
@@ -444,7 +441,7 @@ def test_a_server_that_dies_stops_the_run_in_one_line_and_nothing_is_written_twi
     out = tmp_path / "o.jsonl"
     args = ["--data", str(conversations), *SERVED, "--concurrency", "1",
             "--out", str(out), "--retries", "2"]
-    proc = cli(*args, "--endpoint", doomed.url)
+    proc = start_regenerate(*args, "--endpoint", doomed.url)
     try:
         deadline = time.time() + 300
         while not (out.exists() and out.read_text().count("\n") >= 2) and time.time() < deadline:
@@ -459,8 +456,8 @@ def test_a_server_that_dies_stops_the_run_in_one_line_and_nothing_is_written_twi
     assert written.startswith("written before it stopped: ") and str(out) in written, stderr
     written = [r["source_row"] for r in read_rows(out)]
     assert len(written) == len(set(written)) >= 2
-    resumed = cli(*args, "--endpoint", chat_server.url)  # the same model, served elsewhere
-    assert resumed.wait(600) == 0, resumed.stderr.read()
+    resumed = cli("regenerate", "--no-progress", *args, "--endpoint", chat_server.url)  # served elsewhere
+    assert resumed.returncode == 0, resumed.stderr
     assert sorted(r["source_row"] for r in read_rows(out)) == [0, 1, 2, 7, 8, 9, 10, 11]
 
 
@@ -690,7 +687,7 @@ def test_sigterm_stops_at_turn_boundaries_and_writes_every_finished_row(tmp_path
     args = ["--data", str(chats(tmp_path / "d.jsonl", [2, 3, 2, 2])), "--endpoint", server.url, "--model", "m",
             "--concurrency", "2", "--out", str(out)]
     try:
-        proc = cli(*args)
+        proc = start_regenerate(*args)
         deadline = time.time() + 120
         while len(server.arrived) < 4 and time.time() < deadline:  # the second turns of rows 0 and 1, in flight
             time.sleep(0.01)
@@ -706,8 +703,8 @@ def test_sigterm_stops_at_turn_boundaries_and_writes_every_finished_row(tmp_path
             f"rows written so far: streamx run --data {out} --allow-partial --model m"]
         assert [when for when, _ in server.arrived if when > sent] == []  # no turn asked for after the signal
         assert [r["source_row"] for r in read_rows(out)] == [0]  # row 0 ended with its turn in flight; 1 did not
-        again = cli(*args)
-        assert again.wait(120) == 0, again.stderr.read()
+        again = cli("regenerate", "--no-progress", *args)
+        assert again.returncode == 0, again.stderr
     finally:
         server.close()
     assert sorted(r["source_row"] for r in read_rows(out)) == [0, 1, 2, 3]
