@@ -714,23 +714,20 @@ def test_a_rerun_of_a_finished_output_exits_0_and_retries_only_on_request(tmp_pa
     """Idempotent pipelines (make, Airflow) rerun a finished step: rows whose data cannot be regenerated stay
     recorded, so the rerun writes nothing, fails nothing and exits 0; --retry-errors tries them (and fails:
     exit 1, every row it tried failed)."""
-    from typer.testing import CliRunner
-
-    from streamx.cli import app
-
     server = SlowServer(lambda text: 0.0)
     data = tmp_path / "d.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"text": "a text row"}\n')
     args = ["regenerate", "--data", str(data), "--endpoint", server.url, "--model", "m", "--out",
             str(tmp_path / "o.jsonl"), "--no-progress"]
     try:
-        results = [CliRunner().invoke(app, [*args, *more]) for more in ([], [], ["--retry-errors"])]
+        results = [cli(*args, *more) for more in ([], [], ["--retry-errors"])]
     finally:
         server.close()
-    assert [r.exit_code for r in results] == [0, 0, 1]
-    assert "wrote 1 rows" in results[0].output and "errors: 1 rows (not_a_conversation: 1)" in results[0].output
-    assert "wrote 0 rows" in results[1].output and "skipped 1 rows an earlier run could not" in results[1].output
-    assert "errors: 1 rows (not_a_conversation: 1)" in results[2].output
+    assert [r.returncode for r in results] == [0, 0, 1]
+    said = [r.stdout + r.stderr for r in results]
+    assert "wrote 1 rows" in said[0] and "errors: 1 rows (not_a_conversation: 1)" in said[0]
+    assert "wrote 0 rows" in said[1] and "skipped 1 rows an earlier run could not" in said[1]
+    assert "errors: 1 rows (not_a_conversation: 1)" in said[2]
 
 
 def test_the_output_says_whether_it_is_complete_and_whose_tokens_it_holds(tiny_chat_model_dir, tmp_path):
