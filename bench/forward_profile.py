@@ -1,7 +1,7 @@
 """Where a forward pass's time goes with rows shared and without: torch's profiler over the decoder alone
 (bench's forward_only mode), the run's own batches with --sharing on, then the first batches of the same rows
 computed in full (about as many tokens), per computed token, op by op; and for the shared batches' tree attention
-(streamx.model.packing._tree_attention, the CPU's), the time of its attention calls on each segment's own keys
+(streamx.model.attention._tree_attention, the CPU's), the time of its attention calls on each segment's own keys
 (causal) and on what it continues (its ancestors' or a kept chain's keys).
 
     python bench/forward_profile.py --data sysprompt360.jsonl --json bench/results/forward_profile.json
@@ -22,11 +22,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from streamx.config import load_config
 from streamx.measure.bench import Workload, forward_only
-from streamx.model import packing
+from streamx.model import attention
 from streamx.pipeline.plan import make_plan
 
 kernel_seconds: Counter = Counter()
-_attention = packing._ATTENTION_WITH_LSE
+_attention = attention._ATTENTION_WITH_LSE
 
 
 def timed_attention(*args, **kwargs):
@@ -50,7 +50,7 @@ def main() -> None:
     full = Workload.build(plan.unshared(), padded=False).batches
     reached = list(itertools.accumulate(b.num_tokens for b in full))  # the first batches, as many tokens or more
     full = full[: bisect.bisect_left(reached, sum(b.num_tokens for b in shared)) + 1]
-    packing._ATTENTION_WITH_LSE = timed_attention  # _tree_attention looks it up at each call
+    attention._ATTENTION_WITH_LSE = timed_attention  # _tree_attention looks it up at each call
     arms = {"shared": shared, "unshared": full}
     report: dict = {"data": args.data, "arms": {}}
     for batches in arms.values():

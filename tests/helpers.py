@@ -161,3 +161,25 @@ def reference_states(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
         return [h[0] for h in model(input_ids=ids, output_hidden_states=True).hidden_states]
     finally:
         base.norm = norm
+
+
+def reference_varlen(query, key, value, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
+    """Variable-length attention written out in float64, with each query's log-sum-exp (what packing takes from
+    torch's flash kernel, which needs CUDA): sequence i's queries on its keys, causal aligned at the end (and
+    within `window` keys: its own and the window - 1 before it)."""
+    outs, lses = [], []
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cu_q) - 1):
+        q, k, v = (t[c[i] : c[i + 1]].double().transpose(0, 1) for t, c in ((query, cu_q), (key, cu_k), (value, cu_k)))
+        assert q.shape[1] <= max_q and k.shape[1] <= max_k
+        k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], dim=0) for t in (k, v))
+        scores = q @ k.transpose(1, 2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        if causal:
+            at = torch.arange(q.shape[1])[:, None] + k.shape[1] - q.shape[1]  # each query's own key
+            seen = torch.arange(k.shape[1])[None] <= at
+            if window:
+                seen &= torch.arange(k.shape[1])[None] > at - window
+            scores = scores.masked_fill(~seen.to(scores.device), float("-inf"))
+        lses.append(scores.logsumexp(-1))
+        outs.append((scores.softmax(-1) @ v).transpose(0, 1))
+    return torch.cat(outs).to(query.dtype), torch.cat(lses, dim=1).float()

@@ -73,9 +73,9 @@ def test_warm_up_visits_every_batch_shape_before_timing(tiny_chat_model_dir, cha
     calls, logs = [], []
     real_forward_only = bench_module.forward_only
 
-    def recording(model, batches, device):
+    def recording(model, batches, device, kept=None):
         calls.append([b.shape_key for b in batches])
-        return real_forward_only(model, batches, device)
+        return real_forward_only(model, batches, device, kept)
 
     monkeypatch.setattr(bench_module, "forward_only", recording)
     cfg = load_config(None, model=tiny_chat_model_dir, data=chat_jsonl, max_samples=40, layers="1,4",

@@ -1,6 +1,7 @@
 """Packed (padding-free) batches: every sample's states equal an independent unbatched reference,
 boundaries never leak (a short sample after a long, very different one is checked alone), and a model
-that cannot keep packed samples apart falls back to padded batches and says so."""
+that cannot keep packed samples apart falls back to padded batches and says so (the start-up check,
+against the model's own forward)."""
 
 import json
 
@@ -14,8 +15,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from streamx.data.batching import first_fit, make_packed_batch
 from streamx.data.tokenize import Sample
 from streamx.model.capture import LayerCapture
+from streamx.model.check import Probes, check_packing
 from streamx.model.gather import gather_into_torch
-from streamx.model.packing import PACKED_SDPA, Packing, configure, enable, probe, sample_wise_layers, sequence_mixers
+from streamx.model.packing import PACKED_SDPA, configure, enable, sample_wise_layers, sequence_mixers
 from streamx.pipeline.runner import run
 from streamx.store import open_store
 
@@ -42,7 +44,7 @@ def packed_capture(model, samples, layer_ids) -> torch.Tensor:
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_5"])
 def test_packed_states_equal_each_sample_alone(family):
     model, untouched = tiny_model(family), tiny_model(family)  # same weights; the reference keeps plain sdpa
-    assert enable(model) is None and model.config._attn_implementation == PACKED_SDPA
+    assert enable(model, Probes.of(model, 256)) is None and model.config._attn_implementation == PACKED_SDPA
     # the hybrid's gated delta-net layers run sample by sample unless transformers found kernels that reset at
     # boundaries (flash-linear-attention and causal-conv1d, CUDA only)
     if family != "qwen3_5":
@@ -70,10 +72,12 @@ def test_hybrid_linear_attention_mixes_packed_samples_unless_run_sample_wise():
     layers as they are, and off removes the wrapper."""
     model = tiny_model("qwen3_5")
     if not torch.cuda.is_available():  # (CUDA with both kernel packages keeps samples apart by itself)
+        probes = Probes.of(model, 256)
         model.set_attn_implementation(PACKED_SDPA)
-        assert "flash-linear-attention" in probe(model)
+        assert "flash-linear-attention" in check_packing(model, probes)
         model.set_attn_implementation("sdpa")
-    assert configure(model, "on") == Packing(on=True, sample_wise_layers=3) and sample_wise_layers(model) == 3
+    packing = configure(model, "on", 256)
+    assert packing.on and packing.sample_wise_layers == 3 and sample_wise_layers(model) == 3
     untouched = tiny_model("qwen3_5")
     one = samples_after_a_long_one(model.config.vocab_size)[4:5]  # a packed batch of one sample (a long one alone)
     packed = packed_capture(model, one, [4])[:, 0].float()
@@ -84,7 +88,8 @@ def test_hybrid_linear_attention_mixes_packed_samples_unless_run_sample_wise():
         got = model.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
         want = untouched.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert configure(model, "off") == Packing(on=False) and sample_wise_layers(model) == 0
+    packing = configure(model, "off", 256)
+    assert not packing.on and packing.reason is None and sample_wise_layers(model) == 0
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -96,7 +101,7 @@ def test_sequence_mixers_that_return_no_tensor_leave_packing_off_and_say_why():
     for mixer in sequence_mixers(model):
         mixer.forward = lambda *args, _own=mixer.forward, **kwargs: (_own(*args, **kwargs), None)
         mixer.register_forward_hook(lambda module, args, out: out[0] if isinstance(out, tuple) else out)
-    packing = configure(model, "on")
+    packing = configure(model, "on", 256)
     assert not packing.on and "sample-wise layers return tensors; got tuple" in packing.reason, packing
     assert sample_wise_layers(model) == 0 and model.config._attn_implementation == "sdpa"
 
@@ -109,19 +114,28 @@ def leaky_attention(module, query, key, value, attention_mask, **kwargs):
 AttentionInterface.register("leaky_for_tests", leaky_attention)
 
 
-def test_a_leak_is_caught_by_the_probe_and_packing_stays_off():
+def test_a_leak_is_caught_by_the_check_and_packing_stays_off(monkeypatch):
     model = tiny_model("llama")
+    probes = Probes.of(model, 256)
     model.set_attn_implementation("leaky_for_tests")
-    assert "depend on the sample packed before it" in probe(model)
+    assert "differs from the model's own forward of it alone" in check_packing(model, probes)
     # and the reference comparison above would have failed too: the short sample after the long one differs
     samples = samples_after_a_long_one(model.config.vocab_size)
     packed = packed_capture(model, samples, [4])
     alone = reference_states(tiny_model("llama"), samples[1].input_ids)[4]
     assert (packed[150:157, 0].float() - alone).abs().max() > 0.1 * alone.abs().max()
 
+    # eager attention (the default of families sdpa cannot run, such as Gemma 2's) is stood in for, as sdpa is
     model = tiny_model("llama", num_layers=2)
     model.set_attn_implementation("eager")
-    assert "eager has no packed path" in enable(model) and model.config._attn_implementation == "eager"
+    assert configure(model, "on", 256).on and model.config._attn_implementation == PACKED_SDPA
+    assert not configure(model, "off", 256).on and model.config._attn_implementation == "eager"
+    # an implementation streamx knows nothing of keeps its own forward, in padded batches
+    monkeypatch.setitem(AttentionInterface._global_mapping, "other_for_tests", sdpa_attention_forward)
+    model.set_attn_implementation("other_for_tests")
+    packing = configure(model, "on", 256)
+    assert not packing.on and "other_for_tests has no packed path" in packing.reason
+    assert model.config._attn_implementation == "other_for_tests"
 
 
 def test_first_fit_fills_batches_within_budget():
@@ -161,8 +175,8 @@ def test_a_model_that_leaks_falls_back_to_padded_batches(tiny_chat_model_dir, ch
     lines = []
     summary = run(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr"), progress=False, log=lines.append)
     note = next(line for line in lines if line.startswith("  packing off"))
-    assert "depend on the sample packed before it" in note and "padded batches" in note
+    assert "differs from the model's own forward of it alone" in note and "padded batches" in note
     assert summary.padded_tokens > summary.real_tokens  # it really ran padded
     meta = json.loads((tmp_path / "s.zarr" / "zarr.json").read_text())["attributes"]["streamx"]
-    assert meta["packing"].startswith("off: ") and "depend on the sample packed before it" in meta["packing"]
+    assert meta["packing"].startswith("off: ") and "differs from the model's own forward" in meta["packing"]
     assert meta["compat"]["packing"] == "off"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from helpers import assert_same_samples, fail_at_batch, reference_states
+from helpers import assert_same_samples, fail_at_batch, reference_states, reference_varlen
 from tiny_models import tiny_model
 from transformers.cache_utils import DynamicCache
 
@@ -17,11 +17,13 @@ from streamx.config import RunConfig
 from streamx.data.batching import iter_batches
 from streamx.data.sharing import pieces, share
 from streamx.data.tokenize import Sample
-from streamx.model import packing
+from streamx.model import attention, packing, segments
 from streamx.model.capture import LayerCapture, find_decoder
-from streamx.model.carry import Carried, carrying, kept_bytes_per_token
+from streamx.model.carry import Kept, carrying, kept_bytes_per_token
+from streamx.model.check import check_continuation
 from streamx.model.gather import gather_into_torch
-from streamx.model.packing import _Segments, configure, probe_continuation
+from streamx.model.packing import configure
+from streamx.model.segments import PackedForward, forward_inputs
 from streamx.pipeline.estimate import estimate
 from streamx.pipeline.plan import decide_sharing
 from streamx.pipeline.runner import run
@@ -119,6 +121,13 @@ def rows_of_every_kind(vocab: int) -> list[Sample]:
     return as_samples(rows, masks)
 
 
+def continues_prefixes(model) -> bool:
+    """Set the model up for packed batches (streamx.model.packing.configure); True when rows continue a shared
+    prefix's state, in the same forward and in a later one, as the model's own forward of each row alone has it."""
+    packing_ = configure(model, "on", 256)
+    return packing_.on and check_continuation(model, packing_.probes) is None
+
+
 def capture_rows(model, batches, layer_ids) -> dict[int, torch.Tensor]:
     """Each row's states: its ranges of its batch's states, after what an earlier batch computed (a cut tree)."""
     H = model.config.get_text_config().hidden_size
@@ -137,33 +146,15 @@ def capture_rows(model, batches, layer_ids) -> dict[int, torch.Tensor]:
     return out
 
 
-def reference_varlen(query, key, value, cu_q, cu_k, max_q, max_k, causal, scale):
-    """Variable-length attention written out in float64, with each query's log-sum-exp (what packing takes from
-    torch's flash kernel, which needs CUDA): sequence i's queries on its keys, causal aligned at the end."""
-    outs, lses = [], []
-    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(cu_q) - 1):
-        q, k, v = (t[c[i] : c[i + 1]].double().transpose(0, 1) for t, c in ((query, cu_q), (key, cu_k), (value, cu_k)))
-        assert q.shape[1] <= max_q and k.shape[1] <= max_k
-        k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], dim=0) for t in (k, v))
-        scores = q @ k.transpose(1, 2) * (scale if scale is not None else q.shape[-1] ** -0.5)
-        if causal:
-            seen = torch.arange(k.shape[1])[None] <= torch.arange(q.shape[1])[:, None] + k.shape[1] - q.shape[1]
-            scores = scores.masked_fill(~seen.to(scores.device), float("-inf"))
-        lses.append(scores.logsumexp(-1))
-        outs.append((scores.softmax(-1) @ v).transpose(0, 1))
-    return torch.cat(outs).to(query.dtype), torch.cat(lses, dim=1).float()
-
-
 def use_path(path: str | None, monkeypatch) -> None:
     """Packed trees on the CPU join each segment's attention parts by their log-sum-exps (tree); on CUDA in half
     precision they run as flash attention over variable-length sequences (varlen: here through reference_varlen,
     so the calls' layout is checked on any device); elsewhere each segment gathers its ancestors' keys."""
     if path in ("per_segment", "varlen"):
-        monkeypatch.setattr(packing, "_ATTENTION_WITH_LSE", None)
+        monkeypatch.setattr(attention, "_ATTENTION_WITH_LSE", None)
     if path == "varlen":
-        monkeypatch.setattr(packing, "_uses_varlen", lambda query: True)
-        monkeypatch.setattr(packing, "_varlen_attention", reference_varlen)
+        monkeypatch.setattr(attention, "_uses_varlen", lambda query: True)
+        monkeypatch.setattr(attention, "_varlen_attention", reference_varlen)
 
 
 PATHS = [(True, "tree"), (True, "per_segment"), (True, "varlen"), (False, None)]
@@ -176,8 +167,9 @@ DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]  # on a GPU 
 def test_every_row_of_a_shared_batch_equals_the_row_alone(family, packed, path, device, monkeypatch):
     use_path(path, monkeypatch)
     model, untouched = tiny_model(family).to(device), tiny_model(family).to(device)
-    assert configure(model, "on" if packed else "off").on == packed
-    continues = packed and probe_continuation(model) is None
+    packing_ = configure(model, "on" if packed else "off", 256)
+    assert packing_.on == packed
+    continues = packed and check_continuation(model, packing_.probes) is None
     assert continues == packed  # the hybrid's conv and recurrent states are handed over too (SampleWise)
     samples = rows_of_every_kind(model.config.vocab_size)
     batches = list(iter_batches(samples, 64, 256, 0, packed=packed, sharing=True,
@@ -207,7 +199,7 @@ def test_hybrid_rows_from_different_states_run_as_one_padded_group(monkeypatch):
     one group here holds rows continuing two different prefixes and a row starting clean, each row of the group
     from its own start states; every row equals the row alone."""
     model, untouched = tiny_model("qwen3_5"), tiny_model("qwen3_5")
-    assert configure(model, "on").on and probe_continuation(model) is None
+    assert continues_prefixes(model)
     g = torch.Generator().manual_seed(1)
     draw = lambda n: torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()  # noqa: E731
     first, second = draw(20), draw(20)
@@ -228,7 +220,7 @@ def test_hybrid_rows_from_different_states_run_as_one_padded_group(monkeypatch):
                                        atol=1e-5 * want.abs().max().item(), msg=f"row {sample.row_id} id {slot}")
 
 
-flash_varlen_only = pytest.mark.skipif(not torch.cuda.is_available() or packing._VARLEN is None,
+flash_varlen_only = pytest.mark.skipif(not torch.cuda.is_available() or attention._VARLEN is None,
                                        reason="needs a CUDA device and torch's varlen_attn (torch >= 2.10)")
 
 
@@ -241,7 +233,7 @@ def test_torch_flash_varlen_is_the_attention_the_varlen_path_assumes(causal):
     cu_q, cu_k = torch.tensor([0, 5, 12, 40], dtype=torch.int32), torch.tensor([0, 9, 16, 60], dtype=torch.int32)
     q, k, v = (torch.randn(n, heads, 64, generator=g).cuda().bfloat16() for n, heads in ((40, 4), (60, 2), (60, 2)))
     args = (cu_q.cuda(), cu_k.cuda(), 28, 44, causal, 0.125)
-    out, lse = packing._varlen_attention(q, k, v, *args)
+    out, lse = attention._varlen_attention(q, k, v, *args)
     want, want_lse = reference_varlen(q, k, v, *args)
     assert lse.shape == want_lse.shape == (4, 40)
     torch.testing.assert_close(out.float(), want.float(), rtol=BF16_ULP, atol=1e-2)
@@ -255,7 +247,7 @@ def test_the_flash_varlen_path_on_cuda_gives_every_row_alone(family):
     or kept chains): every row of shared, cut batches against the row alone in HF, both in bf16, within the
     probe's bf16 tolerance (a segment that missed its ancestors' keys is off by O(1))."""
     model, untouched = (tiny_model(family).cuda().bfloat16() for _ in range(2))
-    assert configure(model, "on").on and probe_continuation(model) is None
+    assert continues_prefixes(model)
     samples = rows_of_every_kind(model.config.vocab_size)
     batches = list(iter_batches(samples, 64, 256, 0, packed=True, sharing=True, min_shared_tokens=16))
     assert any(b.carry is not None and b.carry.parents for b in batches)
@@ -274,39 +266,38 @@ def test_what_a_cut_tree_keeps_is_what_the_run_says_it_keeps(family):
     """The bytes a batch keeps for the later batches of its tree, per kept token, are what the run's log line
     states from the model's config (every attention layer's keys and values; none for linear attention)."""
     model = tiny_model(family)
-    assert configure(model, "on").on
+    assert configure(model, "on", 256).on
     batches = list(iter_batches(rows_of_every_kind(model.config.vocab_size), 64, 256, 0, packed=True, sharing=True,
                                 min_shared_tokens=16))
     first = next(b for b in batches if b.carry is not None and b.carry.exports)
-    try:
-        with torch.inference_mode(), carrying(first.carry):
-            find_decoder(model).module(**first.model_inputs(torch.device("cpu")), use_cache=False)
-        kept = sum(k.nbytes + v.nbytes for layers in Carried.keys.values() for k, v in layers.values())
-    finally:
-        Carried.clear()
+    kept = Kept()
+    with torch.inference_mode(), carrying(first.carry, kept):
+        find_decoder(model).module(**forward_inputs(first, torch.device("cpu"), kept), use_cache=False)
     tokens = sum(s.length for s in first.carry.exports.values())
-    assert tokens > 0 and kept == tokens * kept_bytes_per_token(model)
+    assert tokens > 0 and kept.nbytes == tokens * kept_bytes_per_token(model)
 
 
-def test_a_prefix_without_its_keys_or_its_recurrent_state_is_caught_by_the_probe(monkeypatch):
+def test_a_prefix_without_its_keys_or_its_recurrent_state_is_caught_by_the_check(monkeypatch):
     model = tiny_model("llama")
-    assert configure(model, "on").on and probe_continuation(model) is None
-    no_descendants = staticmethod(lambda bounds, parents: bounds[1:])  # the tree path: no query sees an ancestor
-    monkeypatch.setattr(_Segments, "_subtree_ends", no_descendants)
-    assert "do not continue from the prefix's state" in probe_continuation(model)
+    assert continues_prefixes(model)
+    probes = configure(model, "on", 256).probes
+    no_descendants = lambda bounds, parents: bounds[1:]  # noqa: E731  # the tree path: no query sees an ancestor
+    monkeypatch.setattr(segments, "_subtree_ends", no_descendants)
+    assert "do not continue from the prefix's state" in check_continuation(model, probes)
     use_path("varlen", monkeypatch)  # the varlen path's joins, from the same descendants
-    assert "do not continue from the prefix's state" in probe_continuation(model)
+    assert "do not continue from the prefix's state" in check_continuation(model, probes)
     monkeypatch.undo()
-    monkeypatch.setattr(packing, "_ATTENTION_WITH_LSE", None)  # the per-segment path: only its own keys
-    own_keys_only = lambda segment: [(_Segments.bounds[segment], _Segments.bounds[segment + 1])]  # noqa: E731
-    monkeypatch.setattr(_Segments, "key_ranges", own_keys_only)
-    assert "do not continue from the prefix's state" in probe_continuation(model)
+    monkeypatch.setattr(attention, "_ATTENTION_WITH_LSE", None)  # the per-segment path: only its own keys
+    own_keys_only = lambda self, segment: [(self.bounds[segment], self.bounds[segment + 1])]  # noqa: E731
+    monkeypatch.setattr(PackedForward, "key_ranges", own_keys_only)
+    assert "do not continue from the prefix's state" in check_continuation(model, probes)
     monkeypatch.undo()
     hybrid = tiny_model("qwen3_5")
-    assert configure(hybrid, "on").on and probe_continuation(hybrid) is None
+    assert continues_prefixes(hybrid)
+    hybrid_probes = configure(hybrid, "on", 256).probes
     fresh = lambda cache: DynamicCache(config=hybrid.config.get_text_config())  # noqa: E731
     monkeypatch.setattr(packing, "handed_over", fresh)  # each continuation from a clean recurrent state
-    assert "do not continue from the prefix's state" in probe_continuation(hybrid)
+    assert "do not continue from the prefix's state" in check_continuation(hybrid, hybrid_probes)
 
 
 def like_native_varlen_kernels(model) -> list[int]:
@@ -335,9 +326,9 @@ def test_linear_attention_kernels_that_start_every_sample_clean_hand_states_over
     those layers run once per segment in batches with shared runs only, and every row equals the row alone."""
     model, untouched = tiny_model("qwen3_5"), tiny_model("qwen3_5")
     whole = like_native_varlen_kernels(model)
-    packing_ = configure(model, "on")
-    assert packing_.on and packing_.sample_wise_layers == 0  # native: the packing probe passes as it is
-    assert "do not continue from the prefix's state" in probe_continuation(model)
+    packing_ = configure(model, "on", 256)
+    assert packing_.on and packing_.sample_wise_layers == 0  # native: the packing check passes as it is
+    assert "do not continue from the prefix's state" in check_continuation(model, packing_.probes)
     sharing = decide_sharing(RunConfig(token_budget=64, max_length=64), packing_, model)
     assert sharing.min_shared_tokens is not None and sharing.handing_over == 3, sharing.note()
     assert "linear-attention layers run once per segment" in sharing.note()
@@ -361,7 +352,7 @@ def test_linear_attention_kernels_that_start_every_sample_clean_hand_states_over
     other = tiny_model("qwen3_5")
     like_native_varlen_kernels(other)
     monkeypatch.setattr(packing, "handed_over", lambda cache: DynamicCache(config=other.config.get_text_config()))
-    sharing = decide_sharing(RunConfig(token_budget=64, max_length=64), configure(other, "on"), other)
+    sharing = decide_sharing(RunConfig(token_budget=64, max_length=64), configure(other, "on", 64), other)
     assert sharing.min_shared_tokens is None and packing.sample_wise_layers(other) == 0
 
 

@@ -35,9 +35,10 @@ from ..config import RunConfig
 from ..data.batching import Batch
 from ..data.tokenize import Sample
 from ..model.capture import find_decoder
-from ..model.carry import carrying
+from ..model.carry import Kept, carrying
 from ..model.load import library_bars
 from ..model.packing import padded_attention
+from ..model.segments import forward_inputs
 from ..pipeline.plan import RunPlan, make_plan
 from ..pipeline.runner import run
 from ..store import SharedKinds
@@ -79,12 +80,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def forward_only(model, batches: list[Batch], device: torch.device) -> dict[str, Any]:
-    decoder = find_decoder(model).module
+def forward_only(model, batches: list[Batch], device: torch.device, kept: Kept | None = None) -> dict[str, Any]:
+    """The decoder alone over `batches`, in order (a cut tree's later batches continue what `kept` holds)."""
+    decoder, kept = find_decoder(model).module, kept or Kept()
     with torch.inference_mode():
         for batch in batches:
-            with carrying(batch.carry):
-                decoder(**batch.model_inputs(device), use_cache=False)
+            with carrying(batch.carry, kept):
+                decoder(**forward_inputs(batch, device, kept), use_cache=False)
     _sync(device)
     return {"bytes_written": 0}
 
@@ -106,14 +108,14 @@ def warm_up(model, batches: list[Batch], device: torch.device) -> dict[tuple, in
     flash-linear-attention's recurrence (about 1% of a gated delta-net layer's FLOPs) go uncounted. Where
     batches continue what earlier ones kept (streamx.model.carry), every batch runs, in order."""
     flops: dict[tuple, int] = {}
-    in_order = any(b.carry is not None for b in batches)
+    in_order, kept = any(b.carry is not None for b in batches), Kept()
     for batch in batches:
         if batch.shape_key in flops:
             if in_order:
-                forward_only(model, [batch], device)
+                forward_only(model, [batch], device, kept)
             continue
         with FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION_FLOPS) as counter:
-            forward_only(model, [batch], device)
+            forward_only(model, [batch], device, kept)
         flops[batch.shape_key] = counter.get_total_flops()
     return flops
 
@@ -138,10 +140,11 @@ def calibrate(config: RunConfig, batches: int = 8, log: Callable[[str], None] = 
     taken = list(itertools.islice((b for b in plan.batch_stream() if isinstance(b, Batch)), batches + 1))
     if len(taken) < 2:
         raise ValueError("too few rows to calibrate on: pass --tokens-per-s")
-    forward_only(plan.model, taken[:1], plan.device)
+    kept = Kept()  # the timed batches may continue what the first one kept
+    forward_only(plan.model, taken[:1], plan.device, kept)
     timed = taken[1:]
     started = time.perf_counter()
-    forward_only(plan.model, timed, plan.device)
+    forward_only(plan.model, timed, plan.device, kept)
     return sum(b.num_tokens for b in timed) / (time.perf_counter() - started)
 
 

@@ -17,8 +17,9 @@ from torch import nn
 
 from ..config import check_layer_ids
 from ..data.batching import Batch
-from .carry import Carried, carrying
+from .carry import Kept, carrying
 from .gather import GatherFn
+from .segments import forward_inputs
 
 # Where decoder stacks live across transformers architectures (first match wins); each is tested
 # (tests/test_capture.py), since bench, verify and packing call the decoder found here too.
@@ -64,13 +65,15 @@ def find_decoder(model: nn.Module) -> Decoder:
 class LayerCapture:
     """Hooks that write the selected layers of each forward into an [N, K, H] states buffer.
 
-    Use as a context manager (hooks are removed on exit) and call `forward(batch, states)`."""
+    Use as a context manager (hooks are removed on exit) and call `forward(batch, states)`; the states a cut
+    tree's batches keep for the later ones are its own (`kept`)."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int], gather_fn: GatherFn):
         decoder = find_decoder(model)
         self.decoder, self.layers = decoder.module, decoder.layers
         self.layer_ids = check_layer_ids(layer_ids, len(self.layers))
         self.gather_fn = gather_fn
+        self.kept = Kept()
         self._target: tuple[torch.Tensor, torch.Tensor] | None = None  # (states, token_index) of the running batch
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         deepest = max(self.layer_ids)
@@ -112,9 +115,9 @@ class LayerCapture:
         device = states.device
         self._target = (states, batch.token_index.to(device, non_blocking=True))
         try:
-            with carrying(batch.carry):
+            with carrying(batch.carry, self.kept):
                 try:
-                    self.decoder(**batch.model_inputs(device), use_cache=False)
+                    self.decoder(**forward_inputs(batch, device, self.kept), use_cache=False)
                 except _StopForward:
                     pass
                 else:
@@ -126,7 +129,7 @@ class LayerCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        Carried.clear()  # a run that stopped inside a cut tree kept states no later batch will read
+        self.kept.clear()  # a run that stopped inside a cut tree kept states no later batch will read
 
     def __enter__(self) -> LayerCapture:
         return self

@@ -6,9 +6,13 @@ The batch that computes such a segment (`Carry.exports`) keeps what continuing i
 forward runs: the attention layers' keys and values over its tokens (after the rotary embedding, as attention
 sees them), and the linear-attention layers' states at its end (conv window and recurrent state, in a
 transformers cache as generation holds them). A later batch's segment that continues it (`Carry.parents`)
-attends to the keys of its whole chain and starts from its end state (streamx.model.packing); the last batch that
-continues it lets it go (`Carry.releases`). What is kept is at most one chain of segments: at most
-`token_budget` tokens of keys and values per attention layer (e.g. 147 KB a token for Qwen3-8B's 36 layers).
+attends to the keys of its whole chain and starts from its end state (streamx.model.attention,
+streamx.model.packing); the last batch that continues it lets it go (`Carry.releases`). What is kept is at most
+one chain of segments: at most `token_budget` tokens of keys and values per attention layer (e.g. 147 KB a token
+for Qwen3-8B's 36 layers).
+
+The kept states belong to whoever runs the batches (a run's capture, bench, a start-up check): a `Kept` each, so
+that two models, or a check beside a run, never read each other's.
 """
 
 from __future__ import annotations
@@ -24,59 +28,55 @@ from ..data.batching import Carry
 from ..data.sharing import Segment
 
 
-class Carried:
-    """The kept states, and what the running forward continues and keeps (one forward at a time)."""
+class Kept:
+    """The states a run's forwards keep for its later forwards, by segment."""
 
-    keys: dict[Segment, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # segment -> layer -> key, value
-    ends: dict[Segment, dict[int, Cache]] = {}  # segment -> sequence mixer -> its state at the segment's end
-    parents: dict[int, Segment] = {}  # the running forward's segment -> the kept segment it continues
-    exports: dict[int, Segment] = {}  # the running forward's segment -> kept for later forwards
+    def __init__(self) -> None:
+        self.keys: dict[Segment, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # segment -> layer -> key, value
+        self.ends: dict[Segment, dict[int, Cache]] = {}  # segment -> sequence mixer -> its state at its end
 
-    @classmethod
-    def keep_keys(cls, layer: int, bounds: list[int], key: torch.Tensor, value: torch.Tensor) -> None:
-        """An attention layer's keys and values [1, kv heads, T, d] over the running forward's kept segments."""
-        for s, segment in cls.exports.items():
-            a, b = bounds[s], bounds[s + 1]
-            cls.keys.setdefault(segment, {})[layer] = (key[:, :, a:b].clone(), value[:, :, a:b].clone())
+    def keep_keys(self, segment: Segment, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """An attention layer's keys and values [1, kv heads, t, d] over a kept segment's tokens."""
+        self.keys.setdefault(segment, {})[layer] = (key.clone(), value.clone())
 
-    @classmethod
-    def chain_keys(cls, parent: Segment, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def chain_keys(self, parent: Segment, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of `parent`'s chain (root first) at attention layer `layer`."""
-        parts = [cls.keys[s][layer] for s in parent.chain()]
+        parts = [self.keys[s][layer] for s in parent.chain()]
         if len(parts) == 1:
             return parts[0]
         return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
 
-    @classmethod
-    def keep_end(cls, segment: Segment, mixer: int, cache: Cache) -> None:
-        cls.ends.setdefault(segment, {})[mixer] = cache
+    def keep_end(self, segment: Segment, mixer: int, cache: Cache) -> None:
+        self.ends.setdefault(segment, {})[mixer] = cache
 
-    @classmethod
-    def end(cls, segment: Segment, mixer: int) -> Cache:
-        return cls.ends[segment][mixer]
+    def end(self, segment: Segment, mixer: int) -> Cache:
+        return self.ends[segment][mixer]
 
-    @classmethod
-    def clear(cls) -> None:
-        cls.keys, cls.ends, cls.parents, cls.exports = {}, {}, {}, {}
+    def release(self, segments: list[Segment]) -> None:
+        for segment in segments:
+            self.keys.pop(segment, None)
+            self.ends.pop(segment, None)
+
+    def clear(self) -> None:
+        self.keys, self.ends = {}, {}
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the keys and values kept."""
+        return sum(k.nbytes + v.nbytes for layers in self.keys.values() for k, v in layers.values())
 
 
 @contextmanager
-def carrying(carry: Carry | None) -> Iterator[None]:
-    """Around a batch's forward: what it continues and keeps, then let go of what no later batch continues."""
-    if carry is None:
-        yield
-        return
-    Carried.parents, Carried.exports = carry.parents, carry.exports
+def carrying(carry: Carry | None, kept: Kept) -> Iterator[None]:
+    """Around a batch's forward: let go of what no later batch continues once it ran; a failed forward ends the
+    run (or the check), so nothing kept is read again."""
     try:
         yield
     except BaseException:
-        Carried.clear()  # a failed forward ends the run (or the probe): nothing kept is read again
+        kept.clear()
         raise
-    finally:
-        Carried.parents, Carried.exports = {}, {}
-    for segment in carry.releases:
-        Carried.keys.pop(segment, None)
-        Carried.ends.pop(segment, None)
+    if carry is not None:
+        kept.release(carry.releases)
 
 
 def kept_bytes_per_token(model: nn.Module) -> int:
@@ -88,4 +88,3 @@ def kept_bytes_per_token(model: nn.Module) -> int:
     types = getattr(text, "layer_types", None)
     layers = sum(t != "linear_attention" for t in types) if types else text.num_hidden_layers
     return layers * 2 * heads * head_dim * next(model.parameters()).element_size()
-

@@ -41,6 +41,7 @@ from ..data.tokenize import (
     vocabulary_fingerprint,
 )
 from ..model.carry import kept_bytes_per_token
+from ..model.check import check_continuation
 from ..model.load import (
     ModelInfo,
     load_model,
@@ -50,13 +51,7 @@ from ..model.load import (
     resolve_dtype,
     resolve_model_path,
 )
-from ..model.packing import (
-    Packing,
-    hand_states_over,
-    keep_samples_apart_natively,
-    probe_continuation,
-    sample_wise_layers,
-)
+from ..model.packing import Packing, hand_states_over, keep_samples_apart_natively, sample_wise_layers
 from ..model.packing import configure as configure_packing
 from ..store import (
     Compat,
@@ -198,7 +193,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
                                                   config.random_weights, config.tokenizer)
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     check_trainable(config, layer_ids, info.num_layers)
-    packing = configure_packing(model, config.packing)
+    packing = configure_packing(model, config.packing, config.max_length)
     sharing = decide_sharing(config, packing, model)
     if rank.is_main and loaded is None:
         log(f"  packing {packing.note()}")
@@ -220,10 +215,10 @@ def decide_sharing(config: RunConfig, packing: Packing, model: PreTrainedModel) 
     if not packing.on:
         return Sharing(True, None, "padded batches hand no state from one segment to another, so leading runs "
                                    "are computed in every row")
-    why = probe_continuation(model)
+    why = check_continuation(model, packing.probes)
     handing_over = 0
     if why is not None and hand_states_over(model):  # e.g. flash-linear-attention's varlen kernels
-        why = probe_continuation(model)
+        why = check_continuation(model, packing.probes)
         if why is None:
             handing_over = sample_wise_layers(model)
         else:

@@ -1,0 +1,182 @@
+"""The start-up check: each way a run may compute its rows, proven on the loaded model against its own forward.
+
+A run computes rows packed side by side, continued from a shared prefix (in the same forward, or from the states
+an earlier forward kept), with linear-attention layers sample by sample, or in padded batches: none of that is the
+model's own forward of a row alone. Before a run, each way it would take runs a few probe rows and is compared with
+the model's own forward of each row alone (its own attention implementation and masks: what transformers does),
+at its layer outputs, token by token, each token against its own scale (so that a first token's massive
+activation hides nothing). The probe rows are longer than every sliding window and attention chunk the model's
+config declares, so that one the packed path missed shows; they are at most --max-length long (no row of the run
+is longer) and PROBE_MAX_TOKENS, and `Probes.scope` says what they covered. A way that differs is not taken: the
+run falls back to the next correct one, and says why (streamx.model.packing, streamx.pipeline.plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..data.batching import Batch, make_batch, make_packed_batch, packed_batch
+from ..data.sharing import pieces, share
+from ..data.tokenize import Sample
+from .capture import LayerCapture
+from .gather import gather_into_torch
+
+PROBE_MAX_TOKENS = 16384  # the longest probe row: a window or chunk longer than this is not proven on the model
+PLAIN_SPAN = 32  # the scale of the probe rows of a model without windows or chunks
+COMPARED_LAYERS = 16  # layer outputs compared at most (evenly spread, the last one among them)
+FAILURES = (NotImplementedError, TypeError, ValueError, RuntimeError, KeyError, AttributeError)
+
+
+def declared_spans(config) -> dict[str, int]:
+    """The sliding window and attention chunk a model's (text) config declares for some of its layers."""
+    types = set(getattr(config, "layer_types", None) or ())
+    spans = {}
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and window > 0 and (not types or "sliding_attention" in types):
+        spans["sliding window"] = window
+    chunk = getattr(config, "attention_chunk_size", None)
+    if isinstance(chunk, int) and chunk > 0 and (not types or "chunked_attention" in types):
+        spans["attention chunk"] = chunk
+    return spans
+
+
+@dataclass
+class Probes:
+    """The probe rows and the model's own forward of each alone: a first row, a second one (packed after the
+    first), and two rows that share a leading run (continued from it)."""
+
+    rows: list[Sample]
+    scope: str  # what the rows cover, for the log: their length against the windows and chunks
+    layer_ids: list[int]  # the layer outputs compared (ids: k = the output of layer k-1)
+    reference: dict[int, torch.Tensor]  # row id -> [tokens, len(layer_ids), hidden], the model's own forward
+
+    @classmethod
+    @torch.inference_mode()
+    def of(cls, model: nn.Module, max_length: int) -> Probes:
+        """Probe rows for `model` (random tokens, the same every time) and its own forward of each; call it while
+        the model runs its own attention and layers."""
+        text = model.config.get_text_config()
+        spans = declared_spans(text)
+        span = max(spans.values(), default=PLAIN_SPAN)
+        limit = min(max_length, PROBE_MAX_TOKENS)
+        n = max(min(span + span // 2 + 8, limit), 24)
+        prefix = n // 3 + 5
+        vocab = text.vocab_size
+        g = torch.Generator().manual_seed(0)
+        draw = lambda k: torch.randint(0, vocab, (k,), generator=g)  # noqa: E731
+        shared = draw(prefix)
+        ids = [draw(n // 3 + 3), draw(n - 3), torch.cat([shared, draw(n - prefix)]), torch.cat([shared,
+                                                                                              draw(n - prefix - 5)])]
+        rows = [Sample(i, t, torch.ones(len(t), dtype=torch.long)) for i, t in enumerate(ids)]
+        L = text.num_hidden_layers
+        layer_ids = sorted({round(1 + k * (L - 1) / (COMPARED_LAYERS - 1)) for k in range(COMPARED_LAYERS)}) \
+            if L > COMPARED_LAYERS else list(range(1, L + 1))
+        reference = {}
+        with LayerCapture(model, layer_ids, gather_into_torch) as capture:
+            for row in rows:
+                reference[row.row_id] = _states(capture, make_batch([row], 0), model)
+        return cls(rows, _scope(n, spans, max_length), layer_ids, reference)
+
+
+def _scope(n: int, spans: dict[str, int], max_length: int) -> str:
+    said = f"on rows of up to {n:,} tokens"
+    if not spans:
+        return said
+    shorter = [f"its {name} of {size:,}" for name, size in spans.items() if size < n]
+    longer = [f"its {name} of {size:,}" for name, size in spans.items() if size >= n]
+    if shorter:
+        said += ", longer than " + " and ".join(shorter)
+    if longer and max_length <= n:
+        said += "; " + " and ".join(longer) + f" reaches past --max-length {max_length:,}, which no row exceeds"
+    elif longer:
+        said += ("; " + " and ".join(longer) + f" is longer than the check's rows (at most {PROBE_MAX_TOKENS:,} "
+                 "tokens): rows that reach past it are not proven against this model")
+    return said
+
+
+def _states(capture: LayerCapture, batch: Batch, model: nn.Module) -> torch.Tensor:
+    """[computed tokens, compared layers, hidden] of one forward of `batch`, in the model's dtype."""
+    parameter = next(model.parameters())
+    states = torch.empty(batch.num_tokens, len(capture.layer_ids), model.config.get_text_config().hidden_size,
+                         dtype=parameter.dtype, device=parameter.device)
+    capture.forward(batch, states)
+    return states
+
+
+def _tolerance(model: nn.Module) -> float:
+    return 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2  # a leak moves states by O(1)
+
+
+def _worst(batch: Batch, states: torch.Tensor, probes: Probes) -> tuple[float, str]:
+    """The largest difference between `batch`'s rows in `states` and the model's own forward of each alone
+    (each token's distance relative to its own size), and where it is. Rows' tokens an earlier forward computed
+    were compared with that forward."""
+    worst = (0.0, "")
+    for k, (row, ranges) in enumerate(zip(batch.samples, batch.row_ranges, strict=True)):
+        done = batch.carried_tokens(k)
+        want = probes.reference[row.row_id][done:].float()
+        index = torch.cat([torch.arange(a, a + n) for a, n in ranges]).to(states.device)
+        got = states.index_select(0, index).float()
+        error = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-30)  # [tokens, layers]
+        value, at = error.flatten().max(0)
+        if not float(value) <= worst[0]:
+            token, layer = divmod(int(at), error.shape[1])
+            worst = (float(value), f"layer output {probes.layer_ids[layer]}, token {done + token} of a "
+                                   f"{len(row.input_ids)}-token row: relative difference {float(value):.2g}")
+    return worst
+
+
+def _differs(model: nn.Module, batches: list[Batch], probes: Probes) -> str | None:
+    """Run `batches` in order (a cut tree's later ones continue what the earlier kept); None when every row they
+    serve has the states the model's own forward gives it alone, else where it differs most, or why they failed."""
+    with LayerCapture(model, probes.layer_ids, gather_into_torch) as capture:
+        for batch in batches:
+            try:
+                states = _states(capture, batch, model)
+            except FAILURES as err:
+                return f"the forward failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            error, where = _worst(batch, states, probes)
+            if not error <= _tolerance(model):
+                return where
+    return None
+
+
+@torch.inference_mode()
+def check_packing(model: nn.Module, probes: Probes) -> str | None:
+    """A row packed after another against the model's own forward of each alone: None when they agree, else why
+    packed batches are not this model's forward."""
+    first, second = probes.rows[:2]
+    wrong = _differs(model, [make_packed_batch([first, second])], probes)
+    if wrong is None:
+        return None
+    return (f"a row packed after another differs from the model's own forward of it alone ({wrong}): this model's "
+            "layers or kernels do not keep packed rows apart, or its attention does what packed attention does not")
+
+
+@torch.inference_mode()
+def check_continuation(model: nn.Module, probes: Probes) -> str | None:
+    """Two rows that share a leading run as a segment tree (the run once, each rest continuing from its state:
+    streamx.data.sharing), in one forward and cut into two (the second continuing from what the first kept:
+    streamx.model.carry), against the model's own forward of each row alone: None when they agree, else why. Call
+    it on a model `streamx.model.packing.enable` set up."""
+    rows = probes.rows[2:]
+    together = [packed_batch(pieces(share(rows, 1), sum(len(r.input_ids) for r in rows)))]
+    cut = [packed_batch([piece]) for piece in pieces(share(rows, 1), len(rows[0].input_ids))]
+    if together[0].segment_parents is None or len(cut) != 2 or cut[1].carry is None:
+        raise AssertionError("the probe's rows must share their leading run")
+    for way, batches in (("in one forward", together), ("across two forwards", cut)):
+        wrong = _differs(model, batches, probes)
+        if wrong is not None:
+            return (f"a row continued from a shared prefix's state {way} differs from the model's own forward of the "
+                    f"row alone ({wrong}): this model's layers do not continue from the prefix's state")
+    return None
+
+
+@torch.inference_mode()
+def check_padded(model: nn.Module, probes: Probes) -> str | None:
+    """Rows of different lengths right-padded into one batch, through the model's own attention, against its
+    forward of each alone: None when they agree, else where they differ."""
+    return _differs(model, [make_batch(probes.rows[:2], 0)], probes)
