@@ -183,3 +183,22 @@ def reference_varlen(query, key, value, cu_q, cu_k, max_q, max_k, causal, scale,
         lses.append(scores.logsumexp(-1))
         outs.append((scores.softmax(-1) @ v).transpose(0, 1))
     return torch.cat(outs).to(query.dtype), torch.cat(lses, dim=1).float()
+
+
+def flash_varlen_on_cpu(query, key, value, cu_q, cu_k, max_q, max_k, *, return_aux, scale, window_size, enable_gqa):
+    """torch's varlen_attn (flash attention over variable-length sequences, CUDA only), as packing calls it, on any
+    device through reference_varlen: its heads of one size for queries, keys and values, as flash's kernels take."""
+    assert query.shape[-1] == key.shape[-1] == value.shape[-1], "flash attention takes one head size"
+    assert enable_gqa == (query.shape[1] != key.shape[1]) and return_aux.lse
+    left, right = window_size
+    assert right in (0, -1) and (left == -1 or right == 0)
+    return reference_varlen(query, key, value, cu_q, cu_k, max_q, max_k, right == 0, scale,
+                            left + 1 if left >= 0 else None)
+
+
+def emulate_flash_varlen(monkeypatch) -> None:
+    """Packed attention as it runs on CUDA in half precision (torch's flash varlen calls), here on the CPU."""
+    from streamx.model import attention
+
+    monkeypatch.setattr(attention, "_VARLEN", flash_varlen_on_cpu)
+    monkeypatch.setattr(attention, "_uses_varlen", lambda query: True)

@@ -17,7 +17,7 @@ from streamx.data.tokenize import Sample
 from streamx.model.capture import LayerCapture
 from streamx.model.check import Probes, check_packing
 from streamx.model.gather import gather_into_torch
-from streamx.model.packing import PACKED_SDPA, configure, enable, sample_wise_layers, sequence_mixers
+from streamx.model.packing import PACKED_ATTENTION, configure, enable, sample_wise_layers, sequence_mixers
 from streamx.pipeline.runner import run
 from streamx.store import open_store
 
@@ -44,7 +44,7 @@ def packed_capture(model, samples, layer_ids) -> torch.Tensor:
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_5"])
 def test_packed_states_equal_each_sample_alone(family):
     model, untouched = tiny_model(family), tiny_model(family)  # same weights; the reference keeps plain sdpa
-    assert enable(model, Probes.of(model, 256)) is None and model.config._attn_implementation == PACKED_SDPA
+    assert enable(model, Probes.of(model, 256)) is None and model.config._attn_implementation == PACKED_ATTENTION
     # the hybrid's gated delta-net layers run sample by sample unless transformers found kernels that reset at
     # boundaries (flash-linear-attention and causal-conv1d, CUDA only)
     if family != "qwen3_5":
@@ -73,7 +73,7 @@ def test_hybrid_linear_attention_mixes_packed_samples_unless_run_sample_wise():
     model = tiny_model("qwen3_5")
     if not torch.cuda.is_available():  # (CUDA with both kernel packages keeps samples apart by itself)
         probes = Probes.of(model, 256)
-        model.set_attn_implementation(PACKED_SDPA)
+        model.set_attn_implementation(PACKED_ATTENTION)
         assert "flash-linear-attention" in check_packing(model, probes)
         model.set_attn_implementation("sdpa")
     packing = configure(model, "on", 256)
@@ -128,7 +128,7 @@ def test_a_leak_is_caught_by_the_check_and_packing_stays_off(monkeypatch):
     # eager attention (the default of families sdpa cannot run, such as Gemma 2's) is stood in for, as sdpa is
     model = tiny_model("llama", num_layers=2)
     model.set_attn_implementation("eager")
-    assert configure(model, "on", 256).on and model.config._attn_implementation == PACKED_SDPA
+    assert configure(model, "on", 256).on and model.config._attn_implementation == PACKED_ATTENTION
     assert not configure(model, "off", 256).on and model.config._attn_implementation == "eager"
     # an implementation streamx knows nothing of keeps its own forward, in padded batches
     monkeypatch.setitem(AttentionInterface._global_mapping, "other_for_tests", sdpa_attention_forward)
@@ -171,7 +171,7 @@ def test_run_packs_by_default_and_records_it(tiny_chat_model_dir, chat_jsonl, tm
 
 def test_a_model_that_leaks_falls_back_to_padded_batches(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
     # the packed path itself leaks, as gated delta-net layers do without kernels that reset at boundaries
-    monkeypatch.setitem(AttentionInterface._global_mapping, PACKED_SDPA, leaky_attention)
+    monkeypatch.setitem(AttentionInterface._global_mapping, PACKED_ATTENTION, leaky_attention)
     lines = []
     summary = run(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr"), progress=False, log=lines.append)
     note = next(line for line in lines if line.startswith("  packing off"))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from helpers import assert_same_samples, fail_at_batch, reference_states, reference_varlen
+from helpers import assert_same_samples, emulate_flash_varlen, fail_at_batch, reference_states, reference_varlen
 from tiny_models import tiny_model
 from transformers.cache_utils import DynamicCache
 
@@ -153,8 +153,7 @@ def use_path(path: str | None, monkeypatch) -> None:
     if path in ("per_segment", "varlen"):
         monkeypatch.setattr(attention, "_ATTENTION_WITH_LSE", None)
     if path == "varlen":
-        monkeypatch.setattr(attention, "_uses_varlen", lambda query: True)
-        monkeypatch.setattr(attention, "_varlen_attention", reference_varlen)
+        emulate_flash_varlen(monkeypatch)
 
 
 PATHS = [(True, "tree"), (True, "per_segment"), (True, "varlen"), (False, None)]

@@ -247,8 +247,8 @@ class Sharing:
                     f"computed; {self.reason}")
         return (f"on: rows that repeat an earlier row, or are prefixes of others, are not computed, and leading "
                 f"runs of {self.min_shared_tokens}+ tokens that rows share are computed once, also across batches "
-                "(checked on this model: a row continued from a shared prefix, in its batch or a later one, has the "
-                "states it has alone)"
+                "(checked against this model's own forward: a row continued from a shared prefix, in its batch or "
+                "a later one, has the states it has alone)"
                 + (f"; a prefix continued in later batches keeps at most {gb(self.kept_bytes)} of keys and values "
                    "meanwhile" if self.kept_bytes else "")
                 + (f"; in batches with shared runs its {self.handing_over} linear-attention layers run once per "

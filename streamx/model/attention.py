@@ -1,7 +1,7 @@
 """The attention of packed batches: each segment attends within its own sample, and a segment that continues
 others (shared prefixes) also to its ancestors' keys, with whatever its layer asks.
 
-Registered with transformers as `streamx_packed_sdpa`, so the model's own attention modules call it with their
+Registered with transformers as `streamx_packed`, so the model's own attention modules call it with their
 queries, keys and values (after the rotary embedding) and the running forward's segments (PackedForward, a keyword
 argument of the forward). Each call reads what its layer asks (`LayerAttention`): a sliding window, chunked
 attention (Llama 4), logit soft-capping (Gemma 2), attention sinks (gpt-oss), a value head size other than the
@@ -38,7 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .segments import FORWARD_KWARG, PackedForward, Run, Runs
 
-PACKED_SDPA = "streamx_packed_sdpa"
+PACKED_ATTENTION = "streamx_packed"  # (no "sdpa" in it: transformers would ask such a name for sdpa support)
 RUN_BLOCK = 128  # queries per run off the varlen path: a run's scores are heads x 128 x (128 + window) floats
 
 
@@ -82,7 +82,7 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if forward is None:  # one sequence, not a streamx batch (e.g. a plain forward of the model)
         forward = PackedForward.single(query.shape[2], query.device)
     layer, index = LayerAttention.of(module, kwargs, forward), module.layer_idx
-    query = _at_own_positions(module, query, kwargs.get("position_ids"))
+    query = _at_own_positions(module, query, forward.position_ids)
     for s, segment in forward.exports.items():  # what later forwards of this tree continue
         a, b = forward.bounds[s], forward.bounds[s + 1]
         forward.kept.keep_keys(segment, index, key[:, :, a:b], value[:, :, a:b])
@@ -322,4 +322,4 @@ try:  # torch >= 2.12: with grouped-query heads and window_size (2.10 and 2.11 t
 except ImportError:
     _VARLEN = _AuxRequest = None
 
-AttentionInterface.register(PACKED_SDPA, packed_attention)
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)

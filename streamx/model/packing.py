@@ -5,7 +5,7 @@ restarting at 0 for each sample (or, for a segment that continues a shared prefi
 `cu_seq_lens` marking where each one starts (Batch.model_inputs hands them to the decoder, with the forward's
 segments: streamx.model.segments). Three things must keep the samples apart:
 
-- attention: `streamx_packed_sdpa` (streamx.model.attention) attends within each sample segment (causal inside
+- attention: `streamx_packed` (streamx.model.attention) attends within each sample segment (causal inside
   it, with the layer's window, chunks, soft-capping and sinks), so a packed batch costs what its samples cost
   alone, never a (sum of lengths)^2 mask; flash_attention_2/3 read the same `cu_seq_lens` natively (varlen);
 - recurrent and convolutional layers (gated delta-net, causal conv1d) must reset at each boundary,
@@ -31,15 +31,19 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 
-from .attention import PACKED_SDPA
+from .attention import PACKED_ATTENTION
 from .capture import find_decoder
 from .check import Probes, check_packing, check_padded
 from .segments import FORWARD_KWARG, PackedForward
 
 NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")  # transformers' own packed (varlen) paths
-REPLACED = (None, "sdpa", "eager")  # the model's own attention implementations streamx_packed_sdpa stands in for
+REPLACED = (None, "sdpa", "eager")  # the model's own attention implementations streamx_packed stands in for
 
-SEQUENCE_MIXERS = ("linear_attn",)  # decoder-layer modules that mix tokens besides attention (Qwen3-Next/3.5/3.6)
+# layers that mix tokens through a state rather than attention (transformers' layer_types; their caches hold conv and
+# recurrent states alike), and where a decoder layer keeps that mixer: gated delta-net (Qwen3-Next/3.5/3.6), Mamba2
+# (Granite 4, Nemotron-H), LFM2's short convolution
+MIXER_LAYER_TYPES = ("linear_attention", "conv")
+SEQUENCE_MIXERS = ("linear_attn", "mamba", "conv", "mixer")
 _BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
@@ -183,21 +187,29 @@ def _group_start(starts: list[Cache | None], layer: int) -> Cache | None:
         return None
     cache = handed_over(given[0])
     cache.reorder_cache(torch.zeros(len(starts), dtype=torch.long, device=given[0].get_conv_state(layer).device))
-    conv, recurrent = cache.get_conv_state(layer), cache.get_recurrent_state(layer)  # fresh rows (index_select)
-    for row, begun in enumerate(starts):
-        if begun is None:
-            conv[row].zero_()
-            recurrent[row].zero_()
-        elif begun is not given[0]:
-            conv[row].copy_(begun.get_conv_state(layer)[0])
-            recurrent[row].copy_(begun.get_recurrent_state(layer)[0])
+    for state in ("get_conv_state", "get_recurrent_state"):  # (a short convolution keeps no recurrent state)
+        rows = getattr(cache, state)(layer)  # fresh rows (index_select)
+        for row, begun in enumerate(starts):
+            if rows is None:
+                break
+            if begun is None:
+                rows[row].zero_()
+            elif begun is not given[0]:
+                rows[row].copy_(getattr(begun, state)(layer)[0])
     return cache
 
 
 def sequence_mixers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers' SEQUENCE_MIXERS modules (none in a plain transformer)."""
+    """The sequence mixers of the decoder's MIXER_LAYER_TYPES layers (none in a plain transformer): the first of
+    SEQUENCE_MIXERS each such layer holds."""
+    types = getattr(model.config.get_text_config(), "layer_types", None) or ()
     layers = find_decoder(model).layers
-    return [getattr(layer, name) for layer in layers for name in SEQUENCE_MIXERS if hasattr(layer, name)]
+    mixers = []
+    for layer, kind in zip(layers, types, strict=False):
+        found = [getattr(layer, name) for name in SEQUENCE_MIXERS if getattr(layer, name, None) is not None]
+        if kind in MIXER_LAYER_TYPES and found:
+            mixers.append(found[0])
+    return mixers
 
 
 def sample_wise_layers(model: nn.Module) -> int:
@@ -207,21 +219,21 @@ def sample_wise_layers(model: nn.Module) -> int:
 
 
 def own_attention(model: nn.Module) -> str:
-    """The attention implementation the model was loaded with (before streamx_packed_sdpa stood in for it)."""
+    """The attention implementation the model was loaded with (before streamx_packed stood in for it)."""
     return getattr(model, "_streamx_own_attention", None) or model.config._attn_implementation or "sdpa"
 
 
 @contextmanager
 def padded_attention(model: nn.Module) -> Iterator[None]:
     """The model's own attention for padded batches for a while (bench runs both kinds on one model)."""
-    packed = model.config._attn_implementation == PACKED_SDPA
+    packed = model.config._attn_implementation == PACKED_ATTENTION
     if packed:
         model.set_attn_implementation(own_attention(model))
     try:
         yield
     finally:
         if packed:
-            model.set_attn_implementation(PACKED_SDPA)
+            model.set_attn_implementation(PACKED_ATTENTION)
 
 
 @dataclass(frozen=True)
@@ -278,7 +290,7 @@ def enable(model: nn.Module, probes: Probes) -> str | None:
         return f"attention implementation {own} has no packed path (sdpa, eager or flash_attention_2/3 have)"
     model._streamx_own_attention = own
     if own in REPLACED:
-        model.set_attn_implementation(PACKED_SDPA)
+        model.set_attn_implementation(PACKED_ATTENTION)
     leak = check_packing(model, probes)
     if leak is not None and not sample_wise_layers(model) and sequence_mixers(model):
         model._streamx_sample_wise = SampleWise(model)  # the model's own kernels mix samples: one at a time
@@ -290,7 +302,7 @@ def enable(model: nn.Module, probes: Probes) -> str | None:
 
 def disable(model: nn.Module) -> None:
     """Back to the model's own attention and layers (a model that an earlier plan set up for packing)."""
-    if model.config._attn_implementation == PACKED_SDPA:
+    if model.config._attn_implementation == PACKED_ATTENTION:
         model.set_attn_implementation(own_attention(model))
     wrapper = getattr(model, "_streamx_sample_wise", None)
     if wrapper is not None:

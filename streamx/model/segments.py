@@ -103,11 +103,12 @@ class PackedForward:
     carried: dict[int, Segment]  # segment -> the kept segment (an earlier forward's) it continues
     exports: dict[int, Segment]  # segment -> kept for later forwards
     kept: Kept
+    position_ids: torch.Tensor | None = None  # int64 [1, T] on the device (None: 0..T-1)
     _cache: dict = field(default_factory=dict)  # what is built once per forward (key ranges, joins, runs)
 
     @classmethod
-    def of(cls, batch: Batch, kept: Kept, cu_seq_lens: torch.Tensor) -> PackedForward:
-        """The forward of packed `batch` (cu_seq_lens: its boundaries on the device)."""
+    def of(cls, batch: Batch, kept: Kept, cu_seq_lens: torch.Tensor, position_ids: torch.Tensor) -> PackedForward:
+        """The forward of packed `batch` (cu_seq_lens, position_ids: its boundaries and positions on the device)."""
         bounds = batch.cu_seq_lens.tolist()
         firsts = batch.position_ids[0, bounds[:-1]].tolist()
         carried = dict(batch.carry.parents) if batch.carry is not None else {}
@@ -116,7 +117,7 @@ class PackedForward:
         for s, first in enumerate(firsts):
             if first and (parents is None or parents[s] < 0) and s not in carried:
                 raise ValueError(f"packed segment {s} starts at position {first} after no segment ending there")
-        return cls(cu_seq_lens, bounds, firsts, parents, carried, exports, kept)
+        return cls(cu_seq_lens, bounds, firsts, parents, carried, exports, kept, position_ids)
 
     @classmethod
     def single(cls, length: int, device: torch.device) -> PackedForward:
@@ -307,5 +308,5 @@ def forward_inputs(batch: Batch, device: torch.device, kept: Kept) -> dict:
     """The decoder's keyword arguments for `batch` (Batch.model_inputs), with its PackedForward when packed."""
     inputs = batch.model_inputs(device)
     if batch.packed:
-        inputs[FORWARD_KWARG] = PackedForward.of(batch, kept, inputs["cu_seq_lens_q"])
+        inputs[FORWARD_KWARG] = PackedForward.of(batch, kept, inputs["cu_seq_lens_q"], inputs["position_ids"])
     return inputs

@@ -53,6 +53,7 @@ from ..model.load import (
 )
 from ..model.packing import Packing, hand_states_over, keep_samples_apart_natively, sample_wise_layers
 from ..model.packing import configure as configure_packing
+from ..model.support import note as family_note
 from ..store import (
     Compat,
     DoneKeys,
@@ -198,6 +199,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     if rank.is_main and loaded is None:
         log(f"  packing {packing.note()}")
         log(f"  sharing {sharing.note()}")
+        log(f"  family  {family_note(model.config, packing.on, sharing.min_shared_tokens is not None)}")
     check_vocabulary(config.data, record, tokenizer)
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
     layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor,

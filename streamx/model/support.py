@@ -1,0 +1,101 @@
+"""What streamx does with each model family by default, in one table: packed or padded batches, shared prefixes
+continued or prefix rows only, and why.
+
+Every row is what the test zoo (tests/test_zoo.py) ran: a tiny random-weight model of the family, built from its
+transformers config, run with the default settings on rows longer than its windows and chunks, every row compared
+with the model's own forward of it alone. At run time the start-up check (streamx.model.check) decides, on the
+loaded model, and the log names the family's row (or says that the family is not in the table, and the check alone
+decides). docs/support.md is this table (`markdown`; tests/test_zoo.py checks that it is up to date).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Support:
+    """A family's row: what its checkpoints' config names it, and what a run does with it by default."""
+
+    family: str  # as users name it
+    model_type: str  # transformers' model_type of the checkpoint's config
+    packed: bool  # packed batches (else padded)
+    continued: bool  # rows continue a shared prefix's state (else only prefix rows and duplicates are shared)
+    how: str  # what its layers ask and how streamx does it, or why it falls back
+
+    @property
+    def path(self) -> str:
+        if not self.packed:
+            return "padded, prefix rows shared"
+        return "packed and shared" if self.continued else "packed, prefix rows shared"
+
+
+PLAIN = "causal attention"
+WINDOWS = "sliding windows per layer (a window on the CPU and in shared prefixes' keys, flash's window_size on CUDA)"
+GDN = ("gated delta-net layers kept apart per row (run row by row where transformers' kernels would mix rows), a "
+       "shared prefix's conv and recurrent state handed over")
+MAMBA = "Mamba2 layers run row by row, a shared prefix's conv and SSM state handed over"
+
+SUPPORT: tuple[Support, ...] = (
+    Support("Llama 3", "llama", True, True, PLAIN),
+    Support("Llama 4 (text)", "llama4_text", True, True,
+            "chunked attention (each query within its chunk of positions, counted from the row's start); the no-rope "
+            "layers' attention temperature from each token's own position, not its place in the batch"),
+    Support("Llama 4 (multimodal checkpoint)", "llama4", True, True, "as Llama 4 (text): loaded as Llama4ForCausalLM"),
+    Support("Qwen3", "qwen3", True, True, PLAIN),
+    Support("Qwen3-MoE", "qwen3_moe", True, True, PLAIN),
+    Support("Qwen3.5 / 3.6 (text)", "qwen3_5_text", True, True, GDN),
+    Support("Qwen3.5 / 3.6 (multimodal checkpoint)", "qwen3_5", True, True,
+            f"{GDN}; decoder under model.language_model"),
+    Support("Qwen3.5 / 3.6 MoE (text)", "qwen3_5_moe_text", True, True, GDN),
+    Support("Qwen3.5 / 3.6 MoE (multimodal checkpoint)", "qwen3_5_moe", True, True,
+            f"{GDN}; decoder under model.language_model"),
+    Support("Qwen3-Next", "qwen3_next", True, True, GDN),
+    Support("gpt-oss", "gpt_oss", True, True, f"{WINDOWS}; attention sinks (a logit per head in every softmax)"),
+    Support("Gemma 3 (text)", "gemma3_text", True, True, WINDOWS),
+    Support("Gemma 3 (multimodal checkpoint)", "gemma3", True, True, f"{WINDOWS}; decoder under model.language_model"),
+    Support("Gemma 2", "gemma2", True, True,
+            f"{WINDOWS}; logit soft-capping (computed as eager attention does, a block of queries at a time)"),
+    Support("Mistral", "mistral", True, True, WINDOWS),
+    Support("Mixtral", "mixtral", True, True, PLAIN),
+    Support("DeepSeek-V3 / R1, Kimi K2", "deepseek_v3", True, True,
+            "MLA: value heads narrower than query and key heads (padded for the fused kernels)"),
+    Support("GLM-4.5 / 4.6", "glm4_moe", True, True, PLAIN),
+    Support("MiniMax-M2", "minimax_m2", True, True, PLAIN),
+    Support("MiniMax-Text-01", "minimax", False, False,
+            "its lightning-attention layers mix packed rows, and streamx does not run them row by row"),
+    Support("Phi-3", "phi3", True, True, WINDOWS),
+    Support("Olmo 3", "olmo3", True, True, WINDOWS),
+    Support("Nemotron-H", "nemotron_h", True, True, MAMBA),
+    Support("Granite 4.0-H", "granitemoehybrid", True, True, MAMBA),
+    Support("LFM2", "lfm2", True, True, "short-convolution layers run row by row, a shared prefix's conv state handed "
+            "over"),
+)
+
+
+def support_of(config) -> Support | None:
+    """The row of a model's config: its model_type (a multimodal checkpoint's), else its text config's."""
+    for model_type in (config.model_type, config.get_text_config().model_type):
+        found = next((s for s in SUPPORT if s.model_type == model_type), None)
+        if found is not None:
+            return found
+    return None
+
+
+def note(config, packed: bool, continued: bool) -> str:
+    """The run's log line: the model's row of the table, and whether the start-up check on this model agrees."""
+    support = support_of(config)
+    if support is None:
+        return (f"{config.model_type}: not in streamx's support table (docs/support.md); the start-up check on this "
+                "model decided the path above")
+    said = f"{support.family} ({support.model_type}): {support.path} in the support table (docs/support.md)"
+    if (packed, continued) == (support.packed, support.continued):
+        return f"{said}, as the start-up check found on this model"
+    return f"{said}, but the start-up check on this model found otherwise (above): the run takes the path it proved"
+
+
+def markdown() -> str:
+    """The table as docs/support.md holds it."""
+    lines = ["| family | model_type | default path | what its layers ask, and how |", "| --- | --- | --- | --- |"]
+    lines += [f"| {s.family} | `{s.model_type}` | {s.path} | {s.how} |" for s in SUPPORT]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,163 @@
+"""The zoo: a tiny random-weight model of every family drafters are trained for (tests/zoo_models.py), each run by
+`streamx run` with the default settings on chat rows that share prefixes and are longer than its windows and
+chunks, every row compared with the model's own unbatched forward of that row alone (transformers'
+output_hidden_states; id L, before the final norm, from the last layer's output), ids and masks exactly; and what
+each family ran (packed or padded, prefixes continued or not) is its row of the support table
+(streamx.model.support)."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import emulate_flash_varlen
+from zoo_models import FAMILIES, UNBUILDABLE, zoo_config, zoo_model
+
+from streamx.config import RunConfig
+from streamx.data.source import open_source
+from streamx.data.tokenize import SampleBuilder
+from streamx.model import packing
+from streamx.model.attention import LayerAttention
+from streamx.model.load import load_tokenizer
+from streamx.model.support import SUPPORT, markdown, support_of
+from streamx.pipeline import plan
+from streamx.pipeline.runner import run
+from streamx.store import open_store
+
+SYSTEM = ("You are a patient assistant for a small library. Answer in one or two sentences, plainly, and say so when "
+          "you do not know.")
+TOLERANCE = 5e-3  # per token, |stored - own forward| / |own forward|: bf16 storage rounds by at most 2**-9
+# the families whose attention asks for more than causal attention (windows, chunks, sinks, soft-capping, MLA) or that
+# hand states over, once more as their packed attention runs on CUDA (torch's flash varlen calls, emulated)
+ON_FLASH_VARLEN = ["deepseek_v3", "gemma2", "gemma3", "gpt_oss", "llama4", "qwen3_5"]
+
+
+@pytest.fixture(scope="module")
+def zoo_rows(tmp_path_factory) -> str:
+    """Chats behind one system prompt, each fanned out into a row per assistant turn (prefix rows), and chats
+    without it: rows of 40 to 200 tokens that share leading runs, more of them than one batch holds."""
+    chats = [row.record["messages"] for row in open_source("chatterbot:english") if row.record]
+    rows = []
+    for k in range(0, 36, 3):
+        messages = [m for chat in chats[k : k + 3] for m in chat]
+        system = [{"role": "system", "content": SYSTEM}] if k % 2 == 0 else []
+        for turn in range(2, len(messages) + 1, 2):
+            rows.append({"messages": system + messages[:turn]})
+    path = tmp_path_factory.mktemp("zoo") / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matrices: one thread is several times faster than two, and leaves the other core to the other worker."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """model.layers, or the multimodal classes' model.language_model.layers (language_model.model.layers)."""
+    inner = model.language_model.model if hasattr(model, "language_model") else model.model
+    return inner.language_model.layers if hasattr(inner, "language_model") else inner.layers
+
+
+@torch.inference_mode()
+def own_forward(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """[T, L + 1, H]: ids 0..L-1 from transformers' output_hidden_states of the row alone, id L from the last layer's
+    output (transformers' hidden_states[L] has the final norm applied)."""
+    last = []
+    hook = decoder_layers(model)[-1].register_forward_hook(
+        lambda module, args, out: last.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        hidden = model(input_ids=input_ids[None], output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
+    return torch.stack([*hidden[:-1], last[0]], dim=2)[0]
+
+
+def largest_difference(store, model) -> tuple[float, int]:
+    """The largest per-token relative difference between a stored row and the model's own forward of it, and at
+    which row."""
+    worst = (0.0, -1)
+    for row in store.row_ids().tolist():
+        sample = store.sample(row)
+        want = own_forward(model, sample.input_ids).float()
+        got = sample.hidden_states.float()
+        error = ((got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-6)).nan_to_num(nan=float("inf"))
+        worst = max(worst, (float(error.max()), row))
+    return worst
+
+
+def run_family(family: str, model, rows: str, tokenizer_dir: str, tmp_path, out: str = "zoo.zarr"):
+    """The family's model saved as a checkpoint, run by `streamx run` with the default settings (but layers: every
+    id; batches of 256 tokens, so that rows sharing a prefix span several) into tmp_path; the store, and the run's
+    log."""
+    checkpoint = tmp_path / family
+    if not checkpoint.exists():
+        model.save_pretrained(checkpoint)
+        load_tokenizer(tokenizer_dir).save_pretrained(checkpoint)
+    layers = ",".join(str(i) for i in range(len(decoder_layers(model)) + 1))
+    lines: list[str] = []
+    config = RunConfig(model=str(checkpoint), data=rows, out=str(tmp_path / out), layers=layers, token_budget=256,
+                       max_length=256)
+    run(config, progress=False, log=lines.append)
+    return open_store(str(tmp_path / out)), lines
+
+
+@pytest.mark.parametrize(("family", "path"), [(f, "cpu") for f in sorted(FAMILIES)] +
+                         [(f, "flash_varlen") for f in ON_FLASH_VARLEN])
+def test_every_family_runs_by_default_as_its_own_forward(family, path, zoo_rows, smollm2_dir, tmp_path, one_thread,
+                                                         monkeypatch):
+    if family in UNBUILDABLE:
+        pytest.skip(UNBUILDABLE[family])
+    if path == "flash_varlen":
+        emulate_flash_varlen(monkeypatch)
+    model = zoo_model(family)
+    store, lines = run_family(family, model, zoo_rows, smollm2_dir, tmp_path)
+
+    error, row = largest_difference(store, model)
+    assert error <= TOLERANCE, f"{family}: row {row} differs from the model's own forward by {error:.3g}"
+    builder = SampleBuilder(load_tokenizer(smollm2_dir), store.metadata.max_length, store.metadata.truncation)
+    for row, source in enumerate(open_source(zoo_rows)):
+        alone, stored = builder(source), store.sample(row)
+        assert stored.input_ids.tolist() == alone.input_ids.tolist() and \
+            stored.loss_mask.tolist() == alone.loss_mask.tolist(), f"{family}: row {row}"
+
+    support = support_of(model.config)
+    assert support is not None, f"{family} ({model.config.model_type}) has no row in the support table"
+    meta = store.metadata
+    ran = (meta.packing == "on", meta.sharing == "on")
+    assert ran == (support.packed, support.continued), f"{family}: ran {ran}, the table says {support}\n" + \
+        "\n".join(lines)
+    shared = store.shared_kinds()
+    assert shared.prefix_rows > 0 and (shared.leading_run_tokens > 0) == support.continued, shared
+
+
+@pytest.mark.parametrize(("family", "feature"), [("gemma3", "window"), ("llama4", "chunk")])
+def test_a_packed_path_that_drops_the_window_or_the_chunk_is_caught(family, feature, zoo_rows, smollm2_dir, tmp_path,
+                                                                    one_thread, monkeypatch):
+    """Packed attention that forgets the layer's window (Gemma 3) or chunk (Llama 4): the start-up check finds it
+    against the model's own forward, and the run falls back to padded batches, which are right, and says why; with
+    the check silenced, the zoo's comparison fails."""
+    model = zoo_model(family)
+    found = LayerAttention.of
+    monkeypatch.setattr(LayerAttention, "of", classmethod(
+        lambda cls, module, kwargs, forward: dataclasses.replace(found(module, kwargs, forward), **{feature: None})))
+    store, lines = run_family(family, model, zoo_rows, smollm2_dir, tmp_path)
+    why = "off: a row packed after another differs from the model's own forward of it alone"
+    assert store.metadata.packing.startswith(why) and any(line.startswith(f"  packing {why}") for line in lines)
+    assert largest_difference(store, model)[0] <= TOLERANCE
+
+    monkeypatch.setattr(packing, "check_packing", lambda model, probes: None)
+    monkeypatch.setattr(plan, "check_continuation", lambda model, probes: None)
+    store, _ = run_family(family, model, zoo_rows, smollm2_dir, tmp_path, out="unchecked.zarr")
+    assert store.metadata.packing == "on" and largest_difference(store, model)[0] > 20 * TOLERANCE
+
+
+def test_the_support_table_is_the_zoo_and_the_docs():
+    """Every row of the table has its family in the zoo and every family its row; docs/support.md is the table."""
+    assert sorted(s.model_type for s in SUPPORT) == sorted(zoo_config(f).model_type for f in FAMILIES)
+    assert markdown() in (Path(__file__).parent.parent / "docs" / "support.md").read_text()
