@@ -92,8 +92,8 @@ bench() {  # bench NAME CAP MODEL DATA EXTRA...: streamx bench --random-weights,
         --json "$out/$name.json" "$@"
 }
 
-step tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_writer.py tests/test_kernel.py tests/test_fp8.py \
-    tests/test_sharing.py -k "not pipeline and not speculators and (not test_sharing or equals_the_row_alone or flash_varlen)" -rs
+step tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_writer.py tests/test_kernel.py tests/test_fp8.py \
+    tests/test_sharing.py tests/test_zoo.py -k "not pipeline and not speculators and (not test_sharing or equals_the_row_alone or flash_varlen) and (not test_zoo or cuda)" -rs
 chats="$work/chats.jsonl"
 if [ "$part" = table ]; then
     bench qwen3_8b 150 "$model_8b" "$chats" --rounds 2

@@ -168,7 +168,8 @@ def regenerate(
 def plan(
     cfg: RunConfig,
     sample_rows: int = typer.Option(4096, help="Rows to tokenize, spread over the data (all rows when there are no "
-                                    "more)."),
+                                    "more); with --sharing, as many again in 16 runs of consecutive rows, to size "
+                                    "what sharing stores."),
     tokens_per_s: Optional[float] = typer.Option(None, help="The run's rate, for the time estimate (e.g. from "
                                                  "streamx bench)."),
     calibrate: bool = typer.Option(False, "--calibrate/--no-calibrate", help="Load the model and time its forward "

@@ -122,7 +122,8 @@ class RunConfig:
                                    "the model's device).")
     # safety
     space_check: bool = setting(True, "Refuse to start when the output filesystem has less free space than the "
-                                "estimated store, and stop cleanly when it nearly fills up.")
+                                "estimated store (off: start anyway; the run still stops cleanly, everything "
+                                "committed, when the filesystem nearly fills up).")
     max_reject_fraction: float = setting(0.5, "Stop when more than this fraction of rows is rejected (checked after "
                                          "100 rows).")
 

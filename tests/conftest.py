@@ -66,6 +66,18 @@ def tiny_chat_model_dir(smollm2_dir, tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test: the zoo's tiny matrices run several times faster than on two, and the
+    other core stays with the other test worker."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def chat_jsonl(tmp_path_factory) -> str:
     """Real chatterbot conversations as a jsonl file, some joined into longer multi-turn chats."""

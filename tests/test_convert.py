@@ -296,6 +296,27 @@ def test_store_without_last_layer_is_refused_in_one_line(tiny_chat_model_dir, ch
     assert not (tmp_path / "spec").exists()
 
 
+def test_the_same_run_with_its_data_moved_keeps_the_convert_folder(tiny_chat_model_dir, chat_jsonl, tmp_path,
+                                                                   speculators_venv):
+    """The data copied elsewhere (a node's local disk) and the same run resumed from there, with nothing to do: the
+    data is its bytes, not its path, so the store's compat record stays as it was, and the --hidden-states store
+    folder converted before the move is still complete for convert and accepted by the streamx backend."""
+    data = shutil.copy(chat_jsonl, tmp_path / "chat.jsonl")
+    store = make_store(tiny_chat_model_dir, str(data), tmp_path / "s.zarr", max_samples=10)
+    out = str(tmp_path / "spec")
+    convert(store, out, hidden_states="store", progress=False, log=lambda m: None)
+    compat = open_store(store).root.attrs["streamx"]["compat"]
+    (tmp_path / "nvme").mkdir()
+    moved = shutil.copy(data, tmp_path / "nvme" / "chat.jsonl")
+    make_store(tiny_chat_model_dir, str(moved), store, max_samples=10)  # resumed: every row is there already
+    assert open_store(store).root.attrs["streamx"]["compat"] == compat
+    assert convert(store, out, hidden_states="store", progress=False, log=lambda m: None).already_complete
+    check = str(Path(__file__).with_name("speculators_backend_check.py"))
+    proc = speculators_venv(check, "--refuse", f"moved_data={out}==1,2")  # the backend's check at start
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout)["refusals"]["moved_data"] == "accepted"
+
+
 def test_cli_convert_prints_the_train_commands(tiny_store, tmp_path):
     out = tmp_path / "spec"
     result = CliRunner().invoke(app, ["convert", tiny_store, "--out", str(out), "--seed", "2", "--no-progress"])

@@ -9,12 +9,23 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import assert_same_samples, cli, committed_samples, distinct_copies, run_args
+import zarr
+from helpers import (
+    assert_same_samples,
+    cli,
+    committed_samples,
+    distinct_copies,
+    fail_at_batch,
+    run_args,
+    small_config,
+)
 
 from streamx.config import load_config
 from streamx.model.load import load_model
 from streamx.pipeline.plan import make_plan
 from streamx.pipeline.runner import run
+from streamx.store import open_store
+from streamx.train.verify import verify
 
 
 def rank_args(model_dir, data, out) -> list[str]:
@@ -32,7 +43,10 @@ def streamx_cmd(model_dir, data, out, nproc=None):
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def test_two_ranks_equal_one_process_and_resume_after_a_rank_dies(tiny_chat_model_dir, chat_jsonl, tmp_path):
+def test_two_ranks_equal_one_process_and_resume_after_a_rank_dies(tiny_chat_model_dir, chat_jsonl, tmp_path,
+                                                                  one_thread):
+    """torchrun gives each rank one thread (OMP_NUM_THREADS=1): the reference runs on one too (docs/scaling.md:
+    on the CPU, another thread count changes the last bits of some small batches)."""
     data = tmp_path / "data.jsonl"  # long enough that a rank can be killed mid-run
     data.write_text(distinct_copies(chat_jsonl, 3))
     chat_jsonl = str(data)
@@ -101,6 +115,47 @@ def test_a_job_array_without_rendezvous_equals_one_process(tiny_chat_model_dir, 
         assert job.returncode == 0, stderr[-2000:]
     assert committed_samples(out, "part-00000") > 0 and committed_samples(out, "part-00001") > 0
     assert_same_samples(reference, out)
+
+
+@pytest.mark.parametrize("before, after", [(3, 1), (1, 2)])
+def test_a_resume_at_another_world_size_finishes_the_store(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch,
+                                                           before, after):
+    """A job of `before` ranks stops part way (the last rank's disk goes away after a few batches; with 3 ranks,
+    rank 1 is killed while creating its part, which it leaves half-made), and the same command resumes it with
+    `after` ranks: the store completes, with every row as one process computes it, with no rank of the old world
+    run again."""
+    reference = tmp_path / "ref.zarr"
+    run(small_config(tiny_chat_model_dir, chat_jsonl, reference, sort_window=4), progress=False, log=lambda m: None)
+    out = tmp_path / "s.zarr"
+
+    def ranks(world_size: int, **settings):
+        for rank in range(world_size):
+            yield small_config(tiny_chat_model_dir, chat_jsonl, out, sort_window=4, rank=rank, world_size=world_size,
+                               **settings)
+    *finished, last = ranks(before)
+    for config in finished:
+        if config.rank == 1:  # killed between creating its part's group and its arrays
+            zarr.open_group(str(out), mode="r+").require_group("parts").create_group("part-00001")
+            continue
+        run(config, progress=False, log=lambda m: None)
+    fail_at_batch(monkeypatch, 3)
+    with pytest.raises(OSError, match="injected"):
+        run(last, progress=False, log=lambda m: None)
+    monkeypatch.undo()
+    assert not open_store(str(out)).completeness().complete
+
+    said = []
+    for config in ranks(after):
+        run(config, progress=False, log=said.append)
+    store = open_store(str(out))
+    assert store.completeness().complete, store.completeness().problems()
+    assert_same_samples(reference, out)
+    assert verify(str(out), use_model=False, log=lambda m: None).passed
+    if before > after:
+        assert sorted(store.parts) == ["part-00000", "part-00002"]  # the half-made part-00001 removed
+        assert [line for line in said if line.startswith(("closed", "removed"))] == [
+            "removed part-00001, left half-made by a killed rank: no rank of this world of 1 writes it",
+            "closed part-00002: no rank of this world of 1 writes it, and every row of the data is committed"]
 
 
 def test_ranks_from_flags_torchrun_and_slurm(monkeypatch):

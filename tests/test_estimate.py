@@ -3,17 +3,19 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import small_config
 from typer.testing import CliRunner
 
+import streamx.pipeline.plan as plan
 import streamx.store.space as space
 from streamx.cli import app
 from streamx.data.source import open_source
 from streamx.pipeline.estimate import estimate, sampled
 from streamx.pipeline.runner import run
-from streamx.store import StoreError, open_store
+from streamx.store import Output, StoreError, open_store
 
 
 def on_disk(path) -> tuple[int, int]:
@@ -65,11 +67,46 @@ def test_a_sample_of_rows_is_spread_and_scaled(tiny_chat_model_dir, chat_jsonl, 
     assert 0.7 < part.tokens / exact.tokens < 1.3 and part.tokens != exact.tokens  # scaled up from n/4 rows
 
 
+def fanned_out_turns(path, conversations: int) -> str:
+    """Pre-tokenized conversations of 5 turns behind one system prompt, one row per turn, each row a prefix of the
+    next: --sharing stores each conversation's last row only, under a quarter of the rows' tokens."""
+    rng = np.random.default_rng(0)
+    system = rng.integers(2, 1000, 60).tolist()
+    rows = []
+    for _ in range(conversations):
+        chat = system + rng.integers(2, 1000, 40).tolist()
+        rows += [{"input_ids": chat[: 60 + 8 * t], "loss_mask": [0] * 60 + [1] * (8 * t)} for t in range(1, 6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_sampled_estimate_sizes_the_shared_store_and_the_space_check_takes_it(tiny_chat_model_dir, tmp_path,
+                                                                                monkeypatch):
+    """Over 4,096 rows the rows are sampled: --sharing's store is measured on runs of consecutive rows within
+    sorting windows and scaled up, a little above what tokenizing every row finds (an upper bound), far under
+    the unshared size; the free-space check then starts the run with twice the store free."""
+    data = fanned_out_turns(tmp_path / "rows.jsonl", 820)  # 4,100 rows
+    cfg = small_config(tiny_chat_model_dir, data, tmp_path / "s.zarr", sharing="on", sort_window=1024)
+    sampled_est, exact = estimate(cfg), estimate(cfg, sample_rows=4100)
+    assert exact.exact and not sampled_est.exact and exact.tokens > 4 * exact.shared.prefix_rows
+    assert 1.0 <= sampled_est.shared.prefix_rows / exact.shared.prefix_rows < 1.1
+    assert 1.0 <= sampled_est.sizes["bf16"].bytes / exact.sizes["bf16"].bytes < 1.1
+    free = 2 * exact.sizes["bf16"].bytes
+    monkeypatch.setattr(plan, "free_bytes", lambda path: free)
+    logged = []
+    plan.check_space(cfg, open_source(data), Output.read(cfg.out), log=logged.append)
+    assert "stored at most with --sharing" in logged[0]
+    monkeypatch.setattr(plan, "free_bytes", lambda path: exact.sizes["bf16"].bytes // 2)
+    with pytest.raises(StoreError, match="has .* MB free and the store needs about"):
+        plan.check_space(cfg, open_source(data), Output.read(cfg.out), log=logged.append)
+
+
 def test_run_refuses_to_start_without_room_and_no_weights_are_read(tiny_chat_model_dir, chat_jsonl, tmp_path,
                                                                    monkeypatch):
     cfg = small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr")
     needed = estimate(cfg).sizes["bf16"].bytes
-    monkeypatch.setattr(space.shutil, "disk_usage", lambda path: type("Usage", (), {"free": needed // 2}))
+    usage = type("Usage", (), {"free": needed // 2, "total": needed})
+    monkeypatch.setattr(space.shutil, "disk_usage", lambda path: usage)
 
     def no_weights(*args, **kwargs):
         raise AssertionError("the model was loaded before the space check")
@@ -83,7 +120,8 @@ def test_run_refuses_to_start_without_room_and_no_weights_are_read(tiny_chat_mod
 
 def test_a_run_stops_cleanly_before_the_disk_fills_then_resumes(tiny_chat_model_dir, chat_jsonl, tmp_path,
                                                                 monkeypatch):
-    cfg = small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr")
+    """With --no-space-check too: it skips the check at the start, never the guard while the run writes."""
+    cfg = small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", space_check=False)
     real_free = space.free_bytes
     checks = []
 

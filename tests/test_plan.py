@@ -100,6 +100,29 @@ def test_a_store_this_run_cannot_resume_is_refused_before_the_model_and_by_plan(
     assert f"{out}: fits" in fits.stdout and not loads
 
 
+def test_a_shared_store_resumed_where_the_continuation_check_fails_is_refused_with_the_reason(
+        tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
+    """A store made sharing leading runs, resumed where the start-up check finds that the model does not continue
+    a shared prefix (here: no query sees its prefix's keys): refused in one line that names what failed and what
+    to do, not the --sharing on the user passes already."""
+    from helpers import small_config
+
+    import streamx.model.segments as segments
+    from streamx.pipeline.runner import run
+
+    out = tmp_path / "s.zarr"
+    cfg = small_config(tiny_chat_model_dir, chat_jsonl, out, sharing="on")
+    run(cfg.replace(max_samples=6), progress=False, log=lambda m: None)
+    assert Output.read(str(out)).compat["sharing"] == "on"
+    monkeypatch.setattr(segments, "_subtree_ends", lambda bounds, parents: bounds[1:])
+    with pytest.raises(StoreError) as refused:
+        run(cfg, progress=False, log=lambda m: None)
+    message = str(refused.value)
+    assert "here the start-up check finds that " in message and "do not continue from the prefix's state" in message
+    assert "resume it where the check passes" in message and "--overwrite" in message
+    assert "--sharing on" not in message and "\n" not in message
+
+
 def test_missing_model_is_one_line_and_reads_nothing(tmp_path, no_weights):
     cfg = load_config(None, model=str(tmp_path / "no-model-here"), out=str(tmp_path / "s.zarr"))
     with pytest.raises(ModelNotFoundError, match="does not exist"):

@@ -12,9 +12,10 @@ import zarr
 from helpers import assert_same_samples, emulate_flash_varlen, fail_at_batch, reference_states, reference_varlen
 from tiny_models import tiny_model
 from transformers.cache_utils import DynamicCache
+from zoo_models import FAMILIES, zoo_config, zoo_model
 
 from streamx.config import RunConfig
-from streamx.data.batching import iter_batches
+from streamx.data.batching import Batch, iter_batches
 from streamx.data.sharing import pieces, share
 from streamx.data.tokenize import Sample
 from streamx.model import attention, packing, segments
@@ -24,8 +25,9 @@ from streamx.model.check import check_continuation
 from streamx.model.gather import gather_into_torch
 from streamx.model.packing import configure
 from streamx.model.segments import PackedForward, forward_inputs
+from streamx.model.support import support_of
 from streamx.pipeline.estimate import estimate
-from streamx.pipeline.plan import decide_sharing
+from streamx.pipeline.plan import decide_sharing, make_plan
 from streamx.pipeline.runner import run
 from streamx.store import SharedKinds, open_store, shards
 from streamx.store.shards import ChunkCache, ProcessCache
@@ -128,12 +130,14 @@ def continues_prefixes(model) -> bool:
     return packing_.on and check_continuation(model, packing_.probes) is None
 
 
-def capture_rows(model, batches, layer_ids) -> dict[int, torch.Tensor]:
-    """Each row's states: its ranges of its batch's states, after what an earlier batch computed (a cut tree)."""
+def capture_rows(model, batches, layer_ids, between=lambda k: None) -> dict[int, torch.Tensor]:
+    """Each row's states: its ranges of its batch's states, after what an earlier batch computed (a cut tree);
+    `between(k)` runs before batch k."""
     H = model.config.get_text_config().hidden_size
     out, kept = {}, {}
     with LayerCapture(model, layer_ids, gather_into_torch) as capture:
-        for batch in batches:
+        for k, batch in enumerate(batches):
+            between(k)
             states = torch.full((batch.num_tokens, len(layer_ids), H), float("nan"), dtype=torch.bfloat16,
                                 device=next(model.parameters()).device)
             capture.forward(batch, states)
@@ -260,13 +264,15 @@ def test_the_flash_varlen_path_on_cuda_gives_every_row_alone(family):
             assert error <= 5e-2, f"{family}: row {sample.row_id} id {layer_id}: relative difference {error:.3g}"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_5"])
-def test_what_a_cut_tree_keeps_is_what_the_run_says_it_keeps(family):
+@pytest.mark.parametrize("family", [f for f in sorted(FAMILIES) if support_of(zoo_config(f)).continued])
+def test_what_a_cut_tree_keeps_is_what_the_run_says_it_keeps(family, one_thread):
     """The bytes a batch keeps for the later batches of its tree, per kept token, are what the run's log line
-    states from the model's config (every attention layer's keys and values; none for linear attention)."""
-    model = tiny_model(family)
+    states from the model's config (every attention layer's keys and values, MLA's of their own sizes; none for the
+    layers that mix tokens through a state, nor for MLP and MoE blocks), on every family of the zoo."""
+    model = zoo_model(family)
     assert configure(model, "on", 256).on
-    batches = list(iter_batches(rows_of_every_kind(model.config.vocab_size), 64, 256, 0, packed=True, sharing=True,
+    vocab = model.config.get_text_config().vocab_size
+    batches = list(iter_batches(rows_of_every_kind(vocab), 64, 256, 0, packed=True, sharing=True,
                                 min_shared_tokens=16))
     first = next(b for b in batches if b.carry is not None and b.carry.exports)
     kept = Kept()
@@ -274,6 +280,29 @@ def test_what_a_cut_tree_keeps_is_what_the_run_says_it_keeps(family):
         find_decoder(model).module(**forward_inputs(first, torch.device("cpu"), kept), use_cache=False)
     tokens = sum(s.length for s in first.carry.exports.values())
     assert tokens > 0 and kept.nbytes == tokens * kept_bytes_per_token(model)
+
+
+def test_two_models_in_one_process_keep_their_forwards_apart():
+    """Each forward carries its own segments and each run its own kept states (nothing global): one model's cut trees
+    run entirely between two batches of another's cut tree (a verify beside a run, a notebook), and every row of both
+    has the states its model gives it alone."""
+    first, second = tiny_model("llama"), tiny_model("qwen3_5", seed=1)
+    assert continues_prefixes(first) and continues_prefixes(second)
+    rows = rows_of_every_kind(first.config.vocab_size)
+    batches = list(iter_batches(rows, 64, 256, 0, packed=True, sharing=True, min_shared_tokens=16))
+    continuing = [k for k, b in enumerate(batches) if b.carry is not None and b.carry.parents]
+    assert continuing  # the first model's tree is cut: its later batches read what its earlier ones kept
+    got_second = {}
+    got_first = capture_rows(first, batches, [2, 4], between=lambda k: k == continuing[0] and got_second.update(
+        capture_rows(second, batches, [2, 4])))
+    assert sorted(got_second) == sorted(got_first) == list(range(len(rows)))
+    for model, got in ((tiny_model("llama"), got_first), (tiny_model("qwen3_5", seed=1), got_second)):
+        for sample in rows:
+            want_all = reference_states(model, sample.input_ids)
+            for slot, layer_id in enumerate([2, 4]):
+                want = want_all[layer_id].to(torch.bfloat16).float()
+                torch.testing.assert_close(got[sample.row_id][:, slot].float(), want, rtol=BF16_ULP,
+                                           atol=1e-5 * want.abs().max().item())
 
 
 def test_a_prefix_without_its_keys_or_its_recurrent_state_is_caught_by_the_check(monkeypatch):
@@ -436,6 +465,40 @@ def test_a_shared_store_reads_every_row_as_the_unshared_store(tmp_path, tiny_cha
     assert "duplicates" in " ".join(on.describe()) and "leading runs" in " ".join(on.describe())
 
 
+def test_the_batches_never_depend_on_the_world_size(tmp_path, tiny_chat_model_dir):
+    """What each rank computes, put back in window order, is what one process computes: the same forwards (rows,
+    token ids, segments and the segments they continue, a cut tree's carries), the same repeats and rejects. So
+    the states differ between world sizes only where the kernels do (docs/scaling.md: the CPU's thread count)."""
+    rows = rows_of_all_kinds() + repeated_rows()
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+
+    def stream(rank: int, world_size: int) -> list[tuple[int, tuple]]:
+        config = RunConfig(model=tiny_chat_model_dir, data=data, out=str(tmp_path / "s.zarr"), layers="1,2,4",
+                           sort_window=8, token_budget=96, max_length=96, rank=rank, world_size=world_size)
+        out = []
+        for item in make_plan(config, log=lambda m: None).batch_stream():
+            if isinstance(item, Batch):
+                carry = None if item.carry is None else (  # segments as (depth, end): objects differ per plan
+                    {k: (s.depth, s.end) for k, s in item.carry.parents.items()},
+                    {k: (s.depth, s.end) for k, s in item.carry.exports.items()},
+                    [(s.depth, s.end) for s in item.carry.releases],
+                    [[(s.depth, s.end, n) for s, n in row] for row in item.carry.rows])
+                what = ("batch", [s.row_id for s in item.samples], item.computed_ids().tolist(),
+                        item.cu_seq_lens.tolist(), item.segment_parents, item.row_ranges, repr(carry))
+            else:
+                what = (type(item).__name__, item.row_id, getattr(item, "same_as", None))
+            first_row = item.samples[0].row_id if isinstance(item, Batch) else item.row_id
+            out.append((first_row // 8, what))
+        return out
+
+    one = stream(0, 1)
+    assert any(what[0] == "batch" and what[6] != "None" for _, what in one)  # a tree cut across batches
+    assert any(what[0] == "Duplicate" for _, what in one)
+    for world_size in (2, 3):
+        ranks = [item for rank in range(world_size) for item in stream(rank, world_size)]
+        assert [what for _, what in sorted(ranks, key=lambda item: item[0])] == [what for _, what in one]
+
+
 def repeated_rows() -> list[dict]:
     """24 distinct pretokenized rows, then 12 repeats of earlier ones (ids and mask), each in a later sorting window
     of 4 rows than its first, and a row of an earlier row's ids with another mask (not a repeat)."""
@@ -503,6 +566,28 @@ def test_a_row_repeated_anywhere_in_the_data_is_computed_once(tmp_path, tiny_cha
     assert_same_samples(tmp_path / "on.zarr", resumed)
 
 
+def test_a_run_stopped_part_way_never_commits_a_repeat_before_the_row_it_reads(tmp_path, tiny_chat_model_dir,
+                                                                             monkeypatch):
+    """One window of rows of a batch each, its last row a repeat of another: stopped after any batch, the store
+    holds no repeat whose row is not there (every committed sample is readable), and the resume completes it."""
+    rng = np.random.default_rng(5)
+    rows = [{"input_ids": rng.integers(10, 40000, n).tolist(), "loss_mask": [1] * n} for n in (40, 44, 48, 52, 56, 60)]
+    rows.append(dict(rows[0]))  # a repeat of the row computed in the window's last batch (the shortest: first fit)
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    settings = dict(model=tiny_chat_model_dir, data=data, layers="1,2,4", sort_window=8, token_budget=64,
+                    max_length=64, chunk_tokens=16, shard_tokens=64)
+    for stop in range(2, 7):
+        out = str(tmp_path / f"stopped{stop}.zarr")
+        fail_at_batch(monkeypatch, stop)
+        with pytest.raises(OSError, match="injected"):
+            run(RunConfig(out=out, **settings), progress=False, log=lambda m: None)
+        monkeypatch.undo()
+        store = open_store(out)
+        assert not store.repeated.unread.size and sum(c.samples for c in store.commits.values()) == len(store), stop
+        run(RunConfig(out=out, **settings), progress=False, log=lambda m: None)
+        assert open_store(out).completeness().complete and len(open_store(out)) == len(rows)
+
+
 def test_a_store_from_before_repeats_were_read_resumes_computing_them(tmp_path, tiny_chat_model_dir, monkeypatch):
     """A store of format /3 (its parts without `sample_same_as`), interrupted before its repeated rows: the same
     command resumes it computing them in their windows, as the store was made, every row as in the unshared
@@ -528,6 +613,73 @@ def test_a_store_from_before_repeats_were_read_resumes_computing_them(tmp_path, 
     assert_rows_as_unshared(unshared, resumed, rows)
 
 
+def colliding_rows() -> list[dict]:
+    """16 distinct pretokenized rows in windows of 4; rows 9 and 6 are as long as rows 1 and 0 (so that only their
+    tokens tell them apart)."""
+    rng = np.random.default_rng(7)
+    lengths = [24, 30, 26, 28, 22, 32, 24, 20, 34, 30, 21, 25, 27, 29, 23, 31]
+    return [{"input_ids": rng.integers(10, 40000, n).tolist(), "loss_mask": [0] * 4 + [1] * (n - 4)} for n in lengths]
+
+
+def colliding_keys(rows: list[dict], pairs: dict[int, int]):
+    """tokenize.content_key, but for each row of `pairs` the key of the row it is paired with: a content-key
+    collision (by chance ~3e-8 at a million rows; crafted with ~2^32 hashes)."""
+    from streamx.data import tokenize
+
+    real = tokenize.content_key
+
+    def key(record):
+        for row, other in pairs.items():
+            if record == rows[row]:
+                return real(rows[other])
+        return real(record)
+    return key
+
+
+def test_a_repeat_whose_tokens_are_not_its_first_rows_is_a_row_of_its_own(tmp_path, tiny_chat_model_dir,
+                                                                          monkeypatch):
+    """Rows whose content keys collide with an earlier row's, at the same length: never served the other row's ids,
+    mask or states. In one process the run finds their tokens differ and computes them; at two ranks, a rank that
+    runs before the one holding the first rows stores them as repeats, the store reads them as missing (not as
+    the other row), verify names them, and the same command computes them."""
+    from streamx.data import tokenize
+
+    rows = colliding_rows()
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    settings = dict(model=tiny_chat_model_dir, data=data, layers="1,2,4", sort_window=4, token_budget=256,
+                    max_length=256)
+    off = str(tmp_path / "off.zarr")
+    run(RunConfig(out=off, sharing="off", **settings), progress=False, log=lambda m: None)  # no collision
+    unshared = open_store(off)
+    monkeypatch.setattr(tokenize, "content_key", colliding_keys(rows, {9: 1, 6: 0}))
+
+    one = str(tmp_path / "one.zarr")
+    run(RunConfig(out=one, **settings), progress=False, log=lambda m: None)
+    store = open_store(one)
+    assert (store.same_as < 0).all() and store.completeness().complete
+    assert_rows_as_unshared(unshared, store, rows)
+
+    # rank 1 (windows 1 and 3: row 6) first: row 0 is rank 0's and not yet stored, so row 6 is stored as its repeat
+    ranks = str(tmp_path / "ranks.zarr")
+    run(RunConfig(out=ranks, rank=1, world_size=2, **settings), progress=False, log=lambda m: None)
+    assert open_store(ranks).repeated.unread.tolist() == [6]
+    run(RunConfig(out=ranks, rank=0, world_size=2, **settings), progress=False, log=lambda m: None)
+    store = open_store(ranks)
+    assert store.repeated.differing.tolist() == [6] and 6 not in store.row_ids().tolist()
+    with pytest.raises(KeyError):
+        store.sample(6)
+    assert store.completeness().missing_rows.tolist() == [6]
+    rows_check = next(c for c in verify(ranks, use_model=False, log=lambda m: None).checks if c.name == "rows")
+    assert not rows_check.passed and rows_check.problems == [
+        "row 6 was stored as a repeat of row 0, whose tokens are not its own (their content keys collide): nothing "
+        "reads it; re-run the same `streamx run` to compute it"]
+    run(RunConfig(out=ranks, rank=1, world_size=2, **settings), progress=False, log=lambda m: None)
+    store = open_store(ranks)
+    assert store.completeness().complete and (store.same_as < 0).all()
+    assert_rows_as_unshared(unshared, store, rows)
+    assert verify(ranks, use_model=False, log=lambda m: None).passed
+
+
 def test_verify_names_a_repeated_row_that_reads_no_row_or_another_length(tmp_path, tiny_chat_model_dir):
     rows = repeated_rows()
     out = tmp_path / "s.zarr"
@@ -538,15 +690,16 @@ def test_verify_names_a_repeated_row_that_reads_no_row_or_another_length(tmp_pat
     repeats = np.flatnonzero(same_as >= 0)
     lost, longer = repeats[:2]
     same_as[lost] = 10_000  # a row the data does not have
-    lengths[longer] += 1
     part["sample_same_as"][:] = same_as
+    rows_check = next(c for c in verify(str(out), use_model=False, log=lambda m: None).checks if c.name == "rows")
+    assert not rows_check.passed and rows_check.problems == [
+        f"row {row_ids[lost]} repeats row 10000, which is neither a sample nor a reject"]
+    lengths[longer] += 1  # (the store then reads it as missing: the "neither" check waits for a complete store)
     part["sample_length"][:] = lengths
-    report = verify(str(out), use_model=False, log=lambda m: None)
-    rows_check = next(c for c in report.checks if c.name == "rows")
-    assert not rows_check.passed and sorted(rows_check.problems) == sorted([
-        f"row {row_ids[lost]} repeats row 10000, which is neither a sample nor a reject",
-        f"row {row_ids[longer]} has another length than the row it repeats (their content keys collide): make the "
-        "store again with --sharing off"])
+    rows_check = next(c for c in verify(str(out), use_model=False, log=lambda m: None).checks if c.name == "rows")
+    assert not rows_check.passed and rows_check.problems == [
+        f"row {row_ids[longer]} was stored as a repeat of row {same_as[longer]}, whose tokens are not its own (their "
+        "content keys collide): nothing reads it; re-run the same `streamx run` to compute it"]
 
 
 def row_problems(store, vocab_size: int) -> dict[str, set[str]]:

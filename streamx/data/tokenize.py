@@ -11,6 +11,7 @@ empty `<think>\\n\\n</think>\\n\\n` block: at inference it comes from the prompt
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import threading
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import jinja2
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -62,14 +64,32 @@ def content_key(record: dict | None) -> int | None:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
+DIGEST_BYTES = 16
+
+
+def tokens_digest(input_ids: torch.Tensor | np.ndarray, loss_mask: torch.Tensor | np.ndarray) -> bytes:
+    """A 128-bit digest of a sample's token ids and loss mask: what proves that a repeated row (the same content
+    key) is the row it reads. The key hashes the raw row, 64 bits, and can be made to collide; the digest hashes
+    what is stored, so a repeat is read from its first row only when their digests are equal."""
+    ids = np.asarray(input_ids, dtype="<i8")
+    mask = np.asarray(loss_mask, dtype=np.uint8)
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"streamx-tokens")
+    h.update(len(ids).to_bytes(8, "little"))
+    h.update(ids.tobytes())
+    h.update(mask.tobytes())
+    return h.digest()
+
+
 class Repeats:
     """Which rows repeat an earlier row's content (content_key), and the first row that had it, row after row in
     source order. Every rank and every resume passes every row, read or (a resume's done windows) with its key
     from the store, so all of them agree on which is first. Memory: a 64-bit key and a row id per distinct row
-    (a Python dict, ~100 bytes an entry: ~100 MB at a million rows)."""
+    (a Python dict, ~100 bytes an entry: ~100 MB at a million rows), and the token digest of each first row
+    this process tokenized (`digests`)."""
 
     def __init__(self) -> None:
         self.first: dict[int, int] = {}
+        self.digests: dict[int, bytes] = {}  # first rows tokenized here: their tokens_digest
 
     def of(self, rows: Iterable[Row]) -> dict[int, tuple[int, int | None]]:
         """Row id -> (its content key, the earlier row that had it, here or before, or None) of the rows here
@@ -101,6 +121,11 @@ class Sample:
     duplicate: bool = False  # its content repeats an earlier row's
     content_key: int = 0  # content_key of its row (0: not computed)
 
+    @functools.cached_property
+    def digest(self) -> bytes:
+        """tokens_digest of its ids and mask (taken once: the run compares it, the writer stores it)."""
+        return tokens_digest(self.input_ids, self.loss_mask)
+
 
 @dataclass(frozen=True)
 class Duplicate:
@@ -112,6 +137,7 @@ class Duplicate:
     length: int  # its tokens (the same as that row's)
     trainable: int  # of them, where its loss mask is 1
     content_key: int
+    digest: bytes  # tokens_digest of its own tokens: the store reads that row only where the two are equal
 
 
 @dataclass(frozen=True)

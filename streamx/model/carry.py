@@ -80,11 +80,17 @@ def carrying(carry: Carry | None, kept: Kept) -> Iterator[None]:
 
 
 def kept_bytes_per_token(model: nn.Module) -> int:
-    """What a kept token costs: the keys and values of every attention layer (not the linear-attention layers,
-    which keep one state per segment, whatever its length), at the model's dtype."""
+    """What a kept token costs: the keys and values of every attention layer (not the layers that mix tokens
+    through a state, which keep one state per segment, whatever its length, nor MLP and MoE blocks), at the model's
+    dtype; MLA's keys are its query-key heads (rope and no-rope parts), its values narrower."""
     text = model.config.get_text_config()
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if getattr(text, "qk_nope_head_dim", None):
+        key_size = text.qk_nope_head_dim + text.qk_rope_head_dim
+    else:
+        key_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    value_size = getattr(text, "v_head_dim", None) or key_size
     types = getattr(text, "layer_types", None)
-    layers = sum(t != "linear_attention" for t in types) if types else text.num_hidden_layers
-    return layers * 2 * heads * head_dim * next(model.parameters()).element_size()
+    layers = sum(t.endswith("attention") and t != "linear_attention" for t in types) if types \
+        else text.num_hidden_layers
+    return layers * heads * (key_size + value_size) * next(model.parameters()).element_size()

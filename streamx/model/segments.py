@@ -134,7 +134,9 @@ class PackedForward:
     @property
     def reach(self) -> int:
         """The most positions any query's chain spans (a window or chunk at least this long changes nothing)."""
-        return max(self.firsts[s] + self.length(s) for s in self.segments)
+        if "reach" not in self._cache:
+            self._cache["reach"] = max(self.firsts[s] + self.length(s) for s in self.segments)
+        return self._cache["reach"]
 
     @property
     def subtree_ends(self) -> list[int]:

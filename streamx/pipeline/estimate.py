@@ -3,13 +3,14 @@
 The run's own tokenizer and sample builder go over the rows (`sample_rows` of them drawn at random
 when there are more) and the store's bytes and files follow from its layout (store.py),
 for each storage choice. No weights are read: the layer count and hidden size come from the
-model's config.
+model's config. With --sharing, sampled rows share little with each other, so what the store keeps is
+measured apart, on runs of consecutive rows within sorting windows (`runs_of_rows`), and scaled up.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -18,8 +19,8 @@ from ..base.units import gb
 from ..config import RunConfig, resolve_layer_ids
 from ..data.batching import iter_windows
 from ..data.sharing import Segment, covered_rows, pieces, share
-from ..data.source import Source, open_source
-from ..data.tokenize import Reject, Repeats, Sample, SampleBuilder
+from ..data.source import Row, Source, open_source
+from ..data.tokenize import DIGEST_BYTES, Reject, Repeats, Sample, SampleBuilder
 from ..model.load import model_tokenizer, read_text_config, resolve_model_path
 from ..store import STORAGES, Layout, free_bytes, make_layout
 from ..store.format import (
@@ -35,6 +36,7 @@ from ..store.format import (
 )
 from ..store.shards import shard_index_bytes
 
+RUNS = 16  # runs of consecutive rows that a sampled estimate measures --sharing on
 GROUP_METADATA_BYTES = 4 << 10  # the store's zarr.json (metadata with the config), parts/ and the part (commit)
 ARRAY_METADATA_BYTES = 1 << 10  # each array's zarr.json
 
@@ -48,11 +50,13 @@ class StoreSize:
 
 @dataclass
 class SharedTokens:
-    """The tokens --sharing on computes and stores, of all the rows' tokens, found as the run finds them."""
+    """The tokens --sharing on computes and stores, of all the rows' tokens, found as the run finds them; where the
+    rows were sampled, measured on `sampled_runs` runs of rows and scaled up (`sampled_sharing`: an upper bound)."""
 
     prefix_rows: int  # when only duplicates and prefix rows are shared (the model cannot continue a state)
     leading_runs: int  # when common leading runs are computed once too (packed, and the model's probe passes)
     kinds: SharedKinds = SharedKinds()  # what is not computed again, by kind (with leading runs)
+    sampled_runs: int = 0  # 0: every row was tokenized
 
 
 @dataclass
@@ -65,7 +69,7 @@ class Estimate:
     trainable_tokens: int
     longest_sample: int  # tokens, in the sample
     duplicates: int | None  # samples whose content repeats an earlier row's (None: not counted)
-    shared: SharedTokens | None  # what --sharing on computes and stores (None: off, or estimated from a sample)
+    shared: SharedTokens | None  # what --sharing on computes and stores (None: off, or a stream's first rows)
     layer_ids: list[int]
     num_layers: int
     hidden_size: int
@@ -88,10 +92,11 @@ def store_size(layout: Layout, tokens: int, samples: int, rejects: int) -> Store
     token_arrays = len(layout.storage.token_arrays)
     nbytes = (stored_tokens * (layout.bytes_per_token + entry_bytes(TOKEN_ID_ARRAYS))
               + shards * token_arrays * shard_index_bytes(shard // chunk)
-              + samples * entry_bytes(SAMPLE_ARRAYS) + rejects * entry_bytes(REJECT_ARRAYS))
-    index_files = len(SAMPLE_ARRAYS) * -(-samples // INDEX_CHUNK) + len(REJECT_ARRAYS) * -(-rejects // INDEX_CHUNK)
+              + samples * (entry_bytes(SAMPLE_ARRAYS) + DIGEST_BYTES) + rejects * entry_bytes(REJECT_ARRAYS))
+    sample_arrays = len(SAMPLE_ARRAYS) + 1  # and sample_digest
+    index_files = sample_arrays * -(-samples // INDEX_CHUNK) + len(REJECT_ARRAYS) * -(-rejects // INDEX_CHUNK)
     # --sharing's arrays hold only their fill values where no row shares (no chunk files): the unshared bound
-    arrays = token_arrays + len(SAMPLE_ARRAYS) + len(REJECT_ARRAYS) + len(SHARING_ARRAYS) + len(SAME_AS_ARRAYS)
+    arrays = token_arrays + sample_arrays + len(REJECT_ARRAYS) + len(SHARING_ARRAYS) + len(SAME_AS_ARRAYS)
     nbytes += GROUP_METADATA_BYTES + arrays * ARRAY_METADATA_BYTES
     return StoreSize(nbytes, GROUP_DOCUMENTS + arrays + shards * token_arrays + index_files, layout.bytes_per_token)
 
@@ -111,7 +116,8 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
     """Tokenize (a sample of) the rows as the run will and size the store for every storage choice.
     The source and sample builder are opened from `config` unless given. `count_duplicates`: also count the
     rows whose content repeats an earlier row's, over every row (a pass of hashing, no tokenizing, when the
-    rows were sampled); --skip-duplicates then sizes the store without them."""
+    rows were sampled); --skip-duplicates then sizes the store without them, and --sharing without their tokens
+    (sampled rows without that pass: a repeat of a row in another sorting window counts as stored)."""
     source = source or open_source(config.data, config.split, config.max_samples)
     builder = builder or SampleBuilder(model_tokenizer(resolve_model_path(config.model), config.tokenizer),
                                        config.max_length, config.truncation)
@@ -157,6 +163,8 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
         if config.skip_duplicates:  # their share comes out of what the sample stands for
             scale = (total - duplicates) / len(rows)
     samples, tokens, trainable = (round(n * scale) for n in (samples, tokens, trainable))
+    if config.sharing == "on" and not exact and total is not None:
+        shared = sampled_sharing(config, source, builder, repeats, tokens, samples, sample_rows)
     rejects = {reason: round(n * scale) for reason, n in rejects.items()}
     if not exact and repeats and config.skip_duplicates:
         rejects["duplicate_content"] = duplicates
@@ -166,6 +174,68 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
              for storage in STORAGES}
     return Estimate(total, len(rows), samples, rejects, tokens, trainable, longest,
                     duplicates if count_duplicates and total is not None else None, shared, layer_ids, L, H, sizes)
+
+
+def runs_of_rows(source: Source, sort_window: int, sample_rows: int, seed: int = 0) -> list[list[Row]]:
+    """About `sample_rows` rows of a source of known length as up to RUNS runs of consecutive rows, drawn at random
+    (seeded) among the runs that cut each sorting window into equal runs. A run lies in one window, as the rows
+    the run shares do, and finds at most the sharing its rows have in their window (a run shorter than its window
+    finds less: the safe side)."""
+    size = min(sort_window, -(-sample_rows // RUNS))
+    per_window, total = -(-sort_window // size), source.num_rows
+    slots = np.arange(-(-total // sort_window) * per_window)
+    starts = slots // per_window * sort_window + slots % per_window * size
+    starts = starts[starts < total]
+    chosen = np.sort(np.random.default_rng(seed).choice(starts, min(RUNS, len(starts)), replace=False)).tolist()
+    ids = [i for s in chosen for i in range(s, min(s + size, (s // sort_window + 1) * sort_window, total))]
+    runs = itertools.groupby(source.rows_at(ids), key=lambda row: (row.row_id // sort_window,
+                                                                   row.row_id % sort_window // size))
+    return [list(rows) for _, rows in runs]
+
+
+def sampled_sharing(config: RunConfig, source: Source, builder: SampleBuilder, repeats: set[int], tokens: int,
+                    samples: int, sample_rows: int) -> SharedTokens:
+    """What --sharing stores of `tokens` row tokens (`samples` samples) where the rows were sampled: the stored
+    share of the row tokens in runs of consecutive rows (`runs_of_rows`), each as its own window, 2 standard errors
+    above the runs' ratio (the runs differ as the data's windows do); the kinds scaled from the runs as they are.
+    `repeats`: the rows that repeat an earlier row anywhere in the data, where every row was hashed."""
+    runs = [_run_shared(run, builder, repeats, config) for run in runs_of_rows(source, config.sort_window,
+                                                                               sample_rows)]
+    run_tokens = [t for _, t, _ in runs]
+    prefix_rows = round(tokens * upper_ratio([s.prefix_rows for s, _, _ in runs], run_tokens))
+    leading_runs = min(prefix_rows, round(tokens * upper_ratio([s.leading_runs for s, _, _ in runs], run_tokens)))
+    per_token, per_row = tokens / max(1, sum(run_tokens)), samples / max(1, sum(n for _, _, n in runs))
+    totals = {f.name: sum(getattr(s.kinds, f.name) for s, _, _ in runs) for f in fields(SharedKinds)}
+    kinds = SharedKinds(**{name: round(n * (per_row if name.endswith("rows") else per_token))
+                           for name, n in totals.items()})
+    return SharedTokens(prefix_rows, leading_runs, kinds, len(runs))
+
+
+def _run_shared(run: list[Row], builder: SampleBuilder, repeats: set[int], config: RunConfig,
+                ) -> tuple[SharedTokens, int, int]:
+    """A run of rows shared as a window of its own: what is stored, and its samples' tokens and count."""
+    shared, window, tokens, samples = SharedTokens(0, 0), [], 0, 0
+    for row in run:
+        item = builder(row)
+        if isinstance(item, Reject) or (row.row_id in repeats and config.skip_duplicates):
+            continue
+        tokens, samples = tokens + len(item.input_ids), samples + 1
+        if row.row_id in repeats:  # not computed: it reads the first row with its content
+            shared = _add_duplicate(shared, len(item.input_ids))
+        else:
+            window.append(item)
+    return _add_shared(shared, window, config), tokens, samples
+
+
+def upper_ratio(stored: list[int], tokens: list[int]) -> float:
+    """The share of the row tokens stored, from runs of rows drawn at random: the ratio of the sums, 2 standard
+    errors up (a ratio estimator's over clusters), at most 1 (every token stored; so too with nothing to measure)."""
+    s, t, k = np.asarray(stored, dtype=float), np.asarray(tokens, dtype=float), len(tokens)
+    if k < 2 or not t.sum():
+        return 1.0
+    ratio = s.sum() / t.sum()
+    error = np.sqrt(((s - ratio * t) ** 2).sum() / (k * (k - 1))) / t.mean()
+    return min(1.0, float(ratio + 2 * error))
 
 
 def _add_duplicate(shared: SharedTokens, length: int) -> SharedTokens:
@@ -233,9 +303,11 @@ class Forecast:
             *([f"sharing      {e.shared.leading_runs:,} tokens computed and stored "
                f"({e.shared.leading_runs / max(1, e.tokens):.1%}) where the model continues shared prefixes, else "
                f"{e.shared.prefix_rows:,} ({e.shared.prefix_rows / max(1, e.tokens):.1%}: prefix rows and duplicates "
-               "only; the store below)",
+               "only; the store below)" + (f", at most: measured on {e.shared.sampled_runs} runs of consecutive rows"
+                                          if e.shared.sampled_runs else ""),
                f"  shared     {e.shared.kinds.phrase(e.tokens)} of the tokens"] if e.shared is not None else
-              ["sharing      on: not estimated from a sample of the rows (the store below is the unshared bound)"]
+              ["sharing      on: not estimated from the first rows of a stream (the store below is the unshared "
+               "bound)"]
               if config.sharing == "on" else []),
             f"layers       {e.layer_ids} of {e.num_layers}, hidden {e.hidden_size}",
             "storage      bytes/token   store        files" + ("   (uncompressed: an upper bound)"

@@ -136,24 +136,37 @@ class RunPlan:
             if all(row.row_id in done for row in window):
                 continue
             with times.measure("source_tokenize"):
-                samples = [self.with_key(s, *keys.get(s.row_id, (0, None)), same_as) for s in self.tokenize(window)]
+                samples = [self.with_key(s, *keys.get(s.row_id, (0, None)), same_as, seen, done_keys)
+                           for s in self.tokenize(window)]
             with times.measure("batching"):
                 items = list(self.batches(samples, packed))
             yield from to_run(items, done)
 
-    def with_key(self, item: Sample | Reject, key: int, first: int | None, same_as: bool,
-                 ) -> Sample | Reject | Duplicate:
+    def with_key(self, item: Sample | Reject, key: int, first: int | None, same_as: bool, seen: Repeats,
+                 done_keys: DoneKeys | None = None) -> Sample | Reject | Duplicate:
         """The item with its row's content key. A sample that repeats an earlier row (`first`) becomes, with
-        --skip-duplicates, a reject; with --sharing (and `same_as`), a Duplicate of that row; else it is marked."""
+        --skip-duplicates, a reject; with --sharing (and `same_as`), a Duplicate of that row; else it is marked.
+        A repeat whose tokens differ from its first row's (a crafted key collision, a template that renders
+        otherwise) is a row of its own, where this process knows the first row's tokens (tokenized here, or
+        committed before); where it does not (another rank's row, this run), the store compares the two digests
+        when it reads the repeat, and a repeat that differs reads as missing: the next run computes it."""
         if isinstance(item, Reject):
             return dataclasses.replace(item, content_key=key)
         item.content_key = key
+        digest = item.digest
         if first is None:
+            if key:
+                seen.digests[item.row_id] = digest
+            return item
+        if done_keys is not None and done_keys.differs(item.row_id):  # a run before found it is not that row
+            return item
+        known = seen.digests.get(first) or (done_keys.digest(first) if done_keys is not None else None)
+        if known is not None and known != digest:
             return item
         if self.config.skip_duplicates:
             return Reject(item.row_id, "duplicate_content", "the same content as an earlier row", key)
         if same_as and self.sharing.on:
-            return Duplicate(item.row_id, first, len(item.input_ids), int(item.loss_mask.sum()), key)
+            return Duplicate(item.row_id, first, len(item.input_ids), int(item.loss_mask.sum()), key, digest)
         item.duplicate = True
         return item
 
@@ -204,9 +217,10 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
     layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor,
                          config.storage)
+    metadata = store_metadata(config, info, builder, layer_ids, layout, packing, sharing)
+    check_shared_resume(config, sharing, metadata.compat)
     return RunPlan(config, rank, source, layer_ids, packing, sharing, model, tokenizer, info, builder, layout,
-                   store_metadata(config, info, builder, layer_ids, layout, packing, sharing),
-                   tokens_to_write=tokens_to_write)
+                   metadata, tokens_to_write=tokens_to_write)
 
 
 def decide_sharing(config: RunConfig, packing: Packing, model: PreTrainedModel) -> Sharing:
@@ -230,6 +244,21 @@ def decide_sharing(config: RunConfig, packing: Packing, model: PreTrainedModel) 
     # a kept chain is a row's start: at most the longest row
     kept = min(config.token_budget, config.max_length) * kept_bytes_per_token(model)
     return Sharing(True, config.min_shared_tokens, kept_bytes=kept, handing_over=handing_over)
+
+
+def check_shared_resume(config: RunConfig, sharing: Sharing, compat: Compat) -> None:
+    """A store that shares leading runs, resumed where the start-up check finds that the model does not continue a
+    shared prefix (another GPU, kernel set or transformers) and all else matches: refused with the check's reason
+    and what to do (the store's compat check would name the setting alone, and a flag the user already passes)."""
+    if config.overwrite or sharing.setting != "rows":
+        return
+    output = Output.read(config.out)
+    differences = [d.split(":")[0] for d in compat.differences(output.compat)] if output.is_store else []
+    if differences == ["sharing"] and output.compat.get("sharing") == "on":
+        raise StoreError(f"{config.out} shares leading runs, computed where the model continued a shared prefix's "
+                         f"state, but here the start-up check finds that {sharing.reason}; resume it where the check "
+                         "passes (the GPU, kernels and transformers it was written with), or pass --overwrite to start "
+                         "over here (sharing prefix rows only), or choose another --out")
 
 
 def preflight(config: RunConfig, device: str, log: Callable[[str], None] = lambda m: None) -> Output:
@@ -333,7 +362,8 @@ def check_space(config: RunConfig, source: Source, output: Output, log: Callable
     needed = round(size.bytes * left)
     if config.overwrite and Path(config.out).is_dir():  # the old store's bytes are freed first
         free += sum(f.stat().st_size for f in Path(config.out).rglob("*") if f.is_file())
-    how = "" if plan.exact else f", estimated from {plan.sampled_rows:,} rows"
+    how = "" if plan.exact else f", estimated from {plan.sampled_rows:,} rows" + (
+        f" and {plan.shared.sampled_runs} runs of rows" if plan.shared is not None else "")
     stored = "" if plan.shared is None else f", {plan.shared.prefix_rows:,} stored at most with --sharing"
     log(f"  space   {gb(needed)} to write ({config.storage}, {plan.tokens:,} tokens{stored}{how}), {gb(free)} free")
     if free < needed:

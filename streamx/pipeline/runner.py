@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..base.locks import LockedError
 from ..base.progress import Progress
 from ..base.threads import SignalStop, Stopped, Worker, first_error, get, put
 from ..base.units import gb
@@ -29,7 +30,7 @@ from ..model.capture import LayerCapture, segment_is_finite
 from ..model.gather import select_gather_fn
 from ..model.load import library_bars
 from ..model.transfer import HostTransfer
-from ..store import DoneKeys, OwnedPart, SharedKinds, SpaceGuard, Store, open_for_run, prepare
+from ..store import PARTS, DoneKeys, OwnedPart, RunStore, SharedKinds, SpaceGuard, Store, open_for_run, prepare
 from .metrics import QueueFill, StageTimes, Throughput
 from .plan import RunPlan, make_plan
 from .ranks import init_from_env
@@ -239,7 +240,7 @@ def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Ca
     rank.barrier()  # every rank has read the same committed set before any rank creates its part or commits
     if target.done_rows and rank.is_main:
         log(f"resuming {cfg.out}: {len(target.done_rows)} rows already committed")
-    space = SpaceGuard.for_layout(cfg.out, plan.layout) if cfg.space_check else None
+    space = SpaceGuard.for_layout(cfg.out, plan.layout)  # (--no-space-check skips only the start-up check)
     writer = PartWriter(part.open(target, plan.layout), space)
     pipeline = Pipeline(plan, writer, target.done_rows, target.done_keys, target.same_as)
 
@@ -253,6 +254,7 @@ def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Ca
     rank.barrier()  # the store is complete when every rank has closed its part
     written = writer.this_run()
     if rank.is_main or rank.independent:  # the whole store, read once: its totals and what it still lacks
+        close_parts_of_no_rank(cfg.out, target, rank.world_size, log)
         final = Store(cfg.out)  # (independent ranks: the others may still be running)
         store_samples, store_tokens, incomplete = len(final), final.row_tokens, final.completeness().problems()
         shared = final.shared_kinds()
@@ -273,3 +275,34 @@ def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Ca
         stopped_by=signals_in.signal.name if signals_in.signal and pipeline.rows_left.is_set() else None,
         incomplete=incomplete, shared=shared,
     )
+
+
+def close_parts_of_no_rank(path: str, target: RunStore, world_size: int, log: Callable[[str], None]) -> list[str]:
+    """A resume with fewer ranks than the run it resumes: the ranks of this world compute every row left, but
+    the parts of the ranks beyond it (part-N, N >= world_size) stay open, and the store would never read as
+    complete. Once the store holds every row of its data, close them (each under its lock, its writer fenced
+    as any writer is) and remove those a killed run left half-created (nothing in them is committed). A part
+    whose lock a live process holds is left as it is. Returns the parts closed or removed."""
+    state = Store(path, target.root).completeness()
+    if state.source_rows is None or state.missing_rows.size:
+        return []
+    parts, done = target.root[PARTS], []
+    for name in sorted({*state.open_parts, *state.half_made}):
+        if int(name.removeprefix("part-")) < world_size:  # a rank of this world's own: it closes it
+            continue
+        try:
+            with OwnedPart(path, name):
+                if name in state.half_made:
+                    del parts[name]
+                    log(f"removed {name}, left half-made by a killed rank: no rank of this world of {world_size} "
+                        "writes it")
+                else:
+                    PartWriter(parts[name]).close(True, state.source_rows)
+                    log(f"closed {name}: no rank of this world of {world_size} writes it, and every row of the "
+                        "data is committed")
+        except LockedError as err:
+            log(f"left {name} open: {err}")
+            continue
+        done.append(name)
+    return done
+

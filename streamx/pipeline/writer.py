@@ -34,10 +34,11 @@ import zarr
 from ..base.threads import get
 from ..data.batching import Batch, Carry
 from ..data.sharing import Segment
-from ..data.tokenize import REJECT_REASONS, Duplicate, Reject
+from ..data.tokenize import REJECT_REASONS, Duplicate, Reject, tokens_digest
 from ..model.transfer import HostBatch
 from ..store import Commit, SpaceGuard, StoreError
 from ..store.format import (
+    DIGEST_ARRAY,
     RANGE_ARRAYS,
     REJECT_ARRAYS,
     ROW_MASK_ARRAYS,
@@ -45,6 +46,7 @@ from ..store.format import (
     SAMPLE_ARRAYS,
     SHARING_ARRAYS,
     SHARING_SAMPLE_ARRAYS,
+    digest_words,
     part_storage,
 )
 from ..store.shards import ShardSink, shard_sink
@@ -70,6 +72,7 @@ class RowOfBatch:
     loss_mask: np.ndarray  # its own, over its tokens
     duplicate: bool = False
     content_key: int = 0
+    digest: bytes = b""  # tokens_digest of its tokens ("": not recorded)
     stored_before: list[tuple[int, int]] = field(default_factory=list)  # (first token in the part, length)
     stored_mask: np.ndarray | None = None  # the stored loss mask over stored_before
 
@@ -117,6 +120,7 @@ class PendingRow:
     trainable: int
     duplicate: bool
     content_key: int
+    digest: bytes  # tokens_digest of its tokens ("": not recorded)
     own_mask: np.ndarray | None  # its loss mask, where it differs from the stored tokens' over its ranges
     end: int  # the end of the tokens appended with it: committed once the shards hold them
     same_as: int = -1  # a repeated row: the row it reads (its ranges are empty)
@@ -167,7 +171,8 @@ class PartWriter:
         """One sample that shares nothing: its token ids, loss mask, hidden states as stored (bf16 or fp8 bit
         patterns) and, for fp8 storage, its per-token scales; `duplicate`: its content repeats an earlier row's
         (counted in the commit); `content_key`: its row's (tokenize.content_key)."""
-        row = RowOfBatch(row_id, [(0, len(input_ids))], loss_mask, duplicate, content_key)
+        row = RowOfBatch(row_id, [(0, len(input_ids))], loss_mask, duplicate, content_key,
+                         tokens_digest(input_ids, loss_mask))
         self.append_batch(input_ids, loss_mask, hidden_bits, hidden_scales, [row])
 
     def append_batch(self, input_ids: np.ndarray, loss_mask: np.ndarray, hidden_bits: np.ndarray,
@@ -210,7 +215,7 @@ class PartWriter:
             raise StoreError(f"{self.part.path} was created before streamx shared tokens between rows: resume it with "
                              "--sharing off")
         self.pending_samples.append(PendingRow(row.row_id, ranges, sum(n for _, n in ranges), int(mask.sum()),
-                                               row.duplicate, row.content_key, own, self.end))
+                                               row.duplicate, row.content_key, row.digest, own, self.end))
 
     def duplicate(self, row: Duplicate) -> None:
         """A row that repeats an earlier row's content: it stores no token and reads that row's sample."""
@@ -218,7 +223,7 @@ class PartWriter:
             raise StoreError(f"{self.part.path} was created before streamx recorded repeated rows: resume it with the "
                              "streamx that made it, or with --sharing off")
         self.pending_samples.append(PendingRow(row.row_id, [(0, 0)], row.length, row.trainable, True, row.content_key,
-                                               None, self.end, row.same_as))
+                                               row.digest, None, self.end, row.same_as))
 
     def reject(self, reject: Reject) -> None:
         self.pending_rejects.append(reject)
@@ -294,7 +299,7 @@ class PartWriter:
             return self.commit.ranges
         if name in ROW_MASK_ARRAYS:
             return self.commit.row_masks
-        samples = name in SAMPLE_ARRAYS or name in SHARING_SAMPLE_ARRAYS or name in SAME_AS_ARRAYS
+        samples = name in (*SAMPLE_ARRAYS, *SHARING_SAMPLE_ARRAYS, *SAME_AS_ARRAYS, DIGEST_ARRAY)
         return self.commit.samples if samples else self.commit.rejects
 
     def _grow(self, name: str, stop: int) -> None:
@@ -342,6 +347,7 @@ class PartWriter:
                 self._write("sample_mask_offset", c.samples, mask_offsets)
             if self.same_as:
                 self._write("sample_same_as", c.samples, np.array([r.same_as for r in samples], dtype=np.int64))
+            self._write(DIGEST_ARRAY, c.samples, digest_words([r.digest for r in samples]))
             if ranges:
                 table = np.array(ranges, dtype=np.int64)
                 self._write("range_offset", c.ranges, table[:, 0])
@@ -469,7 +475,7 @@ class WriterStage:
             if all(finite[s] for s in segments) and all(kept.finite for kept, _ in before):
                 rows.append(RowOfBatch(
                     sample.row_id, batch.row_ranges[k], sample.loss_mask.numpy(), sample.duplicate,
-                    sample.content_key, [(kept.offset, n) for kept, n in before],
+                    sample.content_key, sample.digest, [(kept.offset, n) for kept, n in before],
                     np.concatenate([kept.loss_mask[:n] for kept, n in before]) if before else None))
             else:
                 self.reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states",

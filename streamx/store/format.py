@@ -21,6 +21,8 @@
         sample_same_as int64  [N]         -1; else the source row whose content it repeats (format /4): it reads
                                           that row's sample, wherever it lies, and its own offset and ranges mean
                                           nothing
+        sample_digest  uint64 [N, 2]      its tokens' 128-bit digest (tokenize.tokens_digest; 0: not recorded,
+                                          format /5): a repeat reads its row only where the two are equal
         reject_row_id  int64  [R]
         reject_reason  uint8  [R]         index into metadata["reject_reasons"]
         reject_content_key uint64 [R]
@@ -33,9 +35,11 @@ With --sharing (format streamx-store/3), a row that is a prefix of another, or t
 the tokens they share where they lie once: its states are the concatenation of its ranges, and the token
 arrays' loss_mask is, on a shared token, the union of the masks of the rows that read it (each row keeps its
 own mask where it differs). Format /4 adds `sample_same_as`: a row whose content repeats an earlier row's, anywhere
-in the data, is not computed and reads that row. Format /2 added fp8 storage; /1, /2 and /3 stores are read and
-resumed as they are (parts without the range arrays: every sample is contiguous; without `sample_same_as`: every
-repeated row is computed in its sorting window).
+in the data, is not computed and reads that row; /5 adds `sample_digest`, which proves it is that row (a
+repeat whose digest differs reads as missing, and the next run computes it). Format /2 added fp8 storage;
+/1 to /4 stores are read and resumed as they are (parts without the range arrays: every sample is contiguous;
+without `sample_same_as`: every repeated row is computed in its sorting window; without `sample_digest`: a
+repeat of its first row's length is read as that row).
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ import zarr
 
 from .fp8 import FP8, dequantize_fp8, quantize_fp8
 
-STORE_FORMAT = "streamx-store/4"
-READABLE_FORMATS = ("streamx-store/1", "streamx-store/2", "streamx-store/3", STORE_FORMAT)
+STORE_FORMAT = "streamx-store/5"
+READABLE_FORMATS = ("streamx-store/1", "streamx-store/2", "streamx-store/3", "streamx-store/4", STORE_FORMAT)
 PARTS = "parts"
 GROUP_DOCUMENTS = 3  # zarr.json of the store, of parts/ and of the part
 INDEX_CHUNK = 65536  # entries per chunk of the per-sample / per-reject index arrays
@@ -70,6 +74,14 @@ ROW_MASK_ARRAYS = {"row_loss_mask": "uint8"}
 SHARING_ARRAYS = (*SHARING_SAMPLE_ARRAYS, *RANGE_ARRAYS, *ROW_MASK_ARRAYS)
 # format /4 (streamx >= 0.6): the row a repeated row reads (-1: none), so that repeats anywhere in the data share
 SAME_AS_ARRAYS = {"sample_same_as": "int64"}
+# format /5 (streamx >= 0.7): each sample's tokens_digest, two uint64 words (little-endian halves of its 16 bytes)
+DIGEST_ARRAY = "sample_digest"
+
+
+def digest_words(digests: list[bytes]) -> np.ndarray:
+    """Digests (16 bytes each; b"": not recorded, stored as zeros) as DIGEST_ARRAY's [N, 2] uint64 rows."""
+    raw = b"".join(d or bytes(16) for d in digests)
+    return np.frombuffer(raw, dtype="<u8").reshape(-1, 2).astype(np.uint64)
 TOKEN_ID_ARRAYS = {"input_ids": "int64", "loss_mask": "uint8"}
 SCALE_DTYPE = "float32"  # hidden_states_scales, one per token (fp8 storage)
 
@@ -386,6 +398,9 @@ def create_part(root: zarr.Group, name: str, layout: Layout) -> zarr.Group:
         # (their fill values are what a sample that shares nothing holds: no chunk files when nothing is shared)
         part.create_array(array, shape=(0,), dtype=dtype, chunks=(INDEX_CHUNK,), compressors=codecs("zstd"),
                           fill_value=-1 if array in ("sample_mask_offset", "sample_same_as") else 0)
+    # (zstd for the chunk's padding past the last sample: zarr writes whole chunks, 1 MiB each here)
+    part.create_array(DIGEST_ARRAY, shape=(0, 2), dtype="uint64", chunks=(INDEX_CHUNK, 2), compressors=codecs("zstd"),
+                      fill_value=0)
     part.attrs["commit"] = Commit(row_tokens=0).to_json()
     return part
 
@@ -402,7 +417,8 @@ def part_is_complete(part: zarr.Group) -> bool:
 
 def committed_parts(root: zarr.Group) -> tuple[dict[str, zarr.Group], list[str]]:
     """The complete parts, by name, and the names of the others (being created, or left half-created by a
-    killed writer: nothing in them is committed, and a resume creates them anew)."""
-    parts = dict(sorted(root[PARTS].groups()))
+    killed writer: nothing in them is committed, and a resume creates them anew). A root without its `parts`
+    group (left by streamx before 0.7, killed between prepare's two writes) has none."""
+    parts = dict(sorted(root[PARTS].groups())) if PARTS in root else {}
     committed = {name: part for name, part in parts.items() if part_is_complete(part)}
     return committed, [name for name in parts if name not in committed]

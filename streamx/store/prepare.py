@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import posixpath
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,8 @@ from typing import Any
 
 import fsspec
 import zarr
-from zarr.storage import LocalStore
+from zarr.core.sync import sync
+from zarr.storage import FsspecStore, LocalStore, StorePath
 
 from ..base import durable
 from ..base.durable import TEMPORARY, DurableLocalStore
@@ -101,17 +103,27 @@ class Output:
 
 
 def _holds_anything(path: str) -> bool:
-    """Whether the local folder, or the object-store prefix, at `path` holds any file: locks aside, and the
-    temporary files of durable writes (another rank creating the store: its zarr.json is on its way)."""
-    target = local_path(path)
-    if target is not None:
-        return target.exists() and any(not is_lock(p.name) and not fnmatch.fnmatch(p.name, TEMPORARY)
-                                       for p in target.iterdir())
+    """Whether the local folder, or the object-store prefix, at `path` holds any file but what a store being
+    made holds: locks, the temporary files of durable writes (another rank making the store: its zarr.json is
+    on its way), and its `parts` group alone, written before the root (`_create`)."""
     fs, root = fsspec.core.url_to_fs(path)
+    return any(not _being_made(fs, name) for name in _listing(fs, root))
+
+
+def _being_made(fs: fsspec.AbstractFileSystem, name: str) -> bool:
+    """Whether `name`, in a store's place, is what a store being made holds (`_holds_anything`)."""
+    base = posixpath.basename(name.rstrip("/"))
+    if base == PARTS:  # the group alone: its zarr.json (or that on its way)
+        members = [posixpath.basename(member) for member in _listing(fs, name)]
+        return all(member == "zarr.json" or fnmatch.fnmatch(member, TEMPORARY) for member in members)
+    return is_lock(base) or fnmatch.fnmatch(base, TEMPORARY)
+
+
+def _listing(fs: fsspec.AbstractFileSystem, folder: str) -> list[str]:
     try:
-        return bool(fs.ls(root, detail=False))
+        return fs.ls(folder, detail=False)
     except FileNotFoundError:
-        return False
+        return []
 
 
 def _check_location(path: Path) -> None:
@@ -125,21 +137,15 @@ def _check_location(path: Path) -> None:
 
 def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> zarr.Group:
     """Create the store, or check that an existing one may be resumed by this run (its compat record
-    matches) and refresh its metadata; returns its root group. Under torchrun rank 0 calls this before any
-    rank opens a part; independent processes (a job array) may each call it at once: the store is created
-    in one write that fails where another process has just created it, which is then opened instead, and
-    nothing but --overwrite deletes anything."""
+    matches) and refresh its metadata but for its creation time and compat record; returns its root group.
+    Under torchrun rank 0 calls this before any rank opens a part; independent processes (a job array) may
+    each call it at once: the store is marked made in one write that fails where another process has just
+    made it, which is then opened instead, and nothing but --overwrite deletes anything."""
     root = None if overwrite else _open_group(path, "r+")
     if root is None:
         Output.read(path).check(overwrite)
         try:
-            local = local_path(path)
-            if local is not None:
-                durable.make_dirs(local.parent)
-            # --overwrite empties the store first (a lock inside it stays: base.durable)
-            root = zarr.create_group(_writable(path), attributes={"streamx": metadata.to_json()}, overwrite=overwrite)
-            root.require_group(PARTS)
-            return root
+            return _create(path, metadata, overwrite)
         except zarr.errors.ContainsGroupError:  # another process created it meanwhile
             root = _open_group(path, "r+")
         except OSError as err:
@@ -147,8 +153,26 @@ def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> zarr
         if root is None:
             raise StoreError(f"{path} holds a Zarr group that is not a streamx store; choose another --out")
     _check_compatible(root, path, metadata)
-    root.attrs["streamx"] = {**metadata.to_json(), "created": root.attrs["streamx"].get("created", metadata.created)}
+    theirs = root.attrs["streamx"]
+    # the compat record stays the store's: this run's matches it, the data by its fingerprint where both have one
+    # (the same bytes at another path), and the convert folders made from the store name it (train.backend)
+    root.attrs["streamx"] = {**metadata.to_json(), "created": theirs.get("created", metadata.created),
+                             "compat": theirs["compat"]}
     return root
+
+
+def _create(path: str, metadata: StoreMetadata, overwrite: bool) -> zarr.Group:
+    """Make the store in two writes: its `parts` group, then the root's zarr.json, whose `streamx` attribute
+    marks it made, so that a store marked made has its parts (what a kill between the two leaves, the `parts`
+    group alone, is no stray file to `Output.check`). --overwrite empties it first."""
+    local = local_path(path)
+    if local is not None:
+        durable.make_dirs(local.parent)
+    if overwrite:  # as zarr's mode "w": a lock inside the store stays (base.durable)
+        store = _writable(path)
+        sync(StorePath.open(FsspecStore.from_url(store) if isinstance(store, str) else store, "", mode="w"))
+    zarr.open_group(_writable(f"{path.rstrip('/')}/{PARTS}"), mode="a")
+    return zarr.create_group(_writable(path), attributes={"streamx": metadata.to_json()})
 
 
 def _check_compatible(root: zarr.Group, path: str, metadata: StoreMetadata) -> None:

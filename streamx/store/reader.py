@@ -24,6 +24,7 @@ from ..base.location import local_path, zarr_path
 from ..base.units import gb
 from .format import (
     CONTENT_KEY_ARRAYS,
+    DIGEST_ARRAY,
     READABLE_FORMATS,
     ROW_MASK_ARRAYS,
     SHARING_ARRAYS,
@@ -84,6 +85,8 @@ class DoneKeys:
 
     rows: np.ndarray  # int64, ascending, each once
     keys: np.ndarray  # uint64, the key of each (0: none)
+    digests: np.ndarray  # uint64 [n, 2], the tokens_digest of each sample (0: a reject, or not recorded)
+    differing: np.ndarray  # int64, ascending: rows stored as repeats whose tokens proved not their first row's
 
     def in_whole_windows(self, sort_window: int, num_rows: int | None) -> Callable[[int], bool]:
         """A predicate: does a row lie in a sorting window whose every row is committed (`num_rows`: the
@@ -102,6 +105,18 @@ class DoneKeys:
         """The committed rows a..b-1 and their keys."""
         i, j = np.searchsorted(self.rows, [a, b])
         return self.rows[i:j], self.keys[i:j]
+
+    def digest(self, row: int) -> bytes | None:
+        """The tokens_digest committed for `row`, or None (not committed, a reject, or not recorded)."""
+        i = int(np.searchsorted(self.rows, row))
+        if i == self.rows.size or self.rows[i] != row or not self.digests[i].any():
+            return None
+        return self.digests[i].astype("<u8").tobytes()
+
+    def differs(self, row: int) -> bool:
+        """Whether `row` was stored as a repeat of a row whose tokens proved not to be its own."""
+        i = int(np.searchsorted(self.differing, row))
+        return i < self.differing.size and self.differing[i] == row
 
 
 @dataclass(frozen=True)
@@ -159,6 +174,7 @@ class Store:
                                                                     "range_starts", "range_counts", "mask_offsets")}
         tables: list[np.ndarray] = []  # per part: [G, 2] (offset, length) of the shared rows' ranges
         same_as: list[np.ndarray] = []  # per part: the row each repeated row reads (-1: none; format /4)
+        digests: list[np.ndarray] = []  # per part: [n, 2] tokens digests (zeros: not recorded; format /5)
         for i, (name, part) in enumerate(self.parts.items()):
             commit = self.commits[name]
             n = commit.samples
@@ -171,13 +187,19 @@ class Store:
             columns["range_counts"].append(part["sample_range_count"][:n] if shares else np.zeros(n, dtype=np.int64))
             columns["mask_offsets"].append(part["sample_mask_offset"][:n] if shares else np.full(n, -1))
             same_as.append(part["sample_same_as"][:n] if "sample_same_as" in part else np.full(n, -1))
+            digests.append(part[DIGEST_ARRAY][:n] if DIGEST_ARRAY in part else np.zeros((n, 2), dtype=np.uint64))
             tables.append(np.stack([part["range_offset"][: commit.ranges], part["range_length"][: commit.ranges]],
                                    axis=1).astype(np.int64) if commit.ranges else np.zeros((0, 2), dtype=np.int64))
         committed = SampleIndex(*(np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, dtype=np.int64)
                                   for xs in columns.values()))
-        self._committed_rows = committed.rows  # every committed sample's row, in part order (as the key arrays)
+        self._digests = np.concatenate(digests).astype(np.uint64) if digests else np.zeros((0, 2), dtype=np.uint64)
         self.index, self.same_as, self.repeated = resolve_same_as(
-            committed, np.concatenate(same_as).astype(np.int64) if same_as else np.zeros(0, dtype=np.int64))
+            committed, np.concatenate(same_as).astype(np.int64) if same_as else np.zeros(0, dtype=np.int64),
+            self._digests)
+        # every committed sample, in part order (as the key arrays), but for the repeats that are not their first
+        # row: not done, so that the next run computes them
+        self._done = ~np.isin(np.arange(committed.rows.size), self.repeated.differing_at)
+        self._committed_rows = committed.rows[self._done]
         self._by_row = np.argsort(self.index.rows, kind="stable")
         # the parts' range tables as one, and where each part's starts in it
         self._range_table = np.concatenate([np.zeros((0, 2), dtype=np.int64), *tables])
@@ -347,15 +369,17 @@ class Store:
         """The committed rows' content keys, or None when a part was written before streamx recorded them."""
         if not all(name in part for part in self.parts.values() for name in CONTENT_KEY_ARRAYS):
             return None
-        rows, keys = [self._committed_rows], [np.concatenate([part["sample_content_key"][: self.commits[name].samples]
-                                                         for name, part in self.parts.items()] or [np.zeros(0)])]
+        sample_keys = np.concatenate([part["sample_content_key"][: self.commits[name].samples]
+                                      for name, part in self.parts.items()] or [np.zeros(0)])
+        rows, keys, digests = [self._committed_rows], [sample_keys[self._done]], [self._digests[self._done]]
         for name, part in self.parts.items():
             n = self.commits[name].rejects
             rows.append(part["reject_row_id"][:n])
             keys.append(part["reject_content_key"][:n])
+            digests.append(np.zeros((n, 2), dtype=np.uint64))
         rows, keys = np.concatenate(rows), np.concatenate(keys).astype(np.uint64)
         unique, first = np.unique(rows, return_index=True)
-        return DoneKeys(unique, keys[first])
+        return DoneKeys(unique, keys[first], np.concatenate(digests)[first], np.unique(self.repeated.differing))
 
     def done_row_ids(self) -> RowSet:
         """Rows a resumed run must not process again: committed samples and committed rejects."""
@@ -459,17 +483,22 @@ class Repeated:
 
     unread: np.ndarray  # repeated rows whose first row is not a sample here: rejected, or not yet committed
     unread_same_as: np.ndarray  # the row each of them repeats
-    other_length: np.ndarray  # repeated rows whose own length is not their first row's (a content-key collision)
+    differing: np.ndarray  # repeated rows whose tokens are not their first row's (a content-key collision)
+    differing_same_as: np.ndarray  # the row each of them named
+    differing_at: np.ndarray  # where they are among the committed samples (part order)
 
 
-def resolve_same_as(committed: SampleIndex, same_as: np.ndarray) -> tuple[SampleIndex, np.ndarray, Repeated]:
+def resolve_same_as(committed: SampleIndex, same_as: np.ndarray, digests: np.ndarray,
+                    ) -> tuple[SampleIndex, np.ndarray, Repeated]:
     """The index in which each repeated row (format /4: `same_as` names the first row with its content) reads that
     row's sample wherever it lies, its entry that sample's; the `same_as` of the entries kept; and what else it
-    found (the repeated rows left out, whose first row is not a sample here)."""
+    found: the repeated rows left out, whose first row is not a sample here, and those whose tokens are not
+    that row's (another length, or another tokens digest where both were recorded, `digests`: format /5),
+    which read nothing and are not in the index."""
     repeats = np.flatnonzero(same_as >= 0)
     none = np.zeros(0, dtype=np.int64)
     if not repeats.size:
-        return committed, same_as, Repeated(none, none, none)
+        return committed, same_as, Repeated(none, none, none, none, none)
     firsts = np.flatnonzero(same_as < 0)
     by_row = firsts[np.argsort(committed.rows[firsts], kind="stable")]
     at = np.minimum(np.searchsorted(committed.rows[by_row], same_as[repeats]), max(by_row.size - 1, 0))
@@ -479,11 +508,15 @@ def resolve_same_as(committed: SampleIndex, same_as: np.ndarray) -> tuple[Sample
     for name, values in columns.items():
         if name != "rows":
             values[read] = values[first]
+    recorded = digests[read].any(axis=1) & digests[first].any(axis=1)
+    differ = (committed.lengths[read] != committed.lengths[first]) | \
+        (recorded & (digests[read] != digests[first]).any(axis=1))
     keep = np.ones(same_as.size, dtype=bool)
     keep[repeats[~found]] = False
-    other_length = committed.rows[read[committed.lengths[read] != committed.lengths[first]]]
+    keep[read[differ]] = False
     return (SampleIndex(**{name: values[keep] for name, values in columns.items()}), same_as[keep],
-            Repeated(committed.rows[repeats[~found]], same_as[repeats[~found]], other_length))
+            Repeated(committed.rows[repeats[~found]], same_as[repeats[~found]], committed.rows[read[differ]],
+                     same_as[read[differ]], read[differ]))
 
 
 def open_store(path: str) -> Store:

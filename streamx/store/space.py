@@ -10,13 +10,15 @@ from .format import TOKEN_ID_ARRAYS, Layout, StoreError, entry_bytes
 
 
 def free_bytes(path: str) -> int | None:
-    """Free bytes on the filesystem that holds (or will hold) `path`; None for object stores."""
+    """Free bytes on the filesystem that holds (or will hold) `path`; None for object stores and filesystems
+    that report no size (some FUSE mounts say 0 of 0: not full, unknown)."""
     local = local_path(path)
     if local is None:
         return None
     target = local.expanduser().absolute()
     existing = next(p for p in (target, *target.parents) if p.exists())
-    return shutil.disk_usage(existing).free
+    usage = shutil.disk_usage(existing)
+    return usage.free if usage.total else None
 
 
 class SpaceGuard:
@@ -37,4 +39,4 @@ class SpaceGuard:
         if free is not None and free < self.reserve:
             raise StoreError(f"stopped: {gb(free)} left on the filesystem of {self.path}, under the {gb(self.reserve)} "
                              "reserve; everything written so far is committed: free space and re-run the same "
-                             "command to resume (--no-space-check disables this check)")
+                             "command to resume")
