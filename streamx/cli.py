@@ -233,7 +233,7 @@ def verify(
     seed: int = typer.Option(0, help="Seed of that choice."),
     device: str = typer.Option("auto", help="Where the model runs: auto, cpu, cuda, cuda:N."),
     model: bool = typer.Option(True, "--model/--no-model", help="--no-model: only the structural checks, which "
-                               "read the whole store but no weights."),
+                               "read the whole store but no weights, and the rows read again from the data."),
     speculators: bool = typer.Option(False, "--speculators", help="A convert folder only, in the environment "
                                      "that trains: speculators' own loaders read a batch of each draft, on the CPU."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),

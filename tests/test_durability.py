@@ -311,6 +311,47 @@ def test_a_failed_command_leaves_no_lock_file_and_a_removed_lock_is_never_shared
     assert not path.exists()
 
 
+@pytest.mark.parametrize("link", [os.symlink, os.link], ids=["symlink", "hard link"])
+def test_a_lock_file_planted_as_a_link_is_refused_and_the_file_it_names_left_alone(tmp_path, link):
+    """A lock file's name is predictable and its folder may be others' to write (a group's project folder): a
+    link planted under that name to a file of the user's is refused, in one line naming it, and the file stays."""
+    from streamx.store import OwnedPart
+
+    victim, kept = tmp_path / "home" / ".bashrc", "export PATH=$HOME/bin:$PATH\n" * 20
+    victim.parent.mkdir()
+    victim.write_text(kept)
+    store = tmp_path / "project" / "run.zarr"
+    store.parent.mkdir()
+    path = lock_file(store, "part-00000")
+    link(victim, path)
+    with pytest.raises(OSError, match="remove it and run again") as refused:
+        OwnedPart(str(store), "part-00000")
+    assert str(path) in str(refused.value) and "\n" not in str(refused.value)
+    assert victim.read_text() == kept
+
+
+def test_a_lock_file_that_is_no_plain_file_of_this_user_is_never_written(tmp_path, monkeypatch):
+    """A symlink to nothing yet (which would create its target), a FIFO or a folder under a lock file's name is
+    refused. A plain file another user owns (a colleague's earlier run) is locked as it is, its content theirs."""
+    import streamx.base.locks as locks
+
+    target = tmp_path / "created"
+    os.symlink(target, lock_file(tmp_path / "a"))
+    os.mkfifo(lock_file(tmp_path / "b"))
+    lock_file(tmp_path / "c").mkdir()
+    for name in "abc":
+        with pytest.raises(OSError, match="remove it and run again"):
+            Lock(lock_file(tmp_path / name), name)
+    assert not target.exists()
+    theirs = lock_file(tmp_path / "d")
+    theirs.write_text("pid 1 on their host\n")
+    monkeypatch.setattr(os, "geteuid", lambda: theirs.stat().st_uid + 1)  # this process as another user
+    with Lock(theirs, "d"):
+        assert theirs.read_text() == "pid 1 on their host\n"
+        with pytest.raises(locks.LockedError, match="pid 1 on their host"):
+            Lock(theirs, "d")
+
+
 def test_a_lock_dies_with_its_process_and_convert_takes_one(tiny_chat_model_dir, chat_jsonl, tmp_path):
     """A convert into a folder another process is converting into is refused, naming it; once that process is
     killed (kill -9: no clean-up ran), the lock is gone and the convert runs."""

@@ -2,29 +2,59 @@
 
 import queue
 
-import streamx.pipeline.metrics as metrics
+from streamx.base.progress import Progress
 from streamx.pipeline.metrics import QueueFill, Throughput
 
 
-def test_eta_comes_from_tokens_and_the_rate_since_the_first_batch(monkeypatch):
-    clock = [100.0]
-    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
-    counts = Throughput()
-    assert counts.status(200, elapsed=1.0) == "starting: tokenizing the first window of rows, then the first " \
-        "forward pass"  # not "0 tok/s"
-    counts.tokenized(100, 1000)
-    assert counts.status(200, elapsed=2.0) == "starting: the first forward pass"
-    assert counts.eta_seconds(200, elapsed=2.0) is None  # nothing measured yet
-    counts.forwarded(10, 100, 100)  # the first batch, 30 s in: it paid for the tokenizing and the warm-up
-    clock[0] = 105.0
-    counts.forwarded(140, 400, 400)  # 400 tokens in the 5 s since: 80 tokens/s (not 500 in 35 s)
-    assert counts.tokens_per_s(elapsed=35.0) == 80.0
-    # 100 rows tokenized at 10 tokens each: 200 rows are ~2,000 tokens, 1,500 to go, although 150 of 200 rows
-    # are done (short rows first, as a length-sorted window runs them)
-    assert counts.eta_seconds(total_rows=200, elapsed=35.0) == 1500 / 80
-    assert counts.eta_seconds(total_rows=None, elapsed=35.0) is None  # a streamed source: no total
-    counts.tokens_to_go = 3000  # what the sizing pass counted over every row, when it ran
-    assert counts.eta_seconds(total_rows=None, elapsed=35.0) == 2500 / 80
+class Clock:
+    """A fake clock that the test moves."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_eta_is_the_tokens_left_to_compute_at_the_recent_rate_and_ends_at_zero(capsys):
+    """With --sharing a row that repeats an earlier one computes nothing: the ETA counts the tokens left to compute
+    (extrapolated from the rows tokenized, exact once all are) over the rate of the last RATE_WINDOW seconds,
+    which holds between batches; it reaches zero when the last row is through, and the rows reach the total."""
+    clock = Clock(100.0)
+    counts = Throughput(clock=clock)
+    with Progress(counts, total_rows=10, desc="t", disable=False, interval=3600, terminal=False, clock=clock) as bar:
+        assert bar.status() == "starting: tokenizing the first window of rows, then the first forward pass"
+        counts.tokenized(rows=2, tokens=1000)
+        counts.tokenized(rows=1, tokens=0)  # a repeat
+        assert bar.status() == "starting: the first forward pass"  # not "0 tok/s"
+        clock.now = 160.0
+        counts.forwarded(2, 1000, 1000)  # the first batch, a minute in: it paid the tokenizing and the warm-up
+        counts.rows += 1  # the repeat is through
+        counts.tokenized(rows=2, tokens=1000)
+        clock.now = 165.0
+        counts.forwarded(2, 1000, 1000)  # 1,000 tokens in 5 s: 200 tokens/s
+        # 5 rows tokenized hold 2,000 tokens to compute: 10 rows, 4,000; 2,000 to go at 200 tokens/s
+        assert counts.eta_seconds(10, elapsed=65.0) == 10.0
+        bar.draw()
+        clock.now = 170.0  # no batch since: the rate and the ETA hold
+        bar.draw()
+        assert counts.eta_seconds(None, elapsed=70.0) is None  # a streamed source: no total
+        counts.tokens_to_go = 3000  # as planned (--sharing off: the rows' tokens are computed)
+        assert counts.eta_seconds(None, elapsed=70.0) == 1000 / 200
+        for _ in range(3):
+            counts.tokenized(rows=1, tokens=0)
+        counts.tokenized(rows=2, tokens=1000)  # every row tokenized: 1,000 tokens left, exactly
+        assert counts.tokens_left(10) == 1000
+        clock.now = 200.0
+        counts.forwarded(2, 1000, 1000)
+        counts.rows += 3
+        # the first batch ended over RATE_WINDOW seconds before the last: the rate is from 165 s on
+        assert counts.tokens_per_s(elapsed=100.0) == 1000 / 35
+        assert counts.eta_seconds(10, elapsed=100.0) == 0.0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["t: 5/10 rows [01:05, 200 tok/s, pad eff 100.0%, ETA 00:10]",
+                     "t: 5/10 rows [01:10, 200 tok/s, pad eff 100.0%, ETA 00:10]",
+                     "t: 10/10 rows [01:40, 29 tok/s, pad eff 100.0%, ETA 00:00]"]
 
 
 def test_queue_fill_is_the_mean_occupancy_its_consumer_sees():
@@ -43,8 +73,6 @@ def test_progress_redraws_between_batches():
     """A long batch must not freeze the bar: it redraws on its own every `interval` seconds."""
     import time
 
-    from streamx.base.progress import Progress
-
     counts = Throughput()
     with Progress(counts, total_rows=10, desc="test", disable=False, interval=0.02, terminal=True) as progress:
         counts.forwarded(3, 300, 400)  # no call into the bar
@@ -58,8 +86,6 @@ def test_progress_in_a_log_is_plain_status_lines(capsys):
     """Where stderr is no terminal (Slurm, nohup, a CI log) the bar would be one ever-growing line of carriage
     returns: instead, a newline-ended status line every interval (30 s by default) and one at the end."""
     import time
-
-    from streamx.base.progress import Progress
 
     counts = Throughput()
     assert Progress(counts, total_rows=10, desc="test", disable=False, terminal=False).interval == 30.0

@@ -422,3 +422,42 @@ def test_a_resume_does_not_parse_the_rows_it_holds(tiny_chat_model_dir, chat_jso
         assert len(parsed) == (rows if drop_keys else rows - whole), name
         assert_same_samples(reference, out)
         assert open_store(str(out)).summary()["reject_counts"] == {"duplicate_content": len(repeats)}
+
+
+def test_progress_ends_on_its_total_with_no_time_left_also_on_a_resume(tiny_chat_model_dir, chat_jsonl, tmp_path,
+                                                                       capsys):
+    """With --sharing, repeated rows are never computed: the ETA counts the tokens still to compute, so the last
+    status line has none left; a resume's bar counts the rows left and ends on that total, never past it."""
+    chats = [json.loads(line) for line in open(chat_jsonl)]
+    rows = 5 * len(chats)  # 4 of 5 repeat an earlier row, as in a corpus of many repeats (the embedded default's)
+    data = write_jsonl(tmp_path / "data.jsonl", [{"id": i, **chats[i % len(chats)]} for i in range(rows)])
+    fresh, resumed = tmp_path / "fresh.zarr", tmp_path / "resumed.zarr"
+    # the resume's first sorting window holds done rows and rows to run
+    for out, max_samples, total in [(fresh, None, rows), (resumed, 10, 10), (resumed, None, rows - 10)]:
+        capsys.readouterr()
+        run(small_config(tiny_chat_model_dir, data, out, max_samples=max_samples), progress=True)
+        status = [line for line in capsys.readouterr().err.splitlines() if line.startswith("streamx run: ")]
+        shown = [int(line.split()[2].split("/")[0]) for line in status]
+        assert status and status[-1].startswith(f"streamx run: {total}/{total} rows [") and max(shown) == total
+        assert status[-1].endswith(", ETA 00:00]"), status[-1]
+    assert open_store(str(fresh)).summary()["duplicate_content_kept"] == rows - len(chats)
+
+
+def test_summary_says_the_computed_tokens_per_s_and_the_cpu_share(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    summary = run(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr"), progress=False)
+    cores = len(os.sched_getaffinity(0))
+    assert summary.tokens_per_s == pytest.approx(summary.real_tokens / summary.seconds)
+    assert 0 < summary.cpu_share <= 1 and summary.cores == cores
+    line = summary.lines()[0]
+    assert f"{summary.tokens_per_s:,.0f} computed tokens/s, {summary.cpu_share:.0%} of {cores} cores" in line, line
+
+
+def test_a_ranks_progress_total_is_the_rows_of_its_windows_left_to_run():
+    from streamx.pipeline.ranks import Rank
+    from streamx.pipeline.runner import rows_to_run
+
+    done = {*range(21), 40, 70, 120}  # 120: past the rows of a run with a smaller --max-samples
+    # windows of 16 rows go round 3 ranks: rank 1 runs rows 16-31 and 64-79, of which 16-20 and 70 are done
+    assert rows_to_run(100, done, 16, Rank(1, 3)) == 32 - 6
+    assert rows_to_run(100, done, 16, Rank(0, 1)) == 100 - 23
+    assert sum(rows_to_run(100, done, 16, Rank(r, 3)) for r in range(3)) == 100 - 23

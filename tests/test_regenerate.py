@@ -700,7 +700,7 @@ def test_sigterm_stops_at_turn_boundaries_and_writes_every_finished_row(tmp_path
         # the next steps: the same command goes on; `streamx run` reads the rows so far only when told to
         assert [line for line in stdout.splitlines() if line.startswith("next:")] == [
             f"next: {shlex.join(['streamx', 'regenerate', '--no-progress', *args])}   (goes on)   |   to use the "
-            f"rows written so far: streamx run --data {out} --allow-partial --model m"]
+            f"rows written so far: streamx run --data {out} --allow-partial --model m --out {tmp_path / 'o.zarr'}"]
         assert [when for when, _ in server.arrived if when > sent] == []  # no turn asked for after the signal
         assert [r["source_row"] for r in read_rows(out)] == [0]  # row 0 ended with its turn in flight; 1 did not
         again = cli("regenerate", "--no-progress", *args)
@@ -807,13 +807,14 @@ def test_progress_shows_rows_tokens_and_the_eta():
     text = "\n".join(summary.lines())
     assert "wrote 4 rows (8 assistant turns)" in text and "finish reasons: length: 4, stop: 4" in text
     assert "truncated at --max-tokens: 4 turns kept" in text and "errors: 1 rows (no_prompt: 1)" in text
-    assert summary.lines()[-1] == "next: streamx run --data o.jsonl --model m"
+    # a store of its own: typed as printed, the command never runs into the default --out (the quick start's)
+    assert summary.lines()[-1] == "next: streamx run --data o.jsonl --model m --out o.zarr"
     summary.add(RowError("timeout", "no reply"))  # a row the next run tries again: the output is not complete yet
     summary.complete = False
     assert summary.lines(command="streamx regenerate X")[-2:] == [
         "the output is unfinished (streamx run refuses it without --allow-partial)",
         "next: streamx regenerate X   (goes on)   |   to use the rows written so far: streamx run --data o.jsonl "
-        "--allow-partial --model m"]
+        "--allow-partial --model m --out o.zarr"]
 
 
 def test_the_data_and_files_streamx_did_not_write_are_never_replaced(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zarr
 from typer.testing import CliRunner
 
 import streamx.train.verify as verify_module
@@ -20,6 +21,7 @@ from streamx.store import OwnedPart, bf16_to_bits, make_layout, open_for_run, op
 from streamx.train.verify import verify
 
 CLAIMED = [1, 2, 4]  # the ids the test stores say they hold (L = 4)
+SYSTEM = 9690  # "system": token 1 of every chat row (the template's system turn), and no other token
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_5"])
@@ -32,6 +34,10 @@ def full_store(request, smollm2_dir, chat_jsonl, tmp_path_factory):
     model = tiny_model(request.param)
     model.config.vocab_size = 49152
     model.resize_token_embeddings(49152)
+    # a massive activation at token 1, ~200 times the other tokens' largest value, as real models have on their first
+    # tokens (SmolLM2: ~25,000 in one value at token 0, ~150 elsewhere): 98% of a row's squared norm
+    with torch.no_grad():
+        model.get_input_embeddings().weight[SYSTEM, 7] = 30.0
     model.save_pretrained(root / "model")
     AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(root / "model")
     cfg = load_config(None, model=str(root / "model"), data=chat_jsonl, out=str(root / "all.zarr"), layers="0,1,2,3,4",
@@ -67,9 +73,23 @@ def test_a_right_store_passes(full_store, tmp_path):
     report = verify(good, samples=6, log=lambda m: None)
     assert report.passed, report.lines()
     assert [c.name for c in report.checks] == ["complete", "commits", "index", "rows", "read", "token_ids",
-                                               "loss_mask", "states", "weights", "model"]
+                                               "loss_mask", "states", "data", "weights", "model"]
     result = CliRunner().invoke(app, ["verify", good, "--samples", "4", "--json"])
     assert result.exit_code == 0 and json.loads(result.stdout)["passed"] is True
+
+
+@pytest.mark.parametrize(("storage", "dtype"), [("fp8", "float32"), ("bf16", "bfloat16")])
+def test_a_right_store_passes_in_fp8_and_from_a_bf16_forward(full_store, chat_jsonl, tmp_path, storage, dtype):
+    """Rounding stays well inside the model check's tolerance, token by token: fp8's 3 mantissa bits, and a bf16
+    forward batched against one unbatched."""
+    out = str(tmp_path / "s.zarr")
+    run(load_config(None, model=str(Path(full_store).parent / "model"), data=chat_jsonl, out=out, layers="1,2,4",
+                    max_samples=16, token_budget=1024, max_length=256, storage=storage, dtype=dtype),
+        progress=False, log=lambda m: None)
+    report = verify(out, samples=8, log=lambda m: None)
+    assert report.passed, report.lines()
+    largest = float(report.checks[-1].summary.split("largest relative difference ")[1].split()[0])
+    assert largest < verify_module.tolerance_for(open_store(out)) / 2
 
 
 def test_an_off_by_one_hook_is_named(full_store, tmp_path):
@@ -119,9 +139,28 @@ def test_states_swapped_between_samples_are_named(full_store, tmp_path):
     finally:
         type(source).at = real_at
     report = verify(out, samples=len(source), log=lambda m: None)
-    assert list(failures(report)) == ["model"]
+    assert list(failures(report)) == ["data", "model"]
+    assert [p.split(":")[0] for p in failures(report)["data"]] == [f"row {int(source.index.rows[b])}"]  # cut short
     problems = failures(report)["model"]
     assert len(problems) == 2 * 3 and all("states swapped between samples" in p for p in problems)
+
+
+@pytest.mark.parametrize("fault", ["zeroed", "scaled by 1.5", "id 1's states"])
+def test_a_slot_wrong_after_the_first_tokens_fails_the_model_check(full_store, tmp_path, fault):
+    """Issue 48: the massive activation of token 1 no longer sets the scale of the whole row; a slot wrong at every
+    token from token 4 on (the first tokens right) fails, each token measured against its own size."""
+    source = open_store(full_store)
+    victim = int(source.index.rows[np.argmax(source.index.lengths)])  # the longest: always recomputed
+
+    def damage(sample, x):
+        if sample.row_id == victim:
+            x[4:, 1] = 0 if fault == "zeroed" else 1.5 * x[4:, 1] if fault == "scaled by 1.5" else x[4:, 0]
+        return x
+
+    report = verify(write_store(full_store, tmp_path / "s.zarr", damage), samples=4, log=lambda m: None)
+    assert list(failures(report)) == ["model"], report.lines()
+    (problem,) = failures(report)["model"]
+    assert problem.startswith(f"row {victim}: slot 1 (id 2) differs from the model's states at ")
 
 
 @pytest.mark.parametrize("fault", ["zeroed slot", "NaN"])
@@ -204,7 +243,7 @@ def test_a_folder_of_repeated_samples_is_checked_with_one_read_a_file(full_store
     real = convert_module.training_sample
     monkeypatch.setattr(convert_module, "training_sample", lambda *args: reads.append(args[-1]) or real(*args))
     report = verify(str(spec), use_model=False, log=lambda m: None)
-    assert report.passed, report.lines()
+    assert list(failures(report)) == ["data"]  # (its rows hold one row's ids, not their data's)
     assert sorted(reads) == list(range(12))  # each row once
 
 
@@ -226,3 +265,89 @@ def test_the_structural_pass_reads_in_bounded_slices(full_store, tmp_path, monke
 
     report = verify(write_store(full_store, tmp_path / "n.zarr", nan_last), use_model=False)
     assert failures(report) == {"states": [f"row {victim}: id 1 holds NaN or Inf"]}
+
+
+def test_each_token_is_measured_against_its_own_size():
+    ref = torch.tensor([[25000.0, 0.0], [3.0, 4.0], [0.0, 0.0]])  # a massive token, a plain one, an all-zero one
+    got = torch.tensor([[25000.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    assert verify_module.token_errors(got, ref).tolist() == [0.0, 1.0, 0.0]
+    got[2, 0] = 0.005  # a zero token counts as a thousandth of the row's median token norm (5)
+    assert verify_module.token_errors(got, ref)[2] == pytest.approx(1.0)
+
+
+def tokenized_rows() -> list[dict]:
+    """20 pre-tokenized rows, then 8 repeats of earlier ones (the same ids and mask)."""
+    rng = np.random.default_rng(5)
+    rows = [{"input_ids": rng.integers(10, 40000, int(n)).tolist(), "loss_mask": [0] * 3 + [1] * (int(n) - 3)}
+            for n in rng.integers(8, 40, 20)]
+    return rows + [dict(rows[i]) for i in (0, 3, 3, 7, 11, 2, 19, 5)]
+
+
+def write_rows(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def tokenized_store(model_dir: str, tmp_path: Path, rows: list[dict]) -> tuple[str, Path]:
+    """A store of `rows` (the repeats stored as repeats: --sharing on, the default), and its data file."""
+    data = tmp_path / "rows.jsonl"
+    out = tmp_path / "s.zarr"
+    cfg = load_config(None, model=model_dir, data=write_rows(data, rows), out=str(out), layers="1,2,4", sort_window=4,
+                      token_budget=256, max_length=256)
+    run(cfg, progress=False, log=lambda m: None)
+    return str(out), data
+
+
+def test_rows_read_again_from_the_data_hold_the_stored_ids(tiny_chat_model_dir, tmp_path):
+    """Issue 48: rows are read again from the data the store was made from, through the run's own source and
+    tokenizer; a row whose data and stored ids disagree fails, named, whichever side changed."""
+    rows = tokenized_rows()
+    out, data = tokenized_store(tiny_chat_model_dir, tmp_path, rows)
+    report = verify(out, use_model=False, log=lambda m: None)
+    assert report.passed, report.lines()
+    check = next(c for c in report.checks if c.name == "data")
+    assert not check.skipped and check.summary.startswith(f"{len(rows)} rows read again from {data}")
+
+    rows[4]["input_ids"] = [*rows[4]["input_ids"][:-1], rows[4]["input_ids"][-1] + 1]  # the data changed
+    write_rows(data, rows)
+    report = verify(out, use_model=False, log=lambda m: None)
+    assert failures(report) == {
+        "data": [f"row 4: its token ids in the store and in the data differ at token {len(rows[4]['input_ids']) - 1}"]}
+    assert report.checks[-1].summary == f"1 of {len(rows)} rows differ from the data; the data changed since the run"
+
+    write_rows(data, tokenized_rows())  # the data as it was, and the store's ids changed on disk
+    (a, _), = open_store(out).ranges(open_store(out).position(9))
+    ids = zarr.open_array(f"{out}/parts/part-00000/input_ids", mode="r+")
+    ids[a] = ids[a] + 1
+    report = verify(out, use_model=False, log=lambda m: None)
+    assert failures(report) == {"data": ["row 9: its token ids in the store and in the data differ at token 0"]}
+    assert report.checks[-1].summary == f"1 of {len(rows)} rows differ from the data"
+
+
+def test_repeated_rows_are_read_again_first(tiny_chat_model_dir, tmp_path, monkeypatch):
+    """A row stored as a repeat reads its first row's ids (a content-key collision would serve it another row's):
+    those rows are read again before the others, and one whose data is not its first row's fails."""
+    rows = tokenized_rows()
+    out, data = tokenized_store(tiny_chat_model_dir, tmp_path, rows)
+    store = open_store(out)
+    repeats = np.flatnonzero(store.same_as >= 0)
+    assert store.index.rows[repeats].tolist() == list(range(20, 28))
+    assert set(repeats) <= set(verify_module.data_rows(store, 16, seed=0))  # all of them, then 8 others
+    assert len(set(repeats) & set(verify_module.data_rows(store, 4, seed=0))) == 2  # half, where there are more
+
+    rows[-1] = {**rows[-1], "loss_mask": [1] * len(rows[-1]["input_ids"])}  # row 27, stored as row 5's repeat
+    write_rows(data, rows)
+    monkeypatch.setattr(verify_module, "DATA_ROWS", 16)
+    assert failures(verify(out, use_model=False, log=lambda m: None)) == {
+        "data": ["row 27: its loss mask in the store and in the data differ at token 0; it is stored as a repeat of "
+                 "row 5 and reads its tokens"]}
+
+
+def test_the_data_check_is_skipped_when_the_data_is_gone(tiny_chat_model_dir, tmp_path):
+    out, data = tokenized_store(tiny_chat_model_dir, tmp_path, tokenized_rows())
+    data.rename(tmp_path / "moved.jsonl")
+    report = verify(out, use_model=False, log=lambda m: None)
+    assert report.passed, report.lines()
+    check = next(c for c in report.checks if c.name == "data")
+    assert check.skipped and check.summary.startswith("skipped: ") and str(data) in check.summary
+    assert f"skip data         {check.summary}" in report.lines()

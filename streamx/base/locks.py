@@ -2,7 +2,9 @@
 
 Two processes writing one part tear its shards (a double launch of the same command is the usual
 way). The lock is `fcntl.flock`, which the kernel drops when its process ends, however it ends: a
-killed run never blocks its re-run. The file holds who took it, for the refusal's message. Object
+killed run never blocks its re-run. The file holds who took it, for the refusal's message. Its name is
+predictable and its folder may be others' to write: a lock file that is a symlink, a hard link or no plain
+file is refused, never written through, and one another user owns is locked but not rewritten. Object
 stores have no such lock: one writer per part is then the user's to keep (torchrun ranks write
 their own parts). On network filesystems flock is as good as the mount's lock support.
 
@@ -22,6 +24,7 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 import sys
 import time
 import warnings
@@ -53,7 +56,7 @@ class Lock:
 
     def _is_current(self) -> bool:
         try:
-            return os.stat(self.path).st_ino == os.fstat(self.fd).st_ino
+            return os.lstat(self.path).st_ino == os.fstat(self.fd).st_ino
         except FileNotFoundError:
             return False
 
@@ -61,7 +64,7 @@ class Lock:
         path = self.path
         try:
             make_dirs(path.parent)
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            self.fd = _open(path)
         except OSError as err:
             raise OSError(f"cannot lock {what} ({path}): {err.strerror or err}") from None
         try:
@@ -78,10 +81,8 @@ class Lock:
             self._close()
             raise LockedError(f"{what} is being written by another process ({holder}); wait for it to end or stop "
                               "it, then run again") from None
-        started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-        command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:200] if sys.argv else "python"
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}: {command}\n".encode(), 0)
+        if os.fstat(self.fd).st_uid == os.geteuid():  # another user's file is locked as it is, never rewritten
+            _write_holder(self.fd)
 
     def release(self) -> None:
         if self.fd is not None:
@@ -104,6 +105,38 @@ class Lock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _open(path: Path) -> int:
+    """The lock file's descriptor, the file created when missing. Its name is predictable and may sit in a folder
+    others write: a symlink (followed, even dangling, it would create or write another file), a hard link (the
+    same file as another name) or anything but a plain file is refused, never opened for writing into."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.EISDIR):
+            raise _planted("a symlink" if err.errno == errno.ELOOP else "a folder") from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        raise _planted("not a regular file" if not stat.S_ISREG(info.st_mode)
+                       else f"a file with {info.st_nlink} names (hard links)")
+    return fd
+
+
+def _planted(what: str) -> OSError:
+    """The refusal, one line after the path that `_take` names: what is there, and what to do."""
+    return OSError(f"it is {what}, not a lock file streamx made, and streamx will not write through it; remove it "
+                   "and run again")
+
+
+def _write_holder(fd: int) -> None:
+    """Who holds the lock, for a refused process's message."""
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:200] if sys.argv else "python"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}: {command}\n".encode(), 0)
 
 
 def lock_file(folder: str | Path, part: str = "") -> Path:

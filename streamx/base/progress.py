@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from tqdm import tqdm
@@ -21,14 +22,16 @@ class Counts(Protocol):
 class Progress:
     """Rows done and the counts' own status (`Counts.status`: rates, an ETA), redrawn every `interval` seconds
     even while a long batch runs: a live bar on a terminal; elsewhere (Slurm, nohup, CI logs) one plain,
-    newline-ended status line every `interval` seconds (default 30), so a log file gets readable lines."""
+    newline-ended status line every `interval` seconds (default 30), so a log file gets readable lines.
+    `clock` gives the elapsed time (a test's fake one); the redraws keep real time."""
 
     def __init__(self, counts: Counts, total_rows: int | None, desc: str, disable: bool,
-                 interval: float | None = None, terminal: bool | None = None):
-        self.counts, self.total_rows, self.desc, self.disable = counts, total_rows, desc, disable
+                 interval: float | None = None, terminal: bool | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.counts, self.total_rows, self.desc, self.disable, self.clock = counts, total_rows, desc, disable, clock
         self.terminal = sys.stderr.isatty() if terminal is None else terminal
         self.interval = interval if interval is not None else 1.0 if self.terminal else 30.0
-        self.started = time.perf_counter()
+        self.started = clock()
         self.bar = tqdm(total=total_rows, unit="row", desc=desc, disable=disable or not self.terminal,
                         dynamic_ncols=True,
                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rows [{elapsed}{postfix}]")
@@ -47,7 +50,7 @@ class Progress:
         self.bar.close()
 
     def status(self) -> str:
-        return self.counts.status(self.total_rows, max(time.perf_counter() - self.started, 1e-9))
+        return self.counts.status(self.total_rows, max(self.clock() - self.started, 1e-9))
 
     def draw(self) -> None:
         if self.terminal:
@@ -55,7 +58,7 @@ class Progress:
             self.bar.set_postfix_str(self.status())  # and redraws
             return
         total = f"/{self.total_rows:,}" if self.total_rows is not None else ""
-        elapsed = tqdm.format_interval(time.perf_counter() - self.started)
+        elapsed = tqdm.format_interval(self.clock() - self.started)
         print(f"{self.desc}: {self.counts.rows:,}{total} rows [{elapsed}, {self.status()}]", file=sys.stderr,
               flush=True)
 

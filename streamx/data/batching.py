@@ -268,10 +268,10 @@ def iter_batches(items: list[Sample | Reject | Duplicate], token_budget: int, ma
                  min_shared_tokens: int | None = None) -> Iterator[Batch | Reject | Duplicate]:
     """One window's samples as batches, packed or padded; rejects (nothing to compute) pass straight through,
     and duplicates (nothing to compute, read from an earlier row) come after the batches, so that a run stopped
-    part way never commits a repeat before the row it reads. With `sharing`, rows that are prefixes of others (duplicates too) are served by those rows'
-    states (streamx.data.sharing), and, packed, common leading runs of `min_shared_tokens` (None: none) are
-    computed once (a tree too large for one batch in pieces, each alone in its batch and after the ones it
-    continues)."""
+    part way never commits a repeat before the row it reads. With `sharing`, rows that are prefixes of others
+    (duplicates too) are served by those rows' states (streamx.data.sharing), and, packed, common leading runs
+    of `min_shared_tokens` (None: none) are computed once (a tree too large for one batch in pieces, each alone
+    in its batch and after the ones it continues)."""
     samples, duplicates = [], []
     for item in items:
         if isinstance(item, Reject):

@@ -61,10 +61,13 @@ class Segment:
         return out[::-1]
 
     def walk(self) -> Iterable[Segment]:
-        """It and its descendants, parents first (children in sorted order)."""
-        yield self
-        for child in self.children:
-            yield from child.walk()
+        """It and its descendants, parents first (children in sorted order). A stack, not recursion: a tree is
+        as deep as its rows' distinct branch points (an agent trace fanned out per step: thousands)."""
+        stack = [self]
+        while stack:
+            segment = stack.pop()
+            yield segment
+            stack.extend(reversed(segment.children))
 
 
 @dataclass

@@ -233,12 +233,23 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
     `warmup_rounds` rounds of every mode run uncounted (default: 1 on CUDA, where the naive mode's
     per-sample shapes and the gather kernel compile too; 0 on CPU). Stores and naive files go to a
     temporary folder in `out_dir` (default: the system's), whose plain sequential write speed is
-    measured too (`ceiling_bytes` per pass), so the report can say whether the disk binds."""
+    measured too (`ceiling_bytes` per pass), so the report can say whether the disk binds; `config.out`
+    is neither read nor written."""
     unknown = set(modes) - set(MODES)
     if unknown or "streamx" not in modes:
         raise ValueError(f"modes must include streamx and be among {', '.join(MODES)}; got {', '.join(modes)}")
     library_bars(progress)
-    plan = make_plan(config, log=log)  # what `streamx run` would do, loaded once for every mode
+    with tempfile.TemporaryDirectory(prefix="streamx-bench-", dir=out_dir) as tmp:
+        # what `streamx run` would do, loaded once for every mode, planned into the scratch folder: bench writes
+        # only temporary stores, so a store at --out (another run's) is neither read nor refused
+        plan = make_plan(config.replace(out=str(Path(tmp) / "store.zarr")), log=log)
+        return _bench(plan, Path(tmp), rounds, progress, log, modes, out_dir, ceiling_bytes, warmup_rounds)
+
+
+def _bench(plan: RunPlan, scratch: Path, rounds: int, progress: bool, log: Callable[[str], None],
+           modes: tuple[str, ...], out_dir: str | None, ceiling_bytes: int,
+           warmup_rounds: int | None) -> dict[str, Any]:
+    """bench's modes over `plan`, their stores and files in `scratch`."""
     if not plan.packing.on:  # the forward pass over padded batches is forward_only itself
         modes = tuple(m for m in modes if m != "forward_padded")
     if not plan.sharing.on:  # streamx computes every row in full already
@@ -255,32 +266,31 @@ def bench(config: RunConfig, rounds: int = 2, progress: bool = True, log: Callab
     fills: dict[str, float] = {}
     shared: SharedKinds | None = None
     samples, real = len(work.samples), work.tokens
-    with tempfile.TemporaryDirectory(prefix="streamx-bench-", dir=out_dir) as tmp:
-        for r in range(warmups + rounds):
-            for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                with PeakRSS() as rss:
-                    t0 = time.perf_counter()
-                    out, summary = run_mode(mode, work, Path(tmp), r)
-                    seconds = time.perf_counter() - t0
-                if r < warmups:
-                    log(f"warm-up round {r + 1}/{warmups} {mode:<12} {real / seconds:10,.0f} tokens/s (not counted)")
-                    continue
-                if summary is not None and mode == "streamx":
-                    for k, v in summary.stage_seconds.items():
-                        stages[k] = stages.get(k, 0.0) + v
-                    fills, shared = summary.queue_fill, summary.shared
-                t = totals[mode]
-                t["seconds"] += seconds
-                t["rounds"].append(seconds)
-                t["peak_rss_bytes"] = max(t["peak_rss_bytes"], rss.peak)
-                t["bytes_written"] = out["bytes_written"]  # per round
-                if device.type == "cuda":
-                    t["peak_device_bytes"] = max(t["peak_device_bytes"], torch.cuda.max_memory_allocated(device))
-                if progress:
-                    log(f"round {r - warmups + 1}/{rounds} {mode:<12} {samples / seconds:8.2f} samples/s "
-                        f"{real / seconds:10,.0f} tokens/s")
+    for r in range(warmups + rounds):
+        for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            with PeakRSS() as rss:
+                t0 = time.perf_counter()
+                out, summary = run_mode(mode, work, scratch, r)
+                seconds = time.perf_counter() - t0
+            if r < warmups:
+                log(f"warm-up round {r + 1}/{warmups} {mode:<12} {real / seconds:10,.0f} tokens/s (not counted)")
+                continue
+            if summary is not None and mode == "streamx":
+                for k, v in summary.stage_seconds.items():
+                    stages[k] = stages.get(k, 0.0) + v
+                fills, shared = summary.queue_fill, summary.shared
+            t = totals[mode]
+            t["seconds"] += seconds
+            t["rounds"].append(seconds)
+            t["peak_rss_bytes"] = max(t["peak_rss_bytes"], rss.peak)
+            t["bytes_written"] = out["bytes_written"]  # per round
+            if device.type == "cuda":
+                t["peak_device_bytes"] = max(t["peak_device_bytes"], torch.cuda.max_memory_allocated(device))
+            if progress:
+                log(f"round {r - warmups + 1}/{rounds} {mode:<12} {samples / seconds:8.2f} samples/s "
+                    f"{real / seconds:10,.0f} tokens/s")
     busy = {k: v / rounds for k, v in stages.items()}
     return report(work, modes, totals, busy, fills, rounds, warmups,
                   {"bf16_matmul_peak_tflops": peak, "host_copy_gb_per_s": host_copy, "write_gb_per_s": ceiling / 1e9},

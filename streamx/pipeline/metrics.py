@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import queue
 import time
-from collections import defaultdict
-from collections.abc import Iterator
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -59,50 +59,53 @@ class QueueFill:
         return self.total / max(self.reads, 1) / self.q.maxsize
 
 
+RATE_WINDOW = 30.0  # seconds of recent batches the rate is taken over
+
+
 @dataclass
 class Throughput:
-    """Rows and tokens through a run: tokenized (the producer runs ahead) and through the forward pass."""
+    """Rows and tokens through a run: tokenized (the producer runs ahead) and through the forward pass. Tokens are
+    those computed (with --sharing, fewer than the rows': repeats, prefix rows and shared leading runs once)."""
 
-    tokens_to_go: int | None = None  # the sizing pass's tokens for this run to write (None: not sized)
+    tokens_to_go: int | None = None  # the tokens this run will compute, as planned (None: not known)
+    clock: Callable[[], float] = time.perf_counter
     tokenized_rows: int = 0
     tokenized_tokens: int = 0
-    rows: int = 0  # samples and rejects past the model stage
-    real_tokens: int = 0  # computed (with --sharing, fewer than the rows')
+    rows: int = 0  # rows past the model stage: samples, repeats and rejects
+    real_tokens: int = 0  # computed
     padded_tokens: int = 0
-    row_tokens: int = 0  # the tokens of the rows served: what the sizing pass counts
-    first_batch: tuple[float, int, int] | None = None  # (when, real tokens, row tokens) after the first batch
+    marks: deque[tuple[float, int]] = field(default_factory=deque)  # (when, real tokens) after each recent batch
 
     def tokenized(self, rows: int, tokens: int) -> None:
-        """Count what the producer hands over: a batch's samples and tokens, or a reject (one row, no tokens)."""
+        """Count what the producer hands over: a batch's rows and computed tokens, or a row with none to compute."""
         self.tokenized_rows += rows
         self.tokenized_tokens += tokens
 
-    def forwarded(self, rows: int, real_tokens: int, padded_tokens: int, row_tokens: int | None = None) -> None:
-        """Count a batch through the model stage (`row_tokens`: its rows' tokens, when not `real_tokens`)."""
+    def forwarded(self, rows: int, real_tokens: int, padded_tokens: int) -> None:
+        """Count a batch through the model stage."""
         self.rows += rows
         self.real_tokens += real_tokens
         self.padded_tokens += padded_tokens
-        self.row_tokens += real_tokens if row_tokens is None else row_tokens
-        if self.first_batch is None:
-            self.first_batch = (time.perf_counter(), self.real_tokens, self.row_tokens)
+        now = self.clock()
+        self.marks.append((now, self.real_tokens))
+        while len(self.marks) > 2 and self.marks[0][0] < now - RATE_WINDOW:
+            self.marks.popleft()
 
     def tokens_per_s(self, elapsed: float) -> float:
-        """The rate since the first batch (the first one also pays the first window's tokenizing and the
-        forward's warm-up), or over `elapsed` until a second batch is through."""
-        return self._rate(self.real_tokens, 1, elapsed)
-
-    def _rate(self, tokens: int, which: int, elapsed: float) -> float:
-        if self.first_batch is not None:
-            since, first = self.first_batch[0], self.first_batch[which]
-            seconds = time.perf_counter() - since
-            if tokens > first and seconds > 0:
-                return (tokens - first) / seconds
-        return tokens / elapsed
+        """The rate over the batches that ended in the last RATE_WINDOW seconds (at least the last one), from the
+        end of the batch before them: it holds between batches, and the first batch (which also pays the first
+        window's tokenizing and the forward's warm-up) never counts; over `elapsed` until a second batch is
+        through."""
+        if len(self.marks) > 1:
+            (start, first), (end, last) = self.marks[0], self.marks[-1]
+            if end > start:
+                return (last - first) / (end - start)
+        return self.real_tokens / elapsed
 
     def status(self, total_rows: int | None, elapsed: float) -> str:
         """tokens/s, padding efficiency and ETA, as the progress bar's postfix; what is happening until the
         first batch is through."""
-        if self.first_batch is None:
+        if not self.marks and not self.rows:
             return ("starting: tokenizing the first window of rows, then the first forward pass"
                     if not self.tokenized_rows else "starting: the first forward pass")
         parts = [f"{self.tokens_per_s(elapsed):,.0f} tok/s"]
@@ -114,14 +117,23 @@ class Throughput:
         return ", ".join(parts)
 
     def eta_seconds(self, total_rows: int | None, elapsed: float) -> float | None:
-        """Seconds left, from tokens rather than rows (a row costs its length, and length-sorted windows make
-        the per-row rate swing): the tokens to go are the sizing pass's, else estimated from the rows
-        tokenized so far."""
-        rate = self._rate(self.row_tokens, 2, elapsed)  # rows' tokens, as the sizing pass counts them
-        if self.tokens_to_go is not None:
-            expected = self.tokens_to_go
+        """Seconds left: the tokens still to compute at the recent rate (a row costs what it computes, not its
+        length: a repeat costs nothing)."""
+        left = self.tokens_left(total_rows)
+        if not left:
+            return left  # None: not known; 0: none left
+        rate = self.tokens_per_s(elapsed)
+        return left / rate if rate > 0 else None
+
+    def tokens_left(self, total_rows: int | None) -> float | None:
+        """Tokens still to compute: exact once every row is tokenized; before, as planned, else extrapolated from
+        the rows tokenized so far (None: neither is known)."""
+        if total_rows is not None and self.tokenized_rows >= total_rows:
+            expected: float = self.tokenized_tokens
+        elif self.tokens_to_go is not None:
+            expected = max(self.tokens_to_go, self.tokenized_tokens)
         elif total_rows and self.tokenized_rows:
             expected = self.tokenized_tokens / self.tokenized_rows * total_rows
         else:
             return None
-        return max(0.0, expected - self.row_tokens) / rate if rate > 0 else None
+        return max(0.0, expected - self.real_tokens)

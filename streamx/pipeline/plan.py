@@ -65,7 +65,7 @@ from ..store import (
     free_bytes,
     make_layout,
 )
-from .estimate import estimate
+from .estimate import Estimate, estimate
 from .metrics import StageTimes
 from .ranks import Rank, init_from_env
 
@@ -85,7 +85,7 @@ class RunPlan:
     layout: Layout
     metadata: StoreMetadata
     rows_seen: int = 0  # the source rows batch_stream has passed, owned by this rank or not
-    tokens_to_write: int | None = None  # the sizing pass's estimate for the whole run (None: not sized)
+    tokens_to_compute: int | None = None  # the sizing pass's, for what is left (None: not sized): the ETA's
 
     @property
     def source_rows(self) -> int:
@@ -195,13 +195,13 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     record = regenerated(config.data)
     check_regenerated(config, record, log if rank.is_main else lambda m: None)
     config = resume_unshared(config, log if rank.is_main else lambda m: None)
-    tokens_to_write = None
+    sized = None
     if rank.is_main or rank.independent:  # torchrun's other ranks would race rank 0 creating the store
         output = preflight(config, rank.device(config.device), log if rank.is_main else lambda m: None)
         if loaded is None and rank.is_main:
             announce(config, source, output, rank.device(config.device), log)
             if config.space_check:
-                tokens_to_write = check_space(config, source, output, log)
+                sized = check_space(config, source, output, log)
     model, tokenizer, info = loaded or load_model(config.model, config.dtype, rank.device(config.device),
                                                   config.attn_implementation, config.device_map,
                                                   config.random_weights, config.tokenizer)
@@ -220,7 +220,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     metadata = store_metadata(config, info, builder, layer_ids, layout, packing, sharing)
     check_shared_resume(config, sharing, metadata.compat)
     return RunPlan(config, rank, source, layer_ids, packing, sharing, model, tokenizer, info, builder, layout,
-                   metadata, tokens_to_write=tokens_to_write)
+                   metadata, tokens_to_compute=tokens_to_compute(sized, sharing))
 
 
 def decide_sharing(config: RunConfig, packing: Packing, model: PreTrainedModel) -> Sharing:
@@ -347,10 +347,11 @@ def announce(config: RunConfig, source: Source, output: Output, device: str, log
             "flash-linear-attention is not installed (pip install fla-core)")
 
 
-def check_space(config: RunConfig, source: Source, output: Output, log: Callable[[str], None]) -> int | None:
+def check_space(config: RunConfig, source: Source, output: Output, log: Callable[[str], None],
+                ) -> tuple[Estimate, float] | None:
     """Size the store from the tokenized rows (streamx.pipeline.estimate) and refuse to start when the output
-    filesystem cannot hold what is left to write. Returns the tokens left to write (for the ETA), or None
-    where nothing was sized."""
+    filesystem cannot hold what is left to write. Returns the estimate and the share of the rows left to run
+    (for the ETA: `tokens_to_compute`), or None where nothing was sized."""
     free = free_bytes(config.out)
     if free is None or source.num_rows is None:
         log("  space   not checked: " + ("an object store" if free is None else "a stream of unknown length"))
@@ -369,7 +370,19 @@ def check_space(config: RunConfig, source: Source, output: Output, log: Callable
     if free < needed:
         raise StoreError(f"{config.out}: its filesystem has {gb(free)} free and the store needs about {gb(needed)}; "
                          "free space, choose another --out, use --storage fp8, or pass --no-space-check")
-    return round(plan.tokens * left)
+    return plan, left
+
+
+def tokens_to_compute(sized: tuple[Estimate, float] | None, sharing: Sharing) -> int | None:
+    """The tokens the run will put through the model of what is left (the ETA's), from the sizing pass: the rows'
+    tokens, or with --sharing what it computes as the estimate found it (an upper bound where rows were
+    sampled); None where nothing was sized."""
+    if sized is None:
+        return None
+    plan, left = sized
+    tokens = plan.tokens if not sharing.on or plan.shared is None else \
+        plan.shared.leading_runs if sharing.min_shared_tokens is not None else plan.shared.prefix_rows
+    return round(tokens * left)
 
 
 def fla_installed() -> bool:

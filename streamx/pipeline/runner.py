@@ -11,6 +11,7 @@ main thread raises it; whatever was committed stays committed and a re-run resum
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -18,6 +19,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..base.locks import LockedError
@@ -25,6 +27,7 @@ from ..base.progress import Progress
 from ..base.threads import SignalStop, Stopped, Worker, first_error, get, put
 from ..base.units import gb
 from ..config import RunConfig
+from ..data.batching import Batch
 from ..data.tokenize import Duplicate, Reject
 from ..model.capture import LayerCapture, segment_is_finite
 from ..model.gather import select_gather_fn
@@ -33,7 +36,7 @@ from ..model.transfer import HostTransfer
 from ..store import PARTS, DoneKeys, OwnedPart, RunStore, SharedKinds, SpaceGuard, Store, open_for_run, prepare
 from .metrics import QueueFill, StageTimes, Throughput
 from .plan import RunPlan, make_plan
-from .ranks import init_from_env
+from .ranks import Rank, init_from_env
 from .writer import CapturedBatch, PartWriter, RejectRate, WriterStage
 
 
@@ -63,10 +66,27 @@ class RunSummary:
     stopped_by: str | None = None  # the signal that ended the run early (SIGINT, SIGTERM), None when it ran to the end
     incomplete: list[str] = field(default_factory=list)  # why the store does not hold all its data yet (empty: it does)
     shared: SharedKinds | None = None  # what the whole store's rows share, by kind (None: not read, other ranks)
+    cpu_seconds: float = 0.0  # the process's CPU time over the run, every thread's
+    cores: int = 1  # the cores the process may run on
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens through the model per second of the whole run (loading and planning included)."""
+        return self.real_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def cpu_share(self) -> float:
+        """The CPU time the process got of all its cores' time over the run: low on a busy machine (or a run
+        that waits on its device or disk)."""
+        return self.cpu_seconds / (self.seconds * self.cores) if self.seconds else 0.0
 
     @property
     def padding_efficiency(self) -> float:
         return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
+
+    def pace(self) -> str:
+        """Why a run took its time, in one phrase: what it computed per second and the CPU it got."""
+        return f"{self.tokens_per_s:,.0f} computed tokens/s, {self.cpu_share:.0%} of {self.cores} cores"
 
     def lines(self, command: str = "the same command") -> list[str]:
         """What `streamx run` prints when it ends (under torchrun, rank 0 the whole summary, the others one line);
@@ -84,12 +104,13 @@ class RunSummary:
             ending = [f"next: streamx inspect {self.out}   |   streamx convert {self.out} --out SPEC_DIR (speculators "
                       f"training data)   |   python: streamx.open_store({self.out!r}).sample(row_id)"]
         if self.rank:
-            return [f"[rank {self.rank}] committed {self.samples:,} samples, rejected {self.rejects:,} ({rejects})",
+            return [f"[rank {self.rank}] committed {self.samples:,} samples in {self.seconds:.0f} s ({self.pace()}), "
+                    f"rejected {self.rejects:,} ({rejects})",
                     *(ending if self.stopped_by else [])]
         resumed = f"; {self.resumed_rows:,} rows were already committed" if self.resumed_rows else ""
         return [
             f"committed {self.samples:,} samples ({self.row_tokens:,} tokens, {self.trainable_tokens:,} trainable) in "
-            f"{self.seconds:.0f} s; rejected {self.rejects:,} ({rejects})",
+            f"{self.seconds:.0f} s ({self.pace()}); rejected {self.rejects:,} ({rejects})",
             *([f"{self.duplicates:,} of these samples repeat an earlier row's content (--skip-duplicates leaves such "
                "rows out)"] if self.duplicates else []),
             f"layer ids {self.layer_ids} (speculators convention; id {self.num_layers} = the last layer's output "
@@ -121,8 +142,12 @@ class Pipeline:
         self.to_write: queue.Queue = queue.Queue(maxsize=cfg.queue_batches)
         self.times = StageTimes()
         self.fill = {"batches": QueueFill(self.batches), "to_write": QueueFill(self.to_write)}
-        tokens_to_go = None if plan.tokens_to_write is None else -(-plan.tokens_to_write // plan.rank.world_size)
-        self.counts = Throughput(tokens_to_go)  # (about this rank's share)
+        planned = plan.tokens_to_compute  # (per rank: about)
+        self.counts = Throughput(None if planned is None else -(-planned // plan.rank.world_size))
+
+    def rows_to_run(self, batch: Batch) -> int:
+        """The batch's rows that this run commits (a resume's batch may hold rows committed before)."""
+        return sum(s.row_id not in self.done for s in batch.samples)
 
     def produce(self) -> None:
         """Producer thread: this rank's batches (RunPlan.batch_stream), pinned on CUDA."""
@@ -135,7 +160,7 @@ class Pipeline:
             if isinstance(item, (Reject, Duplicate)):
                 self.counts.tokenized(rows=1, tokens=0)
             else:
-                self.counts.tokenized(rows=len(item.samples), tokens=item.num_tokens)
+                self.counts.tokenized(rows=self.rows_to_run(item), tokens=item.num_tokens)
                 if pin:
                     item.pin_memory()
             put(self.batches, item, self.failed)
@@ -171,7 +196,7 @@ class Pipeline:
                 with self.times.measure("d2h", device):
                     host = transfer.start(states, finite, scales)
                 put(self.to_write, CapturedBatch(item, host), self.failed)
-                self.counts.forwarded(len(item.samples), item.num_tokens, item.padded_tokens, item.row_tokens)
+                self.counts.forwarded(self.rows_to_run(item), item.num_tokens, item.padded_tokens)
         put(self.to_write, None, self.failed)
 
     def next_batch(self) -> Any:
@@ -221,7 +246,7 @@ def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str],
     The process holds its part of the store for the whole run (streamx.base.locks), taken before the model
     loads. SIGINT and SIGTERM end it early with what was written committed (`RunSummary.stopped_by`), unless
     `wind_up_on_signals` is off (a caller that runs many short runs, as bench, lets Ctrl-C stop it at once)."""
-    started = time.perf_counter()
+    started = time.perf_counter(), time.process_time()  # wall and CPU
     library_bars(progress)
     cfg, rank = (config.config, config.rank) if isinstance(config, RunPlan) else \
         (config, init_from_env(config.rank, config.world_size))
@@ -230,7 +255,7 @@ def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str],
         return _run(plan, part, started, progress, log, wind_up_on_signals)
 
 
-def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Callable[[str], None],
+def _run(plan: RunPlan, part: OwnedPart, started: tuple[float, float], progress: bool, log: Callable[[str], None],
          signals: bool) -> RunSummary:
     cfg, rank = plan.config, plan.rank
     # rank 0 creates (or checks and reopens) the store before any other rank opens it; independent ranks each do
@@ -244,9 +269,8 @@ def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Ca
     writer = PartWriter(part.open(target, plan.layout), space)
     pipeline = Pipeline(plan, writer, target.done_rows, target.done_keys, target.same_as)
 
-    total = None if plan.source.num_rows is None else max(0, plan.source.num_rows - len(target.done_rows))
-    if total is not None and rank.world_size > 1:
-        total = -(-total // rank.world_size)  # about this rank's share
+    total = None if plan.source.num_rows is None else rows_to_run(plan.source.num_rows, target.done_rows,
+                                                                  cfg.sort_window, rank)
     desc = "streamx run" if rank.world_size == 1 else f"streamx run [rank {rank.rank}]"
     with Progress(pipeline.counts, total, desc, disable=not progress), \
             SignalStop(pipeline.signalled, log, enabled=signals) as signals_in:
@@ -269,12 +293,26 @@ def _run(plan: RunPlan, part: OwnedPart, started: float, progress: bool, log: Ca
         reject_counts=written.reject_counts, hidden_bytes=written.tokens * plan.layout.bytes_per_token,
         real_tokens=pipeline.counts.real_tokens, padded_tokens=pipeline.counts.padded_tokens,
         resumed_rows=len(target.done_rows),
-        seconds=time.perf_counter() - started, stage_seconds=pipeline.stage_seconds(),
+        seconds=time.perf_counter() - started[0], stage_seconds=pipeline.stage_seconds(),
         queue_fill={name: fill.mean for name, fill in pipeline.fill.items()},
         store_samples=store_samples, store_tokens=store_tokens, rank=rank.rank,
         stopped_by=signals_in.signal.name if signals_in.signal and pipeline.rows_left.is_set() else None,
-        incomplete=incomplete, shared=shared,
+        incomplete=incomplete, shared=shared, cpu_seconds=time.process_time() - started[1], cores=available_cores(),
     )
+
+
+def rows_to_run(num_rows: int, done: Collection[int], sort_window: int, rank: Rank) -> int:
+    """The source rows this rank runs (the progress bar's total): those of its sorting windows that no earlier
+    run committed."""
+    owned = sum(min(sort_window, num_rows - w * sort_window)
+                for w in range(rank.rank, -(-num_rows // sort_window), rank.world_size))
+    ids = np.fromiter(done, dtype=np.int64, count=len(done))
+    return owned - int(((ids < num_rows) & (ids // sort_window % rank.world_size == rank.rank)).sum())
+
+
+def available_cores() -> int:
+    """The cores this process may run on: its affinity (taskset, Slurm, a container's cpuset) where the OS has one."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def close_parts_of_no_rank(path: str, target: RunStore, world_size: int, log: Callable[[str], None]) -> list[str]:

@@ -18,6 +18,7 @@ scheduler (regen.scheduler), the files (regen.files); here the run that ties the
 from __future__ import annotations
 
 import os
+import shlex
 import threading
 import time
 from collections import Counter
@@ -144,10 +145,15 @@ class RegenerateSummary:
               if self.recorded_errors else []),
             *([f"stopped by {self.stopped_by}: every row finished is written"] if self.stopped_by else []),
             *(["the output is unfinished (streamx run refuses it without --allow-partial)",
-               f"next: {command}   (goes on)   |   to use the rows written so far: streamx run --data {self.out} "
-               f"--allow-partial --model {self.model}"]
-              if not self.complete else [f"next: streamx run --data {self.out} --model {self.model}"]),
+               f"next: {command}   (goes on)   |   to use the rows written so far: {self._run('--allow-partial')}"]
+              if not self.complete else [f"next: {self._run()}"]),
         ]
+
+    def _run(self, *flags: str) -> str:
+        """The `streamx run` over the output, into a store named after it: typed as printed, it never runs into
+        the default --out (another run's store, the quick start's)."""
+        store = str(Path(self.out).with_suffix(".zarr"))
+        return shlex.join(["streamx", "run", "--data", self.out, *flags, "--model", self.model, "--out", store])
 
     def _retried_when(self) -> str:
         transient = sum(n for reason, n in self.errors.items() if reason in TRANSIENT_REASONS)

@@ -132,9 +132,18 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     `hidden_states` is the files' dtype, bf16 or fp8 (speculators' fp8 backend), by default the store's storage;
     or `store`: no hs files, speculators reads the store itself (streamx.speculators_backend). One convert at a
     time writes `out`: a second one is refused at once (streamx.base.locks)."""
+    _check_location(Path(out))
     with Lock(lock_file(out), f"the convert folder {out}", guards=Path(out)):
         return _convert(store_path, out, seed, overwrite, workers, block_rows, progress, log, allow_random_weights,
                         hidden_states, allow_partial, merge_prefix_rows)
+
+
+def _check_location(out: Path) -> None:
+    """`out` is, or can become, a folder: refused in one line as `run` refuses its store's path, before the lock
+    beside it is taken."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConvertError(f"cannot write the convert folder at {out}: {existing} is not a folder")
 
 
 def _convert(store_path: str, out: str, seed: int, overwrite: bool, workers: int, block_rows: int, progress: bool,

@@ -1,14 +1,17 @@
 """`streamx verify`: prove a finished store right before a drafter trains on it.
 
-Structural checks read the whole store without the model (`--no-model` stops there): completeness (every
-part closed, every row of the data in the store), commit records against array sizes, sample offsets and
-lengths, duplicate rows, token ids against the vocabulary, loss masks, and every slot of every sample
-finite and neither all zero nor constant. The model check
+Structural checks read the whole store without the model: completeness (every part closed, every row of
+the data in the store), commit records against array sizes, sample offsets and lengths, duplicate rows,
+token ids against the vocabulary, loss masks, and every slot of every sample finite and neither all zero
+nor constant. The data check reads a sample of the rows again from the data the store was made from (the
+rows stored as repeats of an earlier row first), through the run's own source and tokenizer, and compares
+their token ids and loss masks with the stored ones; it is skipped, with why, where the data or the
+tokenizer cannot be read. `--no-model` stops there. The model check
 recomputes a few samples (stratified by length, always the longest) one at a time, unbatched and
 unpadded, through transformers' `output_hidden_states` (ids < L) and the last layer's output before
-the final norm (id L), and compares each slot with what is stored. A mismatch is named when it looks
-like a known fault: a slot holding a neighbouring layer (an off-by-one hook), a last slot after the
-final norm, or states that belong to another sample.
+the final norm (id L), and compares each slot with what is stored token by token, each token against its
+own size. A mismatch is named when it looks like a known fault: a slot holding a neighbouring layer (an
+off-by-one hook), a last slot after the final norm, or states that belong to another sample.
 """
 
 from __future__ import annotations
@@ -29,12 +32,17 @@ from torch import nn
 from tqdm import tqdm
 
 from ..base.location import local_path
+from ..data.provenance import fingerprint
+from ..data.source import Source, open_source
+from ..data.tokenize import Reject, Sample, SampleBuilder
 from ..model.capture import find_decoder
-from ..model.load import load_model, read_text_config
+from ..model.load import load_model, model_tokenizer, read_text_config
 from ..store import BF16, STORAGES, Store, StoreError, open_store
 from .folder import FROM_STORE, HS_DIR, META, STORE_ROWS
 
 READ_BYTES = 256 << 20  # float32 states per read in the structural pass (its temporaries take ~3x this)
+DATA_ROWS = 256  # rows the data check reads again: a second or two of tokenizing
+TOKEN_FLOOR = 1e-3  # of a row's median token norm: the least a reference token's norm counts as
 
 
 @dataclass
@@ -43,6 +51,7 @@ class Check:
     passed: bool
     summary: str  # one line with counts
     problems: list[str] = field(default_factory=list)  # the first few, for the user to look at
+    skipped: bool = False  # not run (the summary says why): it does not fail the store
 
 
 @dataclass
@@ -58,7 +67,8 @@ class Report:
         return {"path": self.path, "passed": self.passed, "checks": [asdict(c) for c in self.checks]}
 
     def lines(self) -> list[str]:
-        out = [f"{'ok  ' if c.passed else 'FAIL'} {c.name:<12} {c.summary}" for c in self.checks]
+        out = [f"{'skip' if c.skipped else 'ok  ' if c.passed else 'FAIL'} {c.name:<12} {c.summary}"
+               for c in self.checks]
         out += [f"     {c.name:<12} {p}" for c in self.checks if not c.passed for p in c.problems]
         return out
 
@@ -294,6 +304,82 @@ def check_values(store: Store, vocab_size: int | None) -> list[Check]:
     return checks
 
 
+# -- against the data
+
+
+def data_rows(store: Store, n: int, seed: int) -> list[int]:
+    """Store positions of n samples to read again from the data, ascending: first the rows stored as repeats of an
+    earlier row, which read that row's tokens (where a content-key collision would serve another row's), at
+    least half of the n and all where they fit; every sample when n is as many."""
+    rng = np.random.default_rng(seed)
+    repeats, others = np.flatnonzero(store.same_as >= 0), np.flatnonzero(store.same_as < 0)
+    take = min(repeats.size, max(n // 2, n - others.size))
+    picked = [*rng.choice(repeats, take, replace=False), *rng.choice(others, min(others.size, n - take),
+                                                                       replace=False)]
+    return sorted(int(p) for p in picked)
+
+
+def _built(source: Source, builder: SampleBuilder, rows: list[int]) -> dict[int, Sample | Reject]:
+    """What the run makes of these rows of the source (ascending ids), reading no further than the last."""
+    built: dict[int, Sample | Reject] = {}
+    for row in source.rows_at(rows):
+        built[row.row_id] = builder(row)
+        if len(built) == len(rows):
+            break  # a streamed source is not read to its end
+    return built
+
+
+def _data_problem(store: Store, pos: int, made: Sample | Reject | None) -> str | None:
+    """What differs between the sample at `pos` and what the run makes of its row of the data, or None."""
+    row = int(store.index.rows[pos])
+    if made is None:
+        return f"row {row}: not in the data"
+    if isinstance(made, Reject):
+        return f"row {row}: the data's row is rejected now ({made.reason}: {made.detail})"
+    try:
+        ids, mask = store.tokens_at(pos)
+    except Exception as err:  # noqa: BLE001 - a damaged file; the read check names it
+        return f"row {row}: cannot be read ({type(err).__name__})"
+    for what, stored, data in (("token ids", ids, made.input_ids), ("loss mask", mask, made.loss_mask)):
+        n = min(len(stored), len(data))
+        differ = torch.nonzero(stored[:n] != data[:n])
+        if differ.numel() or len(stored) != len(data):
+            sizes = "" if len(stored) == len(data) else f" ({len(stored)} tokens stored, {len(data)} in the data)"
+            first = int(store.same_as[pos])
+            repeat = f"; it is stored as a repeat of row {first} and reads its tokens" if first >= 0 else ""
+            return (f"row {row}: its {what} in the store and in the data differ at token "
+                    f"{int(differ[0]) if differ.numel() else n}{sizes}{repeat}")
+    return None
+
+
+def check_data(store: Store, positions: list[int]) -> Check:
+    """The samples at `positions` hold the token ids and loss masks that the run's source and tokenizer (as the
+    store's metadata records them: streamx.pipeline.plan builds the same) make of their rows of the data;
+    skipped, with why, where the tokenizer or the data cannot be read."""
+    meta, data = store.metadata, store.metadata.compat.data
+    try:
+        builder = SampleBuilder(model_tokenizer(meta.model["path"], meta.config.get("tokenizer")), meta.max_length,
+                                meta.truncation)
+    except Exception as err:  # noqa: BLE001 - the model's files are not here
+        return Check("data", True, f"skipped: the tokenizer cannot be loaded ({type(err).__name__}: {err})",
+                     skipped=True)
+    if builder.fingerprint != meta.compat.tokenization:
+        return Check("data", True, f"skipped: the tokenizer at {builder.tokenizer.name_or_path} is not the one the "
+                     "store was made with (another fingerprint)", skipped=True)
+    try:
+        source = open_source(data, meta.compat.split, meta.config.get("max_samples"))
+        built = _built(source, builder, sorted(int(store.index.rows[p]) for p in positions))
+    except Exception as err:  # noqa: BLE001 - moved, deleted, or a hub dataset offline: nothing to compare with
+        return Check("data", True, f"skipped: {data} cannot be read ({type(err).__name__}: {err})", skipped=True)
+    problems = [p for pos in positions if (p := _data_problem(store, pos, built.get(int(store.index.rows[pos]))))]
+    now = fingerprint(data)
+    changed = "; the data changed since the run" if now and meta.compat.data_fingerprint not in ("", now) else ""
+    repeats = int((store.same_as[positions] >= 0).sum())
+    return _check("data", problems, f"{len(positions):,} rows read again from {data} ({repeats:,} of them stored "
+                  "as repeats of an earlier row) hold their stored token ids and loss masks", len(positions),
+                  f"rows differ from the data{changed}")
+
+
 # -- against the model
 
 
@@ -329,14 +415,44 @@ def reference_states(model: nn.Module, input_ids: torch.Tensor) -> tuple[list[to
     return ids, out.hidden_states[-1][0].float().cpu()
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+def token_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per token of [T, H] states, ||got - ref|| / ||ref||: each token against its own size, since one scale for a
+    row is set by its massive activations (SmolLM2's first token: ~25,000 against ~150) and hides the other
+    tokens; a reference token near zero counts as TOKEN_FLOOR of the row's median token norm."""
+    norms = ref.norm(dim=1)
+    return (got - ref).norm(dim=1) / norms.clamp(min=max(TOKEN_FLOOR * float(norms.median()), 1e-30))
+
+
+def _mismatch(store: Store, stored: dict[int, Any], references: dict[int, Any], pos: int, slot: int,
+              errors: torch.Tensor, tolerance: float) -> str:
+    """A slot that does not match its id at every token: named by the known fault's states it matches at every
+    token, else by how many tokens differ and where most."""
+    layer_id, L = store.layer_ids[slot], store.metadata.num_layers
+    sample, (ref, post_norm) = stored[pos], references[pos]
+    got = sample.hidden_states[:, slot].float()
+    others = {f"id {j}": ref[j] for j in (layer_id - 1, layer_id + 1) if 0 <= j <= L}
+    if layer_id == L:
+        others["the final norm's output"] = post_norm
+    others.update({f"row {stored[p].row_id}'s id {layer_id}": references[p][0][layer_id] for p in stored
+                   if p != pos and len(stored[p].input_ids) == len(sample.input_ids)})
+    close = {what: float(token_errors(got, state).max()) for what, state in others.items()}
+    what, best = min(close.items(), key=lambda kv: kv[1]) if close else (None, np.inf)
+    where = f"row {sample.row_id}: slot {slot} (id {layer_id})"
+    if what is not None and best <= tolerance:
+        fault = ("an off-by-one hook" if what.startswith("id ") else "a post-norm last slot (the final norm "
+                 "applied)" if what.startswith("the final") else "states swapped between samples")
+        return f"{where} holds {what} (relative difference {best:.2g} or less at every token): {fault}"
+    over = int((~(errors <= tolerance)).sum())  # (NaN counts)
+    token = int(errors.argmax())
+    return (f"{where} differs from the model's states at {over} of {errors.numel()} tokens, most at token {token} "
+            f"(relative difference {float(errors[token]):.2g}, tolerance {tolerance:.2g})")
 
 
 def check_model(store: Store, model: nn.Module, positions: list[int], tolerance: float,
                 log: Callable[[str], None]) -> Check:
-    """Each picked sample recomputed alone; a slot that does not match is named by what it matches instead."""
-    ids, L = store.layer_ids, store.metadata.num_layers
+    """Each picked sample recomputed alone, and each slot compared with it token by token; a slot that does not
+    match is named by what it matches instead."""
+    ids = store.layer_ids
     problems, references, stored = [], {}, {}
     log(f"verify: recomputing {len(positions)} samples alone with the model")
     for pos in tqdm(positions, desc="verify", unit="sample", disable=not sys.stderr.isatty()):  # a bar, not lines
@@ -347,42 +463,30 @@ def check_model(store: Store, model: nn.Module, positions: list[int], tolerance:
             continue
         references[pos] = reference_states(model, sample.input_ids)
         stored[pos] = sample
-    positions, worst = list(stored), 0.0
-    for pos in positions:
-        sample, (ref, post_norm) = stored[pos], references[pos]
-        got = sample.hidden_states.float()
+    worst = (0.0, "")
+    for pos, sample in stored.items():
+        got, ref = sample.hidden_states.float(), references[pos][0]
         for slot, layer_id in enumerate(ids):
-            error = _relative(got[:, slot], ref[layer_id])
-            if error <= tolerance:
-                worst = max(worst, error)
-                continue
-            others = {f"id {j}": ref[j] for j in (layer_id - 1, layer_id + 1) if 0 <= j <= L}
-            if layer_id == L:
-                others["the final norm's output"] = post_norm
-            close = {what: _relative(got[:, slot], state) for what, state in others.items()}
-            close.update({f"row {stored[p].row_id}'s id {layer_id}": _relative(got[:, slot],
-                                                                                 references[p][0][layer_id])
-                          for p in positions if p != pos and len(stored[p].input_ids) == len(sample.input_ids)})
-            what, best = min(close.items(), key=lambda kv: kv[1]) if close else (None, np.inf)
-            if what is not None and best <= tolerance:
-                fault = ("an off-by-one hook" if what.startswith("id ") else "a post-norm last slot (the final norm "
-                         "applied)" if what.startswith("the final") else "states swapped between samples")
-                problems.append(f"row {sample.row_id}: slot {slot} (id {layer_id}) holds {what} (relative difference "
-                                f"{best:.2g}): {fault}")
+            errors = token_errors(got[:, slot], ref[layer_id])
+            token = int(errors.argmax())
+            if float(errors[token]) <= tolerance:
+                worst = max(worst, (float(errors[token]), f"row {sample.row_id}, id {layer_id}, token {token}"))
             else:
-                problems.append(f"row {sample.row_id}: slot {slot} (id {layer_id}) differs from the model's states "
-                                f"(relative difference {error:.2g}, tolerance {tolerance:.2g})")
-    return _check("model", problems, f"{len(positions)} samples recomputed alone match every slot (largest relative "
-                  f"difference {worst:.2g}, tolerance {tolerance:.2g})", len(positions) * len(ids),
+                problems.append(_mismatch(store, stored, references, pos, slot, errors, tolerance))
+    largest = f"{worst[0]:.2g} at {worst[1]}" if worst[1] else "0"
+    return _check("model", problems, f"{len(stored)} samples recomputed alone match every slot at every token "
+                  f"(largest relative difference {largest}, tolerance {tolerance:.2g})", len(positions) * len(ids),
                   "sample slots differ")
 
 
 def tolerance_for(store: Store) -> float:
-    """What separates rounding from a fault: bf16 storage of a bf16 or float32 forward, batched against
-    unbatched, over a few layers; fp8 keeps 3 mantissa bits."""
-    if not store.storage.lossless:
-        return 0.1
-    return 0.05 if store.metadata.compat.compute_dtype in ("bfloat16", "float16") else 0.02
+    """What separates rounding from a fault, token by token (docs/verify.md has the measured figures): rounding
+    makes at most ~0.003 in bf16 storage of a float32 forward, ~0.05 in fp8 storage (3 mantissa bits), ~0.14 in a
+    bf16 or fp16 forward batched against unbatched (SmolLM2-135M's deep layers); a fault moves a token by its own
+    size (zeroed: 1, scaled by 1.5: 0.5, a neighbouring layer: 0.4 or more)."""
+    if store.metadata.compat.compute_dtype in ("bfloat16", "float16"):
+        return 0.25
+    return 0.02 if store.storage.lossless else 0.1
 
 
 # -- a converted speculators folder, against the store it came from
@@ -531,7 +635,7 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
     except Exception:  # noqa: BLE001 - the model's config is not here: the ids are checked for sign only
         vocab_size = None
     checks = [check_complete(store), check_commits(store), check_index(store), check_rows(store),
-              *check_values(store, vocab_size)]
+              *check_values(store, vocab_size), check_data(store, data_rows(store, DATA_ROWS, seed))]
     if use_model:
         if meta.random_weights:
             raise StoreError(f"{path} was made with --random-weights: there are no weights to check it against; "
