@@ -129,7 +129,7 @@ class DurableLocalStore(LocalStore):
         self._check_writable()
         await asyncio.to_thread(_clear, self.root)
 
-    async def delete_dir(self, prefix: str) -> None:  # zarr's mode "w" deletes the root this way
+    async def delete_dir(self, prefix: str) -> None:  # --overwrite empties the root this way (store.prepare)
         if prefix.strip("/"):
             return await super().delete_dir(prefix)
         await self.clear()
@@ -155,7 +155,7 @@ class DurableLocalStore(LocalStore):
 
 
 def _clear(root: Path) -> None:
-    """Empty the folder (zarr's mode "w"), a lock inside it excepted (base.locks)."""
+    """Empty the folder (--overwrite), a lock inside it excepted (base.locks)."""
     make_dirs(root)
     for path in root.iterdir():
         if path.name.startswith(KEPT):

@@ -19,7 +19,7 @@ from typing import Any
 import fsspec
 import zarr
 from zarr.core.sync import sync
-from zarr.storage import FsspecStore, LocalStore, StorePath
+from zarr.storage import FsspecStore, LocalStore
 
 from ..base import durable
 from ..base.durable import TEMPORARY, DurableLocalStore
@@ -168,9 +168,9 @@ def _create(path: str, metadata: StoreMetadata, overwrite: bool) -> zarr.Group:
     local = local_path(path)
     if local is not None:
         durable.make_dirs(local.parent)
-    if overwrite:  # as zarr's mode "w": a lock inside the store stays (base.durable)
+    if overwrite:  # a lock inside the store stays (base.durable); zarr >= 3.2's mode "w" deletes nothing
         store = _writable(path)
-        sync(StorePath.open(FsspecStore.from_url(store) if isinstance(store, str) else store, "", mode="w"))
+        sync((FsspecStore.from_url(store) if isinstance(store, str) else store).delete_dir(""))
     zarr.open_group(_writable(f"{path.rstrip('/')}/{PARTS}"), mode="a")
     return zarr.create_group(_writable(path), attributes={"streamx": metadata.to_json()})
 
