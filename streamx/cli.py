@@ -200,21 +200,29 @@ def plan(
 def inspect(
     store: str = typer.Argument(..., metavar="STORE", help="Store path."),
     sample: Optional[int] = typer.Option(None, "--sample", metavar="ROW", help="Show source row ROW's sample: its "
-                                         "text with the trained spans marked «...», and each slot's RMS, min, max."),
+                                         "text with the trained spans marked «...», and each slot's RMS, min, max; "
+                                         "for a row the run rejected, why."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE", help="Draw the sample lengths, the trained "
-                                        "share and the per-layer token norms into FILE (.png, .svg, or .html: one "
-                                        "page); needs matplotlib (the plot extra)."),
+                                        "share and the per-layer token norms, each layer's largest |value| marked "
+                                        "(massive activations), into FILE (.png, .svg, or .html: one page); needs "
+                                        "matplotlib (the plot extra)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full summary and metadata as JSON."),
 ) -> None:
     """Show what a store holds: model, layers, counts, lengths, sizes, reject reasons, completeness; or one
-    sample (--sample), or a picture (--plot)."""
-    from .measure.look import plot_store, sample_lines, store_tokenizer
-    from .store import open_store, to_json
+    sample (--sample), or a picture (--plot). Given a folder `streamx convert` wrote, it names the store."""
+    from .measure.look import converted_folder_line, plot_store, row_lines
+    from .store import StoreError, open_store, to_json
 
     try:
+        folder = converted_folder_line(store)
+        if folder is not None and (sample is not None or plot is not None or as_json):
+            raise StoreError(folder)  # they ask for a store's content
+        if folder is not None:
+            typer.echo(folder)
+            return
         opened = open_store(store)
         if sample is not None:
-            text = "\n".join(sample_lines(opened, sample, store_tokenizer(opened)))
+            text = "\n".join(row_lines(opened, sample))
         else:
             text = to_json(opened.summary()) if as_json else "\n".join(opened.describe())
         if plot is not None:
@@ -235,7 +243,8 @@ def verify(
     model: bool = typer.Option(True, "--model/--no-model", help="--no-model: only the structural checks, which "
                                "read the whole store but no weights, and the rows read again from the data."),
     speculators: bool = typer.Option(False, "--speculators", help="A convert folder only, in the environment "
-                                     "that trains: speculators' own loaders read a batch of each draft, on the CPU."),
+                                     "that trains: speculators builds each draft as the printed train command "
+                                     "does and its own loaders read a batch of each, on the CPU."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Check a finished store before training on it: its structure over every sample, and a few samples

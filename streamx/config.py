@@ -26,6 +26,7 @@ SharingSetting = Literal["on", "off"]
 Thinking = Literal["auto", "on", "off"]
 Reasoning = Literal["keep", "drop"]
 TruncatedTurns = Literal["keep", "drop-turn", "drop-row"]
+TrainTurns = Literal["all", "last"]
 
 
 def check_choices(settings: Any) -> None:
@@ -88,6 +89,13 @@ class RunConfig:
     max_length: int = setting(2048, "Maximum tokens per sample.")
     truncation: Truncation = setting("truncate", "Longer samples: truncate (cut to --max-length) or skip (reject "
                                      "as too_long).")
+    train_turns: TrainTurns = setting("all", "The assistant turns a chat row's loss mask trains: all, or last (only "
+                                      "its last assistant message with content). Use last on fanned-out rows, one "
+                                      "row per assistant turn with the whole history before it, especially on "
+                                      "thinking templates (Qwen3, Qwen3.5) that render an earlier turn unlike the "
+                                      "last: each turn is then trained once, as it was generated (docs/fanout.md). "
+                                      "Text rows and pre-tokenized input_ids rows (with their own loss_mask) are "
+                                      "unchanged.")
     skip_duplicates: bool = setting(False, "Leave out rows whose content (messages, text or input_ids) repeats an "
                                     "earlier row's exactly, as rejects (duplicate_content): repeats cost compute and "
                                     "disk and weight training. Counted either way.")

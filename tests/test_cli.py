@@ -74,3 +74,19 @@ def test_a_misspelt_layers_preset_is_refused_naming_the_close_one(tiny_chat_mode
         assert result.stderr.strip() == (f"error: --layers must be a preset (eagle3, dflash) or comma-separated "
                                          f"integers; got {typed!r}: did you mean --layers {meant}?")
     assert not out.exists()
+
+
+def test_a_model_load_keeps_the_libraries_bars_out_of_a_log_file(tiny_chat_model_dir, capsys):
+    """stderr not a terminal (a log file; here pytest's capture): transformers' "Loading weights" bar stays out
+    of it on every load, also for the commands that show no bars of their own (verify, plan --calibrate)."""
+    from transformers.utils import logging as hf_logging
+
+    from streamx.model.load import load_model
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # as in a fresh process: an earlier test's run may have turned them off
+    try:
+        load_model(tiny_chat_model_dir, dtype="float32", device="cpu")
+    finally:
+        (hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar)()
+    assert "Loading weights" not in capsys.readouterr().err

@@ -371,6 +371,72 @@ def test_convert_offers_only_the_drafts_the_stores_ids_suit():
     assert "DFlash draft:" not in text and "no DFlash command: the store lacks a DFlash draft's ids" in text
 
 
+@pytest.fixture(scope="module")
+def multimodal_store(smollm2_dir, chat_jsonl, tmp_path_factory):
+    """A store made with a tiny Qwen3.5 multimodal checkpoint (Qwen3_5ForConditionalGeneration) saved with
+    SmolLM2's tokenizer and no processor files, which speculators cannot load its processor from."""
+    from transformers import AutoTokenizer
+    from zoo_models import zoo_model
+
+    root = tmp_path_factory.mktemp("multimodal")
+    zoo_model("qwen3_5_multimodal").save_pretrained(root / "model")
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(root / "model")
+    return make_store(str(root / "model"), chat_jsonl, root / "s.zarr", max_samples=12)
+
+
+def tokenizer_dirs(smollm2_dir, root) -> dict[str, tuple[str, int]]:
+    """Verifiers (a config and SmolLM2's tokenizer, no weights) -> the mask token id speculators picks for each:
+    its tokenizer's mask token; else <|MASK|>, added as id 49152 where the embedding has rows beyond the tokenizer's
+    49152; else the pad token (2, <|im_end|>); and for a multimodal config as for a text one."""
+    from transformers import AutoTokenizer, LlamaConfig
+    from zoo_models import zoo_config
+
+    dirs = {}
+    for name, config, mask, expected in (
+            ("full", LlamaConfig(vocab_size=49152), None, 2), ("spare", LlamaConfig(vocab_size=49200), None, 49152),
+            ("masked", LlamaConfig(vocab_size=49152), "<|endoftext|>", 0),
+            ("multimodal", zoo_config("qwen3_5_multimodal"), None, 2)):
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+        if mask:
+            tokenizer.mask_token = mask
+        config.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        dirs[name] = (str(root / name), expected)
+    return dirs
+
+
+def test_the_mask_token_is_passed_only_where_speculators_cannot_resolve_it(smollm2_dir, tmp_path):
+    """speculators resolves the drafts' mask token from the tokenizer it loads through AutoProcessor, which builds a
+    multimodal verifier's processor and fails without its files; only there is --mask-token-id passed, the id
+    speculators picks (test_speculators_builds_a_multimodal_verifiers_drafts checks that against speculators)."""
+    from streamx.train.mask_token import lacks_processor, mask_token_id
+
+    dirs = tokenizer_dirs(smollm2_dir, tmp_path)
+    assert {name: mask_token_id(path) for name, (path, _) in dirs.items()} == \
+        {name: expected for name, (_, expected) in dirs.items()}
+    assert [name for name, (path, _) in dirs.items() if lacks_processor(path)] == ["multimodal"]
+    (Path(dirs["multimodal"][0]) / "preprocessor_config.json").write_text("{}")  # AutoProcessor then loads it
+    assert not lacks_processor(dirs["multimodal"][0])
+    assert not lacks_processor(str(tmp_path / "gone"))  # not readable here: verify --speculators tells where it trains
+
+
+def test_a_multimodal_verifier_without_processor_files_gets_a_mask_token_id(multimodal_store, tiny_store, tmp_path):
+    """The printed commands of a store made with a multimodal checkpoint that has no processor files pass the mask
+    token speculators cannot resolve itself (issue 49), to both drafts (speculators resolves one for either); a
+    text-only verifier's commands are unchanged."""
+    for name, store, mask in (("text", tiny_store, []), ("multimodal", multimodal_store, ["--mask-token-id", "2"])):
+        out = tmp_path / name
+        result = CliRunner().invoke(app, ["convert", store, "--out", str(out), "--no-progress"])
+        assert result.exit_code == 0, result.output
+        meta = json.loads((out / "streamx_meta.json").read_text())
+        for algo in ("eagle3", "dflash"):
+            assert meta["speculators_train_argv"][algo] == [
+                "speculators", "train", "--data-path", str(out.resolve()), "--verifier-name-or-path",
+                open_store(store).metadata.model["path"], "--on-missing", "raise", "--target-layer-ids", "1", "2",
+                *mask, "--speculator-type", algo]
+            assert f"  {meta['speculators_train'][algo]}\n" in result.stdout
+
+
 # -- the proof: speculators' own loader and drafts, in an isolated venv
 
 
@@ -428,6 +494,48 @@ def test_speculators_trains_eagle3_and_dflash_on_converted_data(smollm2_dir, spe
         assert t["double_norm_max_abs_diff"] > 10 * t["max_abs_diff"]  # the check tells a post-norm slot apart
     assert result["dflash"]["draft_vocab_size"] == 2048 and result["dflash"]["draft_vocab_has_every_trained_token"]
     assert result["eagle3"]["draft_vocab_size"] == 49152
+
+
+def test_speculators_builds_a_multimodal_verifiers_drafts(multimodal_store, smollm2_dir, speculators_python,
+                                                          speculators_venv, tmp_path):
+    """The printed DFlash command starts speculators' training for a multimodal verifier without processor files
+    (its --dry-run builds the draft and saves it with the mask token passed); `verify --speculators` builds each
+    draft as its command does, and for a command without the flag (a folder converted before) says what to add;
+    and the mask token streamx picks is the one speculators resolves wherever it can."""
+    out = tmp_path / "spec"
+    convert(multimodal_store, str(out), progress=False, log=lambda m: None)
+    meta_path = out / "streamx_meta.json"
+    meta = json.loads(meta_path.read_text())
+    dflash = meta["speculators_train_argv"]["dflash"]
+    assert dflash[:2] == ["speculators", "train"]
+    speculators = str(Path(speculators_python).with_name("speculators"))  # the `speculators` the command runs
+    proc = speculators_venv(speculators, *dflash[1:], "--dry-run", "--save-path", str(tmp_path / "draft"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "draft" / "config.json").read_text())["mask_token_id"] == 2
+
+    proc = speculators_venv("-m", "streamx", "verify", str(out), "--speculators", "--no-model")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "ok   speculators  speculators built each draft and read a batch: eagle3 " in proc.stdout
+    for argv in meta["speculators_train_argv"].values():  # as convert wrote them before
+        flag = argv.index("--mask-token-id")
+        del argv[flag : flag + 2]
+    meta_path.write_text(json.dumps(meta))
+    proc = speculators_venv("-m", "streamx", "verify", str(out), "--speculators", "--no-model")
+    verifier = open_store(multimodal_store).metadata.model["path"]
+    assert proc.returncode == 1 and "FAIL speculators  2 of 2 drafts fail" in proc.stdout, proc.stdout
+    for algo in ("eagle3", "dflash"):
+        assert f"{algo}: speculators cannot resolve the draft's mask token (OSError: Can't load image processor for " \
+               f"'{verifier}'): add --mask-token-id 2 to the train command" in proc.stdout, proc.stdout
+
+    dirs = tokenizer_dirs(smollm2_dir, tmp_path / "tokenizers")
+    del dirs["multimodal"]  # (speculators cannot load its processor: the case above)
+    picked = "from speculators.train.utils import resolve_mask_token_id\n" \
+             "from streamx.model.load import read_text_config\n" \
+             "import sys\n" \
+             "print(*(resolve_mask_token_id(p, read_text_config(p).vocab_size) for p in sys.argv[1:]))"
+    proc = speculators_venv("-c", picked, *(path for path, _ in dirs.values()))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [str(expected) for _, expected in dirs.values()]
 
 
 def test_fp8_files_hold_the_stores_fp8_bytes(tiny_chat_model_dir, chat_jsonl, tiny_store, tmp_path):

@@ -291,8 +291,8 @@ def test_a_failed_command_leaves_no_lock_file_and_a_removed_lock_is_never_shared
     assert [p.returncode for p in failed] == [1, 1, 1] and "--any-layers" in failed[0].stderr
     assert sorted(os.listdir(out)) == []
 
-    path, missing = tmp_path / ".x.streamx-lock", tmp_path / "x"
-    first = Lock(path, "x", guards=missing)
+    path = tmp_path / ".x.streamx-lock"
+    first = Lock(path, "x")
     real_flock, calls = locks.fcntl.flock, []
 
     def flock_after_the_holder_left(fd, op):
@@ -302,10 +302,10 @@ def test_a_failed_command_leaves_no_lock_file_and_a_removed_lock_is_never_shared
         return real_flock(fd, op)
 
     monkeypatch.setattr(locks.fcntl, "flock", flock_after_the_holder_left)
-    second = Lock(path, "x", guards=missing)
+    second = Lock(path, "x")
     assert len(calls) == 2 and os.fstat(second.fd).st_ino == os.stat(path).st_ino  # the file at path, not the old
     with pytest.raises(locks.LockedError):
-        Lock(path, "x", guards=missing)
+        Lock(path, "x")
     assert path.exists()  # the refused one did not remove the holder's file
     second.release()
     assert not path.exists()
@@ -420,10 +420,10 @@ def test_a_signal_after_the_last_batch_changes_nothing(tiny_chat_model_dir, chat
 
     close = PartWriter.close
 
-    def close_after_a_signal(self, complete=True, source_rows=None):
+    def close_after_a_signal(self, *args):
         os.kill(os.getpid(), signal.SIGINT)  # handled on the main thread, which waits for the writer
         time.sleep(0.5)
-        close(self, complete, source_rows)
+        close(self, *args)
 
     monkeypatch.setattr(PartWriter, "close", close_after_a_signal)
     out = tmp_path / "s.zarr"

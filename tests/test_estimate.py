@@ -90,13 +90,13 @@ def test_a_sampled_estimate_sizes_the_shared_store_and_the_space_check_takes_it(
     sampled_est, exact = estimate(cfg), estimate(cfg, sample_rows=4100)
     assert exact.exact and not sampled_est.exact and exact.tokens > 4 * exact.shared.prefix_rows
     assert 1.0 <= sampled_est.shared.prefix_rows / exact.shared.prefix_rows < 1.1
-    assert 1.0 <= sampled_est.sizes["bf16"].bytes / exact.sizes["bf16"].bytes < 1.1
-    free = 2 * exact.sizes["bf16"].bytes
+    assert 1.0 <= sampled_est.most_bytes / exact.most_bytes < 1.1
+    free = 2 * exact.most_bytes  # the free-space check's bound: where the model continues no shared prefix
     monkeypatch.setattr(plan, "free_bytes", lambda path: free)
     logged = []
     plan.check_space(cfg, open_source(data), Output.read(cfg.out), log=logged.append)
     assert "stored at most with --sharing" in logged[0]
-    monkeypatch.setattr(plan, "free_bytes", lambda path: exact.sizes["bf16"].bytes // 2)
+    monkeypatch.setattr(plan, "free_bytes", lambda path: exact.most_bytes // 2)
     with pytest.raises(StoreError, match="has .* MB free and the store needs about"):
         plan.check_space(cfg, open_source(data), Output.read(cfg.out), log=logged.append)
 
@@ -155,14 +155,16 @@ def test_plan_command(tiny_chat_model_dir, chat_jsonl, tmp_path):
     assert "<- --storage" in next(line for line in text.stdout.splitlines() if line.startswith("  bf16"))
     assert "fits" in text.stdout
     assert f"sharing      {est.shared.leading_runs:,} tokens computed and stored" in text.stdout
-    seconds = round(est.shared.prefix_rows / 100)  # what the forward computes, at most, with sharing on
+    assert est.shared.leading_runs < est.shared.prefix_rows  # (a Llama: the support table says it continues them)
+    assert f"stored       {est.shared.leading_runs:,} tokens (shared leading runs (Llama 3" in text.stdout
+    seconds = round(est.shared.leading_runs / 100)  # what the forward computes, as the store's size
     assert f"time         {seconds // 60} min {seconds % 60:02d} s at 100 tokens/s (given)" in text.stdout
 
     calibrated = CliRunner().invoke(app, [*args, "--storage", "fp8", "--calibrate", "--json", "--sample-rows", "24"])
     assert calibrated.exit_code == 0, calibrated.output
     plan = json.loads(calibrated.stdout)
     assert plan["storage"] == "fp8" and plan["sampled_rows"] == 24 and plan["rows"] == 48 and not plan["exact"]
-    assert plan["tokens_per_s"] > 0 and plan["seconds"] == pytest.approx(plan["tokens"] / plan["tokens_per_s"])
+    assert plan["tokens_per_s"] > 0 and plan["seconds"] == pytest.approx(plan["stored_tokens"] / plan["tokens_per_s"])
     assert plan["sizes"]["fp8"]["bytes_per_token"] == 3 * 64 + 4
 
     bad = CliRunner().invoke(app, [*args, "--sample-rows", "0"])
@@ -182,3 +184,30 @@ def test_plan_counts_duplicates_and_sizes_the_store_without_them(tiny_chat_model
     sampled_est = estimate(cfg, sample_rows=len(rows) // 2, count_duplicates=True)  # repeats counted over every row
     assert sampled_est.duplicates == 10 and sampled_est.samples == len(rows)
     assert estimate(cfg.replace(skip_duplicates=False), count_duplicates=True).samples == len(rows) + 10
+
+
+def test_the_plan_sizes_the_store_on_what_the_support_table_says_the_family_shares(tiny_chat_model_dir, chat_jsonl,
+                                                                                   tmp_path):
+    """The store and the time are sized on the shared leading runs where batches are packed and the family
+    continues a shared prefix (a Llama), on prefix rows only where it does not (MiniMax-Text-01's lightning
+    attention, a family not in the table, --packing off); the free-space bound is always prefix rows only."""
+    from transformers import LlamaConfig, MiniMaxConfig
+
+    from streamx.pipeline.estimate import expected_stored
+
+    cfg = small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr")
+    est = estimate(cfg)
+    shared = est.shared
+    assert shared.leading_runs < shared.prefix_rows <= est.tokens
+    assert est.stored_tokens == shared.leading_runs and est.sizes[cfg.storage].bytes < est.most_bytes
+    assert est.most_bytes == estimate(cfg.replace(packing="off")).sizes[cfg.storage].bytes
+    unknown = LlamaConfig()
+    unknown.model_type = "not_a_family"
+    for config, text_config, stored, why in [
+            (cfg, LlamaConfig(), shared.leading_runs, "Llama 3: packed and shared"),
+            (cfg, MiniMaxConfig(), shared.prefix_rows, "MiniMax-Text-01: padded, prefix rows shared"),
+            (cfg, unknown, shared.prefix_rows, "not_a_family is not in the support table"),
+            (cfg.replace(packing="off"), LlamaConfig(), shared.prefix_rows, "--packing off"),
+            (cfg.replace(sharing="off"), LlamaConfig(), est.tokens, "every row's tokens")]:
+        tokens, said = expected_stored(config, None if config.sharing == "off" else shared, est.tokens, text_config)
+        assert tokens == stored and why in said, (tokens, said)

@@ -2,6 +2,7 @@
 once, and every row's states still equal that row computed alone by an unbatched HF forward; a model whose
 layers cannot continue a prefix's state is found by the probe and keeps the prefix rows only."""
 
+import dataclasses
 import json
 import random
 
@@ -547,13 +548,19 @@ def test_a_row_repeated_anywhere_in_the_data_is_computed_once(tmp_path, tiny_cha
 
     # two independent ranks, rank 1 first: its repeats of rank 0's rows wait for them, then read them
     ranks = str(tmp_path / "ranks.zarr")
-    run(RunConfig(out=ranks, rank=1, world_size=2, **settings), progress=False, log=lambda m: None)
+    first = run(RunConfig(out=ranks, rank=1, world_size=2, **settings), progress=False, log=lambda m: None)
     alone = open_store(ranks)
     waiting = alone.repeated.unread.tolist()
     assert waiting and all((first_of[row] // 4) % 2 == 0 for row in waiting)  # their first rows are rank 0's
     assert set(waiting) <= set(alone.done_row_ids()) and not set(waiting) & set(alone.row_ids().tolist())
+    # one meaning of "samples": the rows readable now, and the committed ones that wait are counted beside them
+    assert first.samples == len(alone) + len(waiting) == first.store_samples + first.store_waiting
+    said = f"{len(waiting):,} more committed rows repeat rows not committed yet"
+    assert any(said in line for line in alone.describe())
+    assert any(said in line for line in dataclasses.replace(first, rank=0).lines())  # (as rank 0's summary says)
     run(RunConfig(out=ranks, rank=0, world_size=2, **settings), progress=False, log=lambda m: None)
     assert len(open_store(ranks).parts) == 2 and not open_store(ranks).repeated.unread.size
+    assert not any("not committed yet" in line for line in open_store(ranks).describe())
     assert_same_samples(tmp_path / "on.zarr", ranks)
 
     resumed = str(tmp_path / "resumed.zarr")
@@ -843,8 +850,8 @@ def test_a_prompt_over_more_tokens_than_a_batch_is_computed_and_stored_once(tmp_
     """24 rows behind one 40-token system prompt, four times the token budget: the prompt is computed and stored
     once (the later batches continue from the keys and values the first one kept), every distinct token once,
     and every row reads as in the unshared store. A run that fails after its first batches and is resumed
-    (the first batch's rows committed: it runs again for the batches that continue it, and stores the prompt
-    again) gives every row bit for bit as the uninterrupted run."""
+    (the first batch's rows committed: it runs again for the batches that continue it, and stores again the
+    prompt alone, not the rest of its batch) gives every row bit for bit as the uninterrupted run."""
     rng = np.random.default_rng(1)
     system = rng.integers(10, 40000, 40).tolist()
     rows = [system + rng.integers(10, 40000, int(n)).tolist() for n in rng.integers(20, 60, 24)]
@@ -863,8 +870,9 @@ def test_a_prompt_over_more_tokens_than_a_batch_is_computed_and_stored_once(tmp_
         run(RunConfig(out=resumed, **settings), progress=False, log=lambda m: None)
     monkeypatch.undo()
     assert 0 < len(open_store(resumed)) < len(rows)
-    run(RunConfig(out=resumed, **settings), progress=False, log=lambda m: None)
-    assert open_store(resumed).num_tokens > distinct  # the first batch's tokens stored again
+    summary = run(RunConfig(out=resumed, **settings), progress=False, log=lambda m: None)
+    assert summary.stored_again == 40 and open_store(resumed).num_tokens == distinct + 40
+    assert any("stored again the 40 tokens" in line for line in summary.lines())
     assert_same_samples(str(tmp_path / "on.zarr"), resumed)
 
 

@@ -158,17 +158,17 @@ def test_the_backend_contract_names_its_slots():
 
 
 def test_verify_speculators_reads_a_batch_through_speculators_own_loaders(stores, speculators_venv, tmp_path):
-    """`streamx verify DIR --speculators` in speculators' environment builds each draft's loaders as `speculators
-    train` does and reads a batch, from hs files and from the store; a missing hs file fails it, and where
-    speculators is not installed it says so."""
+    """`streamx verify DIR --speculators` in speculators' environment builds each draft and its loaders as
+    `speculators train` does and reads a batch, from hs files and from the store; a missing hs file fails it, and
+    where speculators is not installed it says so."""
     from helpers import cli
 
     files, nocopy = both_converts(stores["bf16"], tmp_path)
     for folder in (files, nocopy):
         proc = speculators_venv("-m", "streamx", "verify", folder, "--speculators", "--no-model")
         assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-        assert "ok   speculators  speculators' loaders read a batch: eagle3 " in proc.stdout and "pin_memory" not in \
-            proc.stderr
+        assert "ok   speculators  speculators built each draft and read a batch: eagle3 " in proc.stdout and \
+            "pin_memory" not in proc.stderr
     (Path(files) / "hidden_states" / "hs_0.safetensors").unlink()
     proc = speculators_venv("-m", "streamx", "verify", files, "--speculators", "--no-model")
     assert proc.returncode == 1 and "FAIL speculators  2 of 2 drafts fail" in proc.stdout, proc.stdout

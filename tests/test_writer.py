@@ -614,3 +614,62 @@ def test_a_store_at_a_mount_root_is_locked_from_inside(tmp_path, samples, monkey
         assert (store / ".streamx-lock-part-00000").exists() and len(Store(str(store))) == 0
         with pytest.raises(locks.LockedError):
             OwnedPart(str(store), "part-00000")
+
+
+def test_a_command_leaves_no_lock_file_behind(tiny_chat_model_dir, chat_jsonl, tmp_path, monkeypatch):
+    """A run that fails once its store exists, the run that resumes it and a convert of the store: each releases
+    its lock and removes the lock file (beside the store or folder), so that nothing of ours is left over."""
+    from helpers import cli, fail_at_batch, run_args
+
+    store, spec = tmp_path / "s.zarr", tmp_path / "spec"
+    args = run_args(tiny_chat_model_dir, chat_jsonl, store, max_samples=40)
+    fail_at_batch(monkeypatch, 2)
+    failed = cli(*args)
+    monkeypatch.undo()
+    assert failed.returncode == 1 and "injected" in failed.stderr and store.exists(), failed.stderr
+    resumed = cli(*args)
+    converted = cli("convert", str(store), "--out", str(spec), "--no-progress")
+    assert [resumed.returncode, converted.returncode] == [0, 0], resumed.stderr + converted.stderr
+    assert [p.name for p in tmp_path.rglob("*streamx-lock*")] == []
+
+
+def test_takers_racing_for_a_lock_file_that_each_release_removes_never_hold_it_together(tmp_path):
+    """Threads take and release one lock over and over (flock locks an open file, so each open is a taker of its
+    own, as another process's would be), each release removing the file while held: a taker that opened the
+    removed file must not count it as held beside the one that locked the new file. Never two holders."""
+    import sys
+    import threading
+    import time
+
+    from streamx.base.locks import Lock, LockedError
+
+    path, guard = tmp_path / ".x.streamx-lock", threading.Lock()
+    holders, most, taken = set(), [0], [0]
+
+    def take_and_release() -> None:
+        mine = 0
+        while mine < 50:
+            try:
+                lock = Lock(path, "x")
+            except LockedError:
+                continue
+            mine += 1
+            with guard:
+                holders.add(id(lock))
+                most[0], taken[0] = max(most[0], len(holders)), taken[0] + 1
+            time.sleep(0.0002)  # held a while: a second holder, were there one, would overlap it
+            with guard:
+                holders.discard(id(lock))
+            lock.release()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads between any two steps of taking and releasing
+    try:
+        threads = [threading.Thread(target=take_and_release) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert most[0] == 1 and taken[0] == 200 and not path.exists()

@@ -13,6 +13,10 @@ and --overwrite then never meet it. Where the folder's parent is not ours to wri
 filesystem's mount root), it sits inside the folder (`.streamx-lock`), at the top, where zarr does not
 list it, and every check and --overwrite of the folder passes it over (`is_lock`).
 
+A command leaves no lock file behind, however it ends but killed: its holder removes it on release, while still
+holding it. A process that opened the file just before is refused while it is held, and once it gets the lock
+finds the file no longer at the path and takes the one there now (a new file, which one process alone locks).
+
 flock is not everywhere a lock: on Lustre mounted with localflock, BeeGFS and NFS without locks it
 succeeds on every node alike, and object stores have none. The store's writers fence themselves as
 well (pipeline.writer: each commit names its writer, and a writer that finds another's commit stops).
@@ -42,17 +46,18 @@ class LockedError(RuntimeError):
 
 class Lock:
     """An exclusive lock on `path`, taken at once or refused; released by `release()`, on leaving a `with`
-    block, or when this process ends. With `guards` (the output it stands for), a release that finds no such
-    output (the command failed before making it) removes the lock file too, so that a failed command leaves
-    nothing behind; a process taking the lock checks that its file is still the one at `path`."""
+    block, or when this process ends. A release removes the lock file (this user's, while it is still held), and
+    a process taking the lock checks that its file is still the one at `path`."""
 
-    def __init__(self, path: Path, what: str, guards: Path | None = None):
-        self.path, self.fd, self.guards = path, None, guards
+    def __init__(self, path: Path, what: str):
+        self.path, self.fd, self.held, self.pid = path, None, False, os.getpid()
         for _ in range(100):  # a file its holder removed between our open and our flock: open the new one
             self._take(what)
-            if self.fd is None or self._is_current():
-                break
+            if not self.held or self._is_current():
+                return
             self._close()
+        raise LockedError(f"{what} is being locked by other processes, again and again; wait for them to end, then "
+                          "run again")
 
     def _is_current(self) -> bool:
         try:
@@ -81,21 +86,27 @@ class Lock:
             self._close()
             raise LockedError(f"{what} is being written by another process ({holder}); wait for it to end or stop "
                               "it, then run again") from None
+        self.held = True
         if os.fstat(self.fd).st_uid == os.geteuid():  # another user's file is locked as it is, never rewritten
             _write_holder(self.fd)
 
     def release(self) -> None:
         if self.fd is not None:
-            if self.guards is not None and not self.guards.exists():  # removed while still held: no one else
-                self.path.unlink(missing_ok=True)                     # can have taken it meanwhile
-            os.close(self.fd)  # closing the last descriptor drops the flock
-            self.fd = None
+            if self._removable():
+                self.path.unlink(missing_ok=True)  # while held: whoever locks this file next finds it gone
+            self._close()  # closing the last descriptor drops the flock
+
+    def _removable(self) -> bool:
+        """Whether the file at `path` is this lock's own to remove: flocked here (not where flock is missing,
+        nor in a forked child, whose parent still holds it), this user's, and still the file at the path."""
+        return self.held and os.getpid() == self.pid and os.fstat(self.fd).st_uid == os.geteuid() \
+            and self._is_current()
 
     def _close(self) -> None:
-        """Give up a descriptor whose lock this process never took: the file stays, it is another's."""
+        """Give up the descriptor, and with it the lock where it was taken; the file stays."""
         if self.fd is not None:
             os.close(self.fd)
-            self.fd = None
+            self.fd, self.held = None, False
 
     def __del__(self) -> None:  # a lock no one holds any more is given back, as its process's end would
         self.release()

@@ -6,7 +6,8 @@ content is located in order, and its tokens are marked together with the end-of-
 token that closes it (`<|im_end|>`, `<|eot_id|>`, ...), because the drafter must learn to
 end turns. Template boilerplate around the content is never marked, including Qwen3's
 empty `<think>\\n\\n</think>\\n\\n` block: at inference it comes from the prompt
-(`enable_thinking=False`), not from the model.
+(`enable_thinking=False`), not from the model. With train_turns "last" only a row's last assistant message with
+content is marked: fanned-out rows, one per turn, then train each turn once (streamx.data.fanout).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import jinja2
 import numpy as np
@@ -27,6 +28,9 @@ from transformers import PreTrainedTokenizerBase
 
 from .messages import BadRow, conversation_of, normalize
 from .source import Row
+
+if TYPE_CHECKING:
+    from .fanout import FanOut
 
 REJECT_REASONS = (
     "malformed_json",  # a jsonl line that does not parse
@@ -154,27 +158,32 @@ class Reject:
 
 class SampleBuilder:
     """Turns a Row into a Sample or a Reject. Safe to call from threads (its one mutable part, the rendered prompts
-    it keeps, is locked)."""
+    it keeps, is locked). `train_turns`: the assistant turns of a chat row its mask trains, all or the last one with
+    content (RunConfig.train_turns). `fanout`, when set: fed every chat row it tokenizes (streamx.data.fanout)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int,
-                 truncation: Literal["truncate", "skip"] = "truncate"):
+                 truncation: Literal["truncate", "skip"] = "truncate", train_turns: Literal["all", "last"] = "all"):
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
         if truncation not in ("truncate", "skip"):
             raise ValueError(f"truncation must be 'truncate' or 'skip', got {truncation!r}")
+        if train_turns not in ("all", "last"):
+            raise ValueError(f"train_turns must be 'all' or 'last', got {train_turns!r}")
         self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
+        self.train_turns = train_turns
+        self.fanout: FanOut | None = None
         self.vocab_size = len(tokenizer)
         # end-of-turn markers (<|im_end|>, <|eot_id|>, <end_of_turn>) are added tokens; finetunes
         # often add theirs without the special flag, so any added token counts
         self._end_ids = frozenset(tokenizer.added_tokens_decoder)
-        self.fingerprint = tokenizer_fingerprint(tokenizer, max_length, truncation)
+        self.fingerprint = tokenizer_fingerprint(tokenizer, max_length, truncation, train_turns)
         self._prompts = RenderedPrompts()
 
     def __call__(self, row: Row) -> Sample | Reject:
         try:
             if row.error is not None:
                 raise BadRow(*row.error)
-            ids, mask = self._encode(row.record)
+            ids, mask = self._encode(row.row_id, row.record)
             if len(ids) > self.max_length:
                 if self.truncation == "skip":
                     raise BadRow("too_long", f"{len(ids)} tokens > max_length {self.max_length}")
@@ -185,14 +194,14 @@ class SampleBuilder:
             return Reject(row.row_id, r.reason, r.detail)
         return Sample(row.row_id, torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64))
 
-    def _encode(self, record: dict | None) -> tuple[list[int], list[int]]:
+    def _encode(self, row_id: int, record: dict | None) -> tuple[list[int], list[int]]:
         if not isinstance(record, dict):
             raise BadRow("unrecognised_row", f"expected an object, got {type(record).__name__}")
         # Arrow-backed datasets fill absent columns with None, so test values, not keys
         if record.get("input_ids") is not None:
             return self._pretokenized(record["input_ids"], record.get("loss_mask"))
         if conversation_of(record) is not None:
-            return self._chat(normalize(conversation_of(record)))
+            return self._chat(row_id, normalize(conversation_of(record)))
         if record.get("text") is not None:
             return self._text(record["text"])
         raise BadRow("unrecognised_row", f"no messages/conversations/text/input_ids field in {sorted(record)}")
@@ -216,13 +225,14 @@ class SampleBuilder:
         ids = self.tokenizer(text)["input_ids"]  # special tokens as the tokenizer adds them to plain text
         return ids, [1] * len(ids)
 
-    def _chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+    def _chat(self, row_id: int, messages: list[dict]) -> tuple[list[int], list[int]]:
         if self.tokenizer.chat_template is None:
             raise NoChatTemplateError("the tokenizer has no chat template, so chat rows cannot be tokenized; "
                                       "set tokenizer.chat_template or use text / input_ids rows")
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m["content"].strip()]
         if not turns:
             raise BadRow("no_assistant_tokens", "no assistant message with content")
+        trained = turns[-1:] if self.train_turns == "last" else turns
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False)
         except jinja2.TemplateError as e:
@@ -233,6 +243,8 @@ class SampleBuilder:
         mask = [0] * len(ids)
         cursor = 0
         prefixes = self._prompts.keys(messages)
+        if self.fanout is not None:
+            self.fanout.add(row_id, prefixes, ids)
         for i in turns:
             content = messages[i]["content"].strip()  # templates may strip it
             turn_start = max(cursor, self._turn_start(messages, i, text, prefixes[i]))
@@ -240,6 +252,8 @@ class SampleBuilder:
             if start < 0:
                 raise BadRow("template_mismatch", f"assistant message {i} not found in the rendered chat template")
             cursor = start + len(content)
+            if i not in trained:  # (found all the same: the next turn is looked for after it)
+                continue
             # reasoning the model wrote before its answer (and the <think> tag that opens it) is trained on
             # where the template renders it
             reasoning = (messages[i].get("reasoning_content") or "").strip()
@@ -291,9 +305,10 @@ class RenderedPrompts:
 
     @staticmethod
     def keys(messages: list[dict]) -> list[bytes]:
-        """Key i: a digest of messages[:i] (each a running digest of the last and message i - 1)."""
+        """Key i: a digest of messages[:i], for i = 0 .. len(messages) (each a running digest of the last and
+        message i - 1)."""
         keys, digest = [b""], b""
-        for message in messages[:-1]:
+        for message in messages:
             digest = _digest(digest.hex() + json.dumps(message, sort_keys=True, default=str))
             keys.append(digest)
         return keys
@@ -332,11 +347,14 @@ def vocabulary_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256("\0".join(_vocabulary(tokenizer)).encode()).hexdigest()
 
 
-def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase, max_length: int, truncation: str) -> str:
-    """sha256 of everything that decides the token ids and the mask, so a resume can refuse a change."""
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase, max_length: int, truncation: str,
+                          train_turns: str = "all") -> str:
+    """sha256 of everything that decides the token ids and the mask, so a resume can refuse a change. train_turns
+    enters only where it is not "all", so that the stores made before it existed keep their fingerprints."""
     h = hashlib.sha256()
+    turns = () if train_turns == "all" else (f"train_turns={train_turns}",)
     for part in (*_vocabulary(tokenizer), json.dumps(tokenizer.chat_template, sort_keys=True),
-                 json.dumps(tokenizer.special_tokens_map, sort_keys=True), str(max_length), truncation):
+                 json.dumps(tokenizer.special_tokens_map, sort_keys=True), str(max_length), truncation, *turns):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()

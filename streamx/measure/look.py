@@ -2,8 +2,9 @@
 picture `streamx bench --plot FILE` draws of its stages.
 
 The first thing a drafter trainer checks is the loss mask: `sample_lines` decodes a sample with its trained
-spans marked and gives each slot's RMS, min and max. `layer_norms` reads a spread of samples for the
-per-layer picture. Pictures need matplotlib (`pip install 'streamx-hs[plot]'`); a FILE ending in .html is one
+spans marked and gives each slot's RMS, min and max. `layer_spread` reads a spread of samples for the
+per-layer picture: the token norms, and the largest |value| (massive activations), which a box alone hides.
+Pictures need matplotlib (`pip install 'streamx-hs[plot]'`); a FILE ending in .html is one
 self-contained page (the figure inline as SVG), anything else an image in the format its suffix names.
 """
 
@@ -12,17 +13,76 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..base.location import local_path
 from ..store import Store
+from ..train.folder import FROM_STORE, META, WORK
 
 MARK_OPEN, MARK_CLOSE = "«", "»"  # around the tokens the loss mask trains on
 NORM_SAMPLES = 64  # samples read for the per-layer picture, spread over the store
 SHARE_SAMPLES = 4096  # samples whose loss masks are read for the trained-share picture
+
+
+def row_lines(store: Store, row_id: int) -> list[str]:
+    """What `--sample ROW` shows: the row's sample (`sample_lines`, decoded with the store's tokenizer), or why the
+    run rejected it."""
+    try:
+        store.position(row_id)
+    except KeyError:
+        return [rejected_line(store, row_id)]
+    return sample_lines(store, row_id, store_tokenizer(store))
+
+
+def rejected_line(store: Store, row_id: int) -> str:
+    """Why the run rejected source row `row_id`: its reason, and its detail where the store kept it (one row's per
+    reason and part: the commit's example), else the row it repeats or the kept example of that reason."""
+    reason = dict(store.rejected()).get(row_id)
+    if reason is None:
+        raise LookupError(f"source row {row_id} is not in {store.path}: no sample and no reject")
+    own = f"row {row_id}: "
+    examples = [e for c in store.commits.values() if (e := c.reject_examples.get(reason))]
+    repeats = dict(zip(store.repeated.unread.tolist(), store.repeated.unread_same_as.tolist(), strict=True))
+    why = next((e.removeprefix(own) for e in examples if e.startswith(own)), None)
+    if why is None and row_id in repeats:
+        why = f"it repeats row {repeats[row_id]}, rejected for that reason"
+    elif why is None:
+        why = "the store keeps the detail of one row per reason" + (f", e.g. {examples[0]}" if examples else "")
+    return f"row {row_id} was rejected by the run, so it has no sample: {reason} ({why})"
+
+
+def converted_folder_line(path: str) -> str | None:
+    """What a folder `streamx convert` wrote is, in one line, or None where `path` is no such folder: `inspect`
+    reads stores, and points at the folder's own."""
+    local = local_path(path)
+    if local is None or not local.is_dir():
+        return None
+    if (local / META).is_file():
+        record = _json(local / META)
+        store, rows = record.get("source", {}).get("store"), record.get("counts", {}).get("rows")
+        if not isinstance(store, str) or not isinstance(rows, int):
+            return f"{path} is a speculators training folder whose {META} cannot be read"
+        states = "states read from the store" if record.get("hidden_states_dtype") == FROM_STORE else \
+            f"{rows:,} hs files"
+        return (f"{path} is a speculators training folder converted from {store} ({rows:,} rows, {states}); inspect "
+                f"the store: streamx inspect {store}")
+    if (local / WORK / "plan.json").is_file():
+        return f"{path} is a speculators training folder `streamx convert` has not finished; run it again to finish"
+    return None
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def sample_lines(store: Store, row_id: int, tokenizer: Any | None) -> list[str]:
@@ -60,24 +120,43 @@ def store_tokenizer(store: Store) -> Any | None:
     return None
 
 
-def layer_norms(store: Store, samples: int = NORM_SAMPLES) -> dict[int, np.ndarray]:
-    """Per layer id, every token's L2 norm over `samples` samples spread evenly over the store."""
+@dataclass(frozen=True)
+class LayerSpread:
+    """One layer id's states over the samples read: what the per-layer panel draws."""
+
+    norms: np.ndarray  # every token's L2 norm
+    peak: float  # the largest |value| (a massive activation stands out here)
+    peak_at: tuple[int, int, int]  # where it is: (source row, token, dimension)
+
+
+def layer_spread(store: Store, samples: int = NORM_SAMPLES) -> dict[int, LayerSpread]:
+    """Per layer id, every token's L2 norm and the largest |value| over `samples` samples spread evenly over the
+    store."""
     positions = np.unique(np.linspace(0, len(store) - 1, min(samples, len(store))).astype(int)) if len(store) else []
     norms: dict[int, list[torch.Tensor]] = {i: [] for i in store.layer_ids}
+    peaks: dict[int, tuple[float, tuple[int, int, int]]] = {i: (0.0, (-1, -1, -1)) for i in store.layer_ids}
     for position in positions:
-        states = store.at(int(position)).hidden_states.float()
+        sample = store.at(int(position))
+        states = sample.hidden_states.float()
         for slot, layer_id in enumerate(store.layer_ids):
-            norms[layer_id].append(states[:, slot].norm(dim=-1))
-    return {i: torch.cat(v).numpy() if v else np.zeros(0) for i, v in norms.items()}
+            x = states[:, slot]
+            norms[layer_id].append(x.norm(dim=-1))
+            magnitudes = x.abs().flatten()
+            at = int(magnitudes.argmax())
+            if float(magnitudes[at]) > peaks[layer_id][0]:
+                peaks[layer_id] = float(magnitudes[at]), (sample.row_id, *divmod(at, x.shape[1]))
+    return {i: LayerSpread(torch.cat(v).numpy() if v else np.zeros(0), *peaks[i]) for i, v in norms.items()}
 
 
 def plot_store(store: Store, path: str) -> None:
-    """The store in three panels: sample lengths, the trained share per sample, and per-layer token norms."""
+    """The store in three panels: sample lengths, the trained share per sample, and per-layer token norms with
+    the tokens past the whiskers drawn and each layer's largest |value| marked, the largest of all named: massive
+    activations, which a box alone would hide."""
     plt = _pyplot()
     lengths = store.index.lengths
     spread = np.unique(np.linspace(0, len(store) - 1, min(SHARE_SAMPLES, len(store))).astype(int))
     trained = np.array([float(store.tokens_at(int(p))[1].float().mean()) for p in spread])
-    norms = layer_norms(store)
+    layers = layer_spread(store)
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     a.hist(lengths, bins=min(50, max(1, len(lengths))))
     a.set(title=f"sample lengths ({len(lengths):,} samples)", xlabel="tokens", ylabel="samples")
@@ -85,10 +164,17 @@ def plot_store(store: Store, path: str) -> None:
     b.set(title=f"trained share ({len(spread):,} samples; all tokens: {_share(store):.1%})",
           xlabel="trained tokens / tokens",
           ylabel="samples")
-    ids = list(norms)
-    c.boxplot([norms[i] for i in ids], tick_labels=[str(i) for i in ids], showfliers=False)
+    ids = list(layers)
+    c.boxplot([layers[i].norms for i in ids], tick_labels=[str(i) for i in ids],
+              flierprops={"marker": ".", "markersize": 3, "alpha": 0.5})
+    if ids:  # each layer's largest |value| marked, the largest of all named in the legend
+        top = max(ids, key=lambda i: layers[i].peak)
+        row, token, dim = layers[top].peak_at
+        c.scatter(range(1, len(ids) + 1), [layers[i].peak for i in ids], marker="x", color="tab:red", zorder=3,
+                  label=f"largest |value|: {layers[top].peak:,.5g} at id {top} (row {row}, token {token}, dim {dim})")
+        c.legend(fontsize=8)
     c.set(title=f"token norms per layer id ({min(NORM_SAMPLES, len(store))} samples)", xlabel="layer id",
-          ylabel="L2 norm")
+          ylabel="L2 norm; largest |value|")
     fig.suptitle(f"{store.path}: {store.metadata.model.get('model', '?')}")
     save_figure(fig, path, title=f"streamx inspect {store.path}")
 

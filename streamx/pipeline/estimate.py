@@ -4,7 +4,9 @@ The run's own tokenizer and sample builder go over the rows (`sample_rows` of th
 when there are more) and the store's bytes and files follow from its layout (store.py),
 for each storage choice. No weights are read: the layer count and hidden size come from the
 model's config. With --sharing, sampled rows share little with each other, so what the store keeps is
-measured apart, on runs of consecutive rows within sorting windows (`runs_of_rows`), and scaled up.
+measured apart, on runs of consecutive rows within sorting windows (`runs_of_rows`), and scaled up. The rows
+tokenized in order (all of them, or those runs) also show fanned-out rows that sharing cannot fold
+(streamx.data.fanout).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import numpy as np
 from ..base.units import gb
 from ..config import RunConfig, resolve_layer_ids
 from ..data.batching import iter_windows
+from ..data.fanout import FanOut
 from ..data.sharing import Segment, covered_rows, pieces, share
 from ..data.source import Row, Source, open_source
 from ..data.tokenize import DIGEST_BYTES, Reject, Repeats, Sample, SampleBuilder
 from ..model.load import model_tokenizer, read_text_config, resolve_model_path
+from ..model.support import support_of
 from ..store import STORAGES, Layout, free_bytes, make_layout
 from ..store.format import (
     GROUP_DOCUMENTS,
@@ -73,7 +77,11 @@ class Estimate:
     layer_ids: list[int]
     num_layers: int
     hidden_size: int
-    sizes: dict[str, StoreSize]  # storage choice -> the store it makes
+    stored_tokens: int  # what the store holds and the forward computes, as expected (`stored`)
+    stored_as: str  # why: what sharing the expectation counts on
+    sizes: dict[str, StoreSize]  # storage choice -> the store it makes (of stored_tokens)
+    most_bytes: int  # the --storage store where the model continues no shared prefix: the free-space check's bound
+    fanout: str | None  # rows that extend an earlier row's messages but not its tokens (FanOut.note; None: none seen)
 
     @property
     def exact(self) -> bool:  # every row was tokenized
@@ -120,7 +128,7 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
     (sampled rows without that pass: a repeat of a row in another sorting window counts as stored)."""
     source = source or open_source(config.data, config.split, config.max_samples)
     builder = builder or SampleBuilder(model_tokenizer(resolve_model_path(config.model), config.tokenizer),
-                                       config.max_length, config.truncation)
+                                       config.max_length, config.truncation, config.train_turns)
     text_config = read_text_config(config.model)
     L, H = text_config.num_hidden_layers, text_config.hidden_size
     layer_ids = resolve_layer_ids(config.layers, L)
@@ -133,6 +141,8 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
         for window in iter_windows(rows if exact else source, 1024):
             repeats |= {row for row, (_, first) in seen.of(window).items() if first is not None}
     samples, tokens, trainable, longest, rejects, duplicates = 0, 0, 0, 0, {}, 0
+    fanout = FanOut(builder.tokenizer)
+    builder.fanout = fanout if exact else None  # rows drawn at random hardly ever extend one another: not fed
     window: list[Sample] = []
     for row in rows:
         if shared is not None and window and row.row_id // config.sort_window != window[0].row_id // config.sort_window:
@@ -164,16 +174,38 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
             scale = (total - duplicates) / len(rows)
     samples, tokens, trainable = (round(n * scale) for n in (samples, tokens, trainable))
     if config.sharing == "on" and not exact and total is not None:
+        builder.fanout = fanout  # the runs of consecutive rows
         shared = sampled_sharing(config, source, builder, repeats, tokens, samples, sample_rows)
+    builder.fanout = None
     rejects = {reason: round(n * scale) for reason, n in rejects.items()}
     if not exact and repeats and config.skip_duplicates:
         rejects["duplicate_content"] = duplicates
-    stored = shared.prefix_rows if shared is not None else tokens  # (leading runs may not be shared: the bound)
-    sizes = {storage: store_size(make_layout(len(layer_ids), H, config.chunk_tokens, config.shard_tokens,
-                                             config.compressor, storage), stored, samples, sum(rejects.values()))
-             for storage in STORAGES}
+    stored, stored_as = expected_stored(config, shared, tokens, text_config)
+
+    def size(storage: str, tokens: int) -> StoreSize:
+        return store_size(make_layout(len(layer_ids), H, config.chunk_tokens, config.shard_tokens, config.compressor,
+                                      storage), tokens, samples, sum(rejects.values()))
+
+    most = tokens if shared is None else shared.prefix_rows
     return Estimate(total, len(rows), samples, rejects, tokens, trainable, longest,
-                    duplicates if count_duplicates and total is not None else None, shared, layer_ids, L, H, sizes)
+                    duplicates if count_duplicates and total is not None else None, shared, layer_ids, L, H, stored,
+                    stored_as, {storage: size(storage, stored) for storage in STORAGES},
+                    size(config.storage, most).bytes, fanout.note(config.train_turns))
+
+
+def expected_stored(config: RunConfig, shared: SharedTokens | None, tokens: int, text_config: Any) -> tuple[int, str]:
+    """The tokens a run is expected to compute and store, and why: with --sharing, the common leading runs too
+    where batches are packed and the support table says the family continues a shared prefix (the start-up check
+    decides on the loaded model: where it finds otherwise, prefix rows only, at most `most_bytes`)."""
+    if shared is None:
+        return tokens, "every row's tokens" if config.sharing == "off" else "every row's tokens (sharing not estimated)"
+    support = support_of(text_config)
+    if config.packing == "on" and support is not None and support.continued:
+        return shared.leading_runs, f"shared leading runs ({support.family}: packed and shared, docs/support.md)"
+    why = "--packing off" if config.packing != "on" else \
+        f"{support.family}: {support.path}" if support is not None else \
+        f"{text_config.model_type} is not in the support table: the start-up check decides"
+    return shared.prefix_rows, f"prefix rows and duplicates only ({why})"
 
 
 def runs_of_rows(source: Source, sort_window: int, sample_rows: int, seed: int = 0) -> list[list[Row]]:
@@ -279,8 +311,8 @@ class Forecast:
 
     @property
     def seconds(self) -> float | None:
-        e = self.estimate  # the forward pass computes what sharing leaves (at most the prefix rows' bound)
-        return (e.shared.prefix_rows if e.shared else e.tokens) / self.tokens_per_s if self.tokens_per_s else None
+        e = self.estimate  # the forward pass computes what sharing leaves
+        return e.stored_tokens / self.tokens_per_s if self.tokens_per_s else None
 
     def to_json(self) -> dict[str, Any]:
         return {**self.estimate.to_json(), "storage": self.config.storage, "free_bytes": self.free,
@@ -303,12 +335,15 @@ class Forecast:
             *([f"sharing      {e.shared.leading_runs:,} tokens computed and stored "
                f"({e.shared.leading_runs / max(1, e.tokens):.1%}) where the model continues shared prefixes, else "
                f"{e.shared.prefix_rows:,} ({e.shared.prefix_rows / max(1, e.tokens):.1%}: prefix rows and duplicates "
-               "only; the store below)" + (f", at most: measured on {e.shared.sampled_runs} runs of consecutive rows"
-                                          if e.shared.sampled_runs else ""),
+               "only)" + (f", at most: measured on {e.shared.sampled_runs} runs of consecutive rows"
+                          if e.shared.sampled_runs else ""),
                f"  shared     {e.shared.kinds.phrase(e.tokens)} of the tokens"] if e.shared is not None else
               ["sharing      on: not estimated from the first rows of a stream (the store below is the unshared "
                "bound)"]
               if config.sharing == "on" else []),
+            *(["fan-out      " + (f"in {e.shared.sampled_runs} runs of consecutive rows, " if e.shared and
+                                    e.shared.sampled_runs else "") + e.fanout] if e.fanout else []),
+            f"stored       {e.stored_tokens:,} tokens ({e.stored_as}): the store and the time below",
             f"layers       {e.layer_ids} of {e.num_layers}, hidden {e.hidden_size}",
             "storage      bytes/token   store        files" + ("   (uncompressed: an upper bound)"
                                                               if config.compressor != "none" else ""),

@@ -214,7 +214,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
         log(f"  sharing {sharing.note()}")
         log(f"  family  {family_note(model.config, packing.on, sharing.min_shared_tokens is not None)}")
     check_vocabulary(config.data, record, tokenizer)
-    builder = SampleBuilder(tokenizer, config.max_length, config.truncation)
+    builder = SampleBuilder(tokenizer, config.max_length, config.truncation, config.train_turns)
     layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor,
                          config.storage)
     metadata = store_metadata(config, info, builder, layer_ids, layout, packing, sharing)
@@ -272,11 +272,12 @@ def preflight(config: RunConfig, device: str, log: Callable[[str], None] = lambd
     layer_ids = resolve_layer_ids(config.layers, L)
     check_trainable(config, layer_ids, L)
     if output.is_store and not config.overwrite:
-        builder = SampleBuilder(model_tokenizer(path, config.tokenizer), config.max_length, config.truncation)
+        builder = SampleBuilder(model_tokenizer(path, config.tokenizer), config.max_length, config.truncation,
+                                config.train_turns)
         ours = Compat(model="", compute_dtype=str(resolve_dtype(config.dtype, device)).removeprefix("torch."),
                       layer_ids=layer_ids, tokenization=builder.fingerprint, data=config.data, split=config.split,
                       storage=config.storage, skip_duplicates=config.skip_duplicates,
-                      data_fingerprint=fingerprint(config.data))
+                      data_fingerprint=fingerprint(config.data), train_turns=config.train_turns)
         check_compatible(output.compat, config.out, ours, unknown=("model", "packing", "sharing"))
     return output
 
@@ -357,10 +358,9 @@ def check_space(config: RunConfig, source: Source, output: Output, log: Callable
         log("  space   not checked: " + ("an object store" if free is None else "a stream of unknown length"))
         return None
     plan = estimate(config, source)
-    size = plan.sizes[config.storage]
     done = 0 if config.overwrite else output.committed_rows
     left = max(0, source.num_rows - done) / max(1, source.num_rows)
-    needed = round(size.bytes * left)
+    needed = round(plan.most_bytes * left)  # (the bound: the model may continue no shared prefix)
     if config.overwrite and Path(config.out).is_dir():  # the old store's bytes are freed first
         free += sum(f.stat().st_size for f in Path(config.out).rglob("*") if f.is_file())
     how = "" if plan.exact else f", estimated from {plan.sampled_rows:,} rows" + (
@@ -416,5 +416,5 @@ def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, l
                       tokenization=builder.fingerprint, data=config.data, split=config.split,
                       storage=layout.storage.name, packing=packing.setting,
                       skip_duplicates=config.skip_duplicates, data_fingerprint=fingerprint(config.data),
-                      sharing=sharing.setting),
+                      sharing=sharing.setting, train_turns=config.train_turns),
     )

@@ -28,6 +28,7 @@ from ..base.threads import SignalStop, Stopped, Worker, first_error, get, put
 from ..base.units import gb
 from ..config import RunConfig
 from ..data.batching import Batch
+from ..data.fanout import FanOut
 from ..data.tokenize import Duplicate, Reject
 from ..model.capture import LayerCapture, segment_is_finite
 from ..model.gather import select_gather_fn
@@ -68,6 +69,9 @@ class RunSummary:
     shared: SharedKinds | None = None  # what the whole store's rows share, by kind (None: not read, other ranks)
     cpu_seconds: float = 0.0  # the process's CPU time over the run, every thread's
     cores: int = 1  # the cores the process may run on
+    stored_again: int = 0  # tokens a resume stored again: the shared prefixes that later rows continue
+    store_waiting: int = 0  # the store's committed rows that repeat rows not committed yet (Store.waiting_rows)
+    fanout: str | None = None  # rows that extend an earlier row's messages but not its tokens (FanOut.note)
 
     @property
     def tokens_per_s(self) -> float:
@@ -107,22 +111,27 @@ class RunSummary:
             return [f"[rank {self.rank}] committed {self.samples:,} samples in {self.seconds:.0f} s ({self.pace()}), "
                     f"rejected {self.rejects:,} ({rejects})",
                     *(ending if self.stopped_by else [])]
-        resumed = f"; {self.resumed_rows:,} rows were already committed" if self.resumed_rows else ""
         return [
-            f"committed {self.samples:,} samples ({self.row_tokens:,} tokens, {self.trainable_tokens:,} trainable) in "
+            f"{'this run committed' if self.resumed_rows else 'committed'} {self.samples:,} samples "
+            f"({self.row_tokens:,} tokens, {self.trainable_tokens:,} trainable) in "
             f"{self.seconds:.0f} s ({self.pace()}); rejected {self.rejects:,} ({rejects})",
             *([f"{self.duplicates:,} of these samples repeat an earlier row's content (--skip-duplicates leaves such "
                "rows out)"] if self.duplicates else []),
             f"layer ids {self.layer_ids} (speculators convention; id {self.num_layers} = the last layer's output "
             "before the final norm)",
-            f"hidden states written: {gb(self.hidden_bytes)}; padding efficiency {self.padding_efficiency:.1%}"
-            + resumed,
+            f"hidden states written: {gb(self.hidden_bytes)}; padding efficiency {self.padding_efficiency:.1%}",
+            *([f"resumed: {self.resumed_rows:,} rows were committed before this run"
+               + (f"; it stored again the {self.stored_again:,} tokens of shared prefixes its rows continue from the "
+                  "interrupted window (docs/store.md)" if self.stored_again else "")] if self.resumed_rows else []),
             *([f"sharing: {self.row_tokens:,} row tokens computed and stored as {self.tokens:,} "
                f"({self.tokens / max(1, self.row_tokens):.1%})" + ("" if self.shared is None else
                                                                     f"; the store's rows share "
                                                                     f"{self.shared.phrase(self.store_tokens)}")]
               if self.row_tokens != self.tokens else []),
-            f"store: {self.out} ({self.store_samples:,} samples, {self.store_tokens:,} tokens in total)",
+            *([f"fan-out: {self.fanout}"] if self.fanout else []),
+            f"store: {self.out} ({self.store_samples:,} samples, {self.store_tokens:,} tokens in total"
+            + (f"; {self.store_waiting:,} more committed rows repeat rows not committed yet: samples once those land"
+               if self.store_waiting else "") + ")",
             *ending,
         ]
 
@@ -142,8 +151,15 @@ class Pipeline:
         self.to_write: queue.Queue = queue.Queue(maxsize=cfg.queue_batches)
         self.times = StageTimes()
         self.fill = {"batches": QueueFill(self.batches), "to_write": QueueFill(self.to_write)}
+        self.stage = WriterStage(writer, done, RejectRate(cfg.max_reject_fraction), self.times,
+                                 lambda: plan.source_rows, self.fanout)  # (both asked after the producer's last batch)
         planned = plan.tokens_to_compute  # (per rank: about)
         self.counts = Throughput(None if planned is None else -(-planned // plan.rank.world_size))
+
+    def fanout(self) -> str | None:
+        """What this run's chat rows fan out to that sharing cannot fold (data.fanout), once they are tokenized."""
+        found = self.plan.builder.fanout
+        return None if found is None else found.note(self.plan.config.train_turns)
 
     def rows_to_run(self, batch: Batch) -> int:
         """The batch's rows that this run commits (a resume's batch may hold rows committed before)."""
@@ -213,11 +229,9 @@ class Pipeline:
         return None
 
     def run(self) -> None:
-        stage = WriterStage(self.writer, self.done, RejectRate(self.plan.config.max_reject_fraction), self.times,
-                            lambda: self.plan.source_rows)  # asked after the producer's last batch
         producer = Worker("streamx-producer", self.produce, self.failed)
-        writer = Worker("streamx-writer", lambda: stage.run(self.to_write, self.failed, self.fill["to_write"],
-                                                            self.rows_left), self.failed)
+        writer = Worker("streamx-writer", lambda: self.stage.run(self.to_write, self.failed, self.fill["to_write"],
+                                                                 self.rows_left), self.failed)
         producer.start()
         writer.start()
         finished = False
@@ -267,6 +281,7 @@ def _run(plan: RunPlan, part: OwnedPart, started: tuple[float, float], progress:
         log(f"resuming {cfg.out}: {len(target.done_rows)} rows already committed")
     space = SpaceGuard.for_layout(cfg.out, plan.layout)  # (--no-space-check skips only the start-up check)
     writer = PartWriter(part.open(target, plan.layout), space)
+    plan.builder.fanout = FanOut(plan.tokenizer)  # this run's rows as tokenized (a fresh one: bench reuses plans)
     pipeline = Pipeline(plan, writer, target.done_rows, target.done_keys, target.same_as)
 
     total = None if plan.source.num_rows is None else rows_to_run(plan.source.num_rows, target.done_rows,
@@ -281,10 +296,11 @@ def _run(plan: RunPlan, part: OwnedPart, started: tuple[float, float], progress:
         close_parts_of_no_rank(cfg.out, target, rank.world_size, log)
         final = Store(cfg.out)  # (independent ranks: the others may still be running)
         store_samples, store_tokens, incomplete = len(final), final.row_tokens, final.completeness().problems()
+        store_waiting = final.waiting_rows
         shared = final.shared_kinds()
     else:  # torchrun's other ranks say only their own line
         store_samples, store_tokens = target.totals()
-        incomplete, shared = [], None
+        incomplete, shared, store_waiting = [], None, 0
     return RunSummary(
         out=cfg.out, layer_ids=plan.layer_ids, num_layers=plan.info.num_layers, samples=written.samples,
         tokens=written.tokens, row_tokens=written.samples_tokens, trainable_tokens=written.trainable_tokens,
@@ -298,6 +314,7 @@ def _run(plan: RunPlan, part: OwnedPart, started: tuple[float, float], progress:
         store_samples=store_samples, store_tokens=store_tokens, rank=rank.rank,
         stopped_by=signals_in.signal.name if signals_in.signal and pipeline.rows_left.is_set() else None,
         incomplete=incomplete, shared=shared, cpu_seconds=time.process_time() - started[1], cores=available_cores(),
+        stored_again=pipeline.stage.stored_again, store_waiting=store_waiting, fanout=pipeline.fanout(),
     )
 
 

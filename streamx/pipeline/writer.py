@@ -17,6 +17,7 @@ written through zarr.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import socket
@@ -97,11 +98,12 @@ class KeptSegments:
         """The stored segments that row k of a batch starts with, and how many tokens of each it holds."""
         return [] if carry is None else [(self._kept[segment], n) for segment, n in carry.rows[k]]
 
-    def keep(self, carry: Carry, bounds: list[int], first: int, stored_mask: np.ndarray, finite: list[bool]) -> None:
-        """The batch's segments that later batches continue: segment s is its tokens bounds[s]:bounds[s + 1],
-        stored from token `first` of the part on."""
+    def keep(self, carry: Carry, spans: dict[int, tuple[int, int]], first: int, stored_mask: np.ndarray,
+             finite: list[bool]) -> None:
+        """The batch's segments that later batches continue: segment s is the tokens spans[s] of those stored
+        from token `first` of the part on."""
         for s, segment in carry.exports.items():
-            a, b = bounds[s], bounds[s + 1]
+            a, b = spans[s]
             self._kept[segment] = KeptSegment(first + a, stored_mask[a:b].copy(), bool(finite[s]))
 
     def release(self, carry: Carry) -> None:
@@ -228,16 +230,17 @@ class PartWriter:
     def reject(self, reject: Reject) -> None:
         self.pending_rejects.append(reject)
 
-    def close(self, complete: bool = True, source_rows: int | None = None) -> None:
+    def close(self, complete: bool = True, source_rows: int | None = None, fanout: str | None = None) -> None:
         """Write the last partial shard, commit everything and trim the arrays to the commit; `complete`: the
         run got to the end of its data, which had `source_rows` rows (else the part stays open for a resume,
-        as after a kill)."""
+        as after a kill); `fanout`: what the run's rows fan out to that sharing cannot fold (data.fanout)."""
         self._end_shard(self.end - self.flushed)
         self.wait_committed()
         self._committer.shutdown()
         self.commit.closed = complete
         if complete:
             self.commit.source_rows = source_rows
+        self.commit.fanout = fanout or self.commit.fanout  # (a resume tokenizes fewer rows: a note stays)
         self._fence()
         for name, arr in self.arrays.items():
             n = self._committed_size(name)
@@ -417,10 +420,13 @@ class WriterStage:
     in `done` (committed by an earlier run, recomputed with their batch) are dropped."""
 
     def __init__(self, writer: PartWriter, done: Collection[int], rate: RejectRate, times: StageTimes,
-                 source_rows: Callable[[], int | None] = lambda: None):
+                 source_rows: Callable[[], int | None] = lambda: None,
+                 fanout: Callable[[], str | None] = lambda: None):
         self.writer, self.done, self.rate, self.times = writer, done, rate, times
         self.source_rows = source_rows  # the data's rows, asked when it has run out (recorded in the commit)
+        self.fanout = fanout  # the run's FanOut note, asked at the end (recorded in the commit)
         self.kept = KeptSegments()
+        self.stored_again = 0  # tokens a resume stored again (`_store`)
 
     def run(self, items: queue.Queue, failed: threading.Event, fill: QueueFill | None = None,
             rows_left: threading.Event | None = None) -> None:
@@ -433,7 +439,7 @@ class WriterStage:
                 if item is None:
                     complete = rows_left is None or not rows_left.is_set()
                     with self.times.measure("write"):
-                        self.writer.close(complete, self.source_rows() if complete else None)
+                        self.writer.close(complete, self.source_rows() if complete else None, self.fanout())
                     return
                 if isinstance(item, Reject):
                     self.reject(item)
@@ -467,12 +473,14 @@ class WriterStage:
         the segments an earlier batch stored); a row with a NaN or Inf among its states is a reject."""
         batch, carry = captured.batch, captured.batch.carry
         finite = captured.host.finite.tolist()
-        rows = []
+        rows, reads, done_reads = [], set(), set()  # rows to store; the segments they read; those done rows read
         for k, (sample, segments) in enumerate(zip(batch.samples, batch.row_segments(), strict=True)):
             if sample.row_id in self.done:
+                done_reads.update(segments)
                 continue
             before = self.kept.before(carry, k)
             if all(finite[s] for s in segments) and all(kept.finite for kept, _ in before):
+                reads.update(segments)
                 rows.append(RowOfBatch(
                     sample.row_id, batch.row_ranges[k], sample.loss_mask.numpy(), sample.duplicate,
                     sample.content_key, sample.digest, [(kept.offset, n) for kept, n in before],
@@ -480,14 +488,37 @@ class WriterStage:
             else:
                 self.reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states",
                                    sample.content_key))
-        if rows or (carry is not None and carry.exports):  # (a resume stores again what later rows start with)
-            hidden_bits = self.writer.storage.to_bits(captured.host.hidden)
-            scales = None if captured.host.scales is None else captured.host.scales.numpy()
-            stored_mask = batch.stored_loss_mask()
-            first = self.writer.append_batch(batch.computed_ids(), stored_mask, hidden_bits, scales, rows)
-            if carry is not None:
-                self.kept.keep(carry, batch.cu_seq_lens.tolist(), first, stored_mask, finite)
+        exports = set(carry.exports if carry is not None else ())
+        stored = sorted(reads | exports)
+        if stored:
+            self._store(captured, stored, rows, finite)
+        if done_reads:  # the run that committed those rows stored what they read and what later batches continue
+            self.stored_again += sum(batch.segment_lengths[s] for s in (done_reads | exports).intersection(stored))
         if carry is not None:
             self.kept.release(carry)
         for _ in rows:
             self.rate.accept()
+
+    def _store(self, captured: CapturedBatch, stored: list[int], rows: list[RowOfBatch], finite: list[bool]) -> None:
+        """The batch's segments `stored` (those its rows to store read, and those later batches continue) and its
+        rows. A resume runs a batch again whose rows an earlier run committed, all or some, where a later batch
+        continues it or some of its rows are not committed (`to_run`): it stores only what these need, so a
+        resume stores again at most the segments rows of both read (`stored_again`), never a whole batch."""
+        batch, carry = captured.batch, captured.batch.carry
+        values = {"hidden_bits": self.writer.storage.to_bits(captured.host.hidden), "ids": batch.computed_ids(),
+                  "mask": batch.stored_loss_mask(),
+                  "scales": None if captured.host.scales is None else captured.host.scales.numpy()}
+        bounds = np.cumsum([0, *batch.segment_lengths]).tolist()
+        starts = {s: bounds[s] for s in stored}  # where each stored segment lies among the stored tokens
+        if len(stored) < len(batch.segment_lengths):
+            picked = np.concatenate([np.arange(bounds[s], bounds[s + 1]) for s in stored])
+            values = {name: None if v is None else v[picked] for name, v in values.items()}
+            starts = dict(zip(stored, np.cumsum([0, *(batch.segment_lengths[s] for s in stored)])[:-1].tolist(),
+                              strict=True))
+            segment_of = batch.segment_index.numpy().tolist()
+            rows = [dataclasses.replace(row, ranges=[(starts[segment_of[a]] + a - bounds[segment_of[a]], n)
+                                                     for a, n in row.ranges]) for row in rows]
+        first = self.writer.append_batch(values["ids"], values["mask"], values["hidden_bits"], values["scales"], rows)
+        if carry is not None:
+            spans = {s: (starts[s], starts[s] + batch.segment_lengths[s]) for s in carry.exports}
+            self.kept.keep(carry, spans, first, values["mask"], finite)

@@ -186,7 +186,7 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True, log: Callable[[str]
         raise ValueError(f"--out {out} is the --data file itself; name another file for the output")
     errors_path, settings_path = side_files(out)
     durable.make_dirs(out.parent)
-    with Lock(lock_file(out), "regenerate output", guards=out):
+    with Lock(lock_file(out), "regenerate output"):
         if cfg.overwrite:
             replace_output(out)
         signalled = threading.Event()

@@ -197,14 +197,15 @@ class Compat:
     skip_duplicates: bool = False  # a resume must not mix kept repeats with left-out ones
     data_fingerprint: str = ""  # data.provenance.fingerprint: the same bytes wherever they lie ("": not local)
     sharing: str = "off"  # data.sharing.Sharing.setting: which rows are computed together decides their rounding
+    train_turns: str = "all"  # the turns a chat row's mask trains (in `tokenization` too: here so a refusal names it)
 
     def differences(self, theirs: dict[str, Any], unknown: Collection[str] = ()) -> list[str]:
         """What differs from a store's record `theirs`, one "field: store has X, this run Y" each; the fields in
         `unknown` are not compared (not known yet: a check before the model loads)."""
         ours = asdict(self)
-        # records from before fp8 storage, packing, --skip-duplicates, data fingerprints and sharing
+        # records from before fp8 storage, packing, --skip-duplicates, data fingerprints, sharing and --train-turns
         theirs = {"storage": BF16.name, "packing": "off", "skip_duplicates": False, "data_fingerprint": "",
-                  "sharing": "off", **theirs}
+                  "sharing": "off", "train_turns": "all", **theirs}
         if theirs["data_fingerprint"] and ours["data_fingerprint"]:  # the data is its bytes, not its path
             theirs, ours = {**theirs, "data": None}, {**ours, "data": None}
         else:
@@ -318,6 +319,8 @@ class Commit:
     source_rows: int | None = None  # the data's rows (up to --max-samples), recorded by that close (streamx >= 0.4)
     updated: str | None = None
     writer: dict[str, Any] | None = None  # who made this commit: {"id", "host", "pid"} (pipeline.writer's fencing)
+    fanout: str | None = None  # rows that extend an earlier row's messages but not its tokens (data.fanout), as a run
+    # that tokenized them found
 
     @property
     def samples_tokens(self) -> int:

@@ -231,7 +231,7 @@ class OwnedPart:
         local = local_path(path)
         if local is not None:
             _check_location(local)
-        self.lock = Lock(lock_file(local, name), f"{name} of {path}", guards=local) if local is not None else None
+        self.lock = Lock(lock_file(local, name), f"{name} of {path}") if local is not None else None
 
     def open(self, target: RunStore, layout: Layout) -> zarr.Group:
         """The part, created when new. Under torchrun, call it only once every rank has read `done_rows`: a

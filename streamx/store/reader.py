@@ -228,6 +228,14 @@ class Store:
         """Committed source rows, ascending."""
         return self.index.rows[self._by_row]
 
+    @property
+    def waiting_rows(self) -> int:
+        """Committed rows that repeat a row no part has committed yet (another rank's, still running): not samples
+        until it lands, then read as its sample."""
+        rejected = [part["reject_row_id"][: self.commits[name].rejects] for name, part in self.parts.items()]
+        return int((~np.isin(self.repeated.unread_same_as, np.concatenate([np.zeros(0, dtype=np.int64),
+                                                                           *rejected]))).sum())
+
     def sample(self, row_id: int, raw: bool = False, slots: Sequence[int] | None = None) -> StoredSample:
         """The sample of source row `row_id`. Its states are bf16; with `raw`, an fp8 store's are the stored
         float8_e4m3fn values with their float32 scales in `hidden_states_scales`; `slots` picks the slots
@@ -413,6 +421,7 @@ class Store:
         return {
             "path": self.path,
             "samples": len(self),
+            "waiting_rows": self.waiting_rows,  # committed, and samples once the rows they repeat land
             "tokens": self.row_tokens,  # the samples' (as if nothing were shared)
             "stored_tokens": self.num_tokens,
             "shared": asdict(self.shared_kinds()),  # row tokens not stored again, by kind of sharing
@@ -435,6 +444,7 @@ class Store:
         model = meta.model
         random = "; RANDOM WEIGHTS (--random-weights)" if meta.random_weights else ""
         scales = " (+ a float32 scale per token)" if self.storage.scaled else ""
+        fanout = next((c.fanout for c in self.commits.values() if c.fanout), None)  # (data.fanout)
         lines = [
             f"store        {summary['path']} ({meta.format})",
             f"model        {model.get('model', '?')} ({model.get('architecture', '?')}, {meta.num_layers} layers, "
@@ -445,6 +455,8 @@ class Store:
             f"data         {meta.compat.data} (split {meta.compat.split}), max_length {meta.max_length} "
             f"({meta.truncation})",
             f"samples      {summary['samples']:,} committed, {summary['rejected']:,} rejected"
+            + (f"; {summary['waiting_rows']:,} more committed rows repeat rows not committed yet (samples once those "
+               "land)" if summary["waiting_rows"] else "")
             + (f", {summary['duplicate_rows']} DUPLICATE rows" if summary["duplicate_rows"] else "")
             + (f"; {summary['duplicate_content_kept']:,} samples repeat an earlier row's content (streamx run "
                "--skip-duplicates leaves them out)" if summary["duplicate_content_kept"] else ""),
@@ -454,6 +466,7 @@ class Store:
             f"({self.num_tokens / max(1, self.row_tokens):.1%}" + (
                 f"; shared: {SharedKinds(**summary['shared']).phrase(self.row_tokens)}"
                 if self.num_tokens != self.row_tokens else "") + "); rows read whole",
+            *([f"fan-out      {fanout}"] if fanout else []),
             "lengths      " + ("no samples" if not len(self) else ", ".join(
                 f"{name} {int(v):,}" for name, v in zip(("min", "median", "p90", "p99", "max"), np.percentile(
                     self.index.lengths, [0, 50, 90, 99, 100], method="lower"), strict=True)) + " tokens"),

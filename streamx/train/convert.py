@@ -34,9 +34,11 @@ from ..base.durable import write_file
 from ..base.location import local_path
 from ..base.locks import Lock, lock_file
 from ..config import check_layer_ids, resolve_layer_ids, untrainable_layers
+from ..model.load import ModelNotFoundError
 from ..store import STORAGES, Storage, Store, StoredSample, open_store
 from . import files, folder
 from .folder import FROM_STORE, HS_DIR, META, STORE_ROWS, WORK
+from .mask_token import lacks_processor, mask_token_id
 from .merge import PrefixFolds, prefix_folds
 from .meta import NAMES, draft_layer_ids, folder_meta, train_commands
 
@@ -133,7 +135,7 @@ def convert(store_path: str, out: str, seed: int = 0, overwrite: bool = False, w
     or `store`: no hs files, speculators reads the store itself (streamx.speculators_backend). One convert at a
     time writes `out`: a second one is refused at once (streamx.base.locks)."""
     _check_location(Path(out))
-    with Lock(lock_file(out), f"the convert folder {out}", guards=Path(out)):
+    with Lock(lock_file(out), f"the convert folder {out}"):
         return _convert(store_path, out, seed, overwrite, workers, block_rows, progress, log, allow_random_weights,
                         hidden_states, allow_partial, merge_prefix_rows)
 
@@ -258,11 +260,24 @@ def _finish(store: Store, out_dir: Path, blocks: list[Path], all_rows: np.ndarra
     rows = np.concatenate([b.rows for b in read_blocks()])  # which store sample each training row is
     write_file(out_dir / STORE_ROWS, lambda tmp: _save_npy(tmp, rows.astype("<i8")))
     suited, unsuited = draft_layer_ids(aux, store.metadata.num_layers, files=files_as is not None)
-    commands = train_commands(str(out_dir.resolve()), store.metadata.model["path"], suited, files_as)
+    verifier = store.metadata.model["path"]
+    commands = train_commands(str(out_dir.resolve()), verifier, suited, files_as, _mask_token_id(verifier))
     meta = folder_meta(store, identity, aux, totals, skipped, commands, unsuited)
     write_file(out_dir / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
     shutil.rmtree(out_dir / WORK)
     return meta, skipped
+
+
+def _mask_token_id(verifier: str) -> int | None:
+    """The --mask-token-id the train commands need: where speculators cannot load the verifier's processor to
+    resolve it (a multimodal checkpoint without its processor files, streamx.train.mask_token), else None."""
+    if not lacks_processor(verifier):
+        return None
+    try:
+        return mask_token_id(verifier)
+    except (ModelNotFoundError, ValueError) as err:
+        raise ConvertError(f"{err}; speculators needs that tokenizer to pick the drafts' --mask-token-id, as "
+                           f"{verifier} has no processor files") from None
 
 
 def _identity(store: Store, order: np.ndarray, seed: int, block_rows: int, files_as: Storage | None

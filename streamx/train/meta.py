@@ -49,17 +49,19 @@ def draft_layer_ids(aux: list[int], num_layers: int, files: bool) -> tuple[dict[
     return suited, others
 
 
-def train_commands(out: str, verifier: str, target_layer_ids: dict[str, list[int]], files: Storage | None = BF16
-                   ) -> dict[str, list[str]]:
+def train_commands(out: str, verifier: str, target_layer_ids: dict[str, list[int]], files: Storage | None = BF16,
+                   mask_token_id: int | None = None) -> dict[str, list[str]]:
     """`speculators train` argv for each algorithm of `target_layer_ids` (its ids): --on-missing raise (the
     default, generate, calls a vLLM server); fp8 files need the fp8 hidden-states backend, which dequantises them
     to bf16 as it loads; with no files (`files` None), speculators' own train CLI with the streamx backend
-    registered reads the store."""
+    registered reads the store; `mask_token_id` where speculators cannot resolve it itself (streamx.train.mask_token:
+    it resolves one for either draft)."""
     launcher = ["speculators", "train"] if files is not None else ["python", "-m", "streamx.speculators_backend"]
     backend = ["--hidden-states-backend", BACKEND] if files is None else \
         ["--hidden-states-backend", files.name] if files.scaled else []  # speculators' fp8 backend is named fp8
+    mask = [] if mask_token_id is None else ["--mask-token-id", str(mask_token_id)]
     return {algo: [*launcher, "--data-path", out, "--verifier-name-or-path", verifier, "--on-missing", "raise",
-                   "--target-layer-ids", *map(str, ids), *backend, "--speculator-type", algo]
+                   "--target-layer-ids", *map(str, ids), *backend, *mask, "--speculator-type", algo]
             for algo, ids in target_layer_ids.items()}
 
 

@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import sys
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -39,6 +40,7 @@ from ..model.capture import find_decoder
 from ..model.load import load_model, model_tokenizer, read_text_config
 from ..store import BF16, STORAGES, Store, StoreError, open_store
 from .folder import FROM_STORE, HS_DIR, META, STORE_ROWS
+from .mask_token import mask_token_id
 
 READ_BYTES = 256 << 20  # float32 states per read in the structural pass (its temporaries take ~3x this)
 DATA_ROWS = 256  # rows the data check reads again: a second or two of tokenizing
@@ -359,7 +361,7 @@ def check_data(store: Store, positions: list[int]) -> Check:
     meta, data = store.metadata, store.metadata.compat.data
     try:
         builder = SampleBuilder(model_tokenizer(meta.model["path"], meta.config.get("tokenizer")), meta.max_length,
-                                meta.truncation)
+                                meta.truncation, meta.config.get("train_turns", "all"))
     except Exception as err:  # noqa: BLE001 - the model's files are not here
         return Check("data", True, f"skipped: the tokenizer cannot be loaded ({type(err).__name__}: {err})",
                      skipped=True)
@@ -564,12 +566,16 @@ def _same_states(f: dict[str, torch.Tensor], s: Any) -> bool:
 
 
 def check_speculators(folder: Path) -> Check:
-    """speculators' own data path, in this environment, on the CPU: for each draft the folder's commands name,
-    its train and val loaders built as `speculators train` builds them (config resolution, hidden-states backend,
-    EAGLE-3's shift) and one batch read: no missing row, the draft's states finite and of its width."""
+    """speculators' own start of training, in this environment, on the CPU: for each draft the folder's commands
+    name, with that command's arguments, the draft built and its train and val loaders made as `speculators train`
+    does (config resolution, the mask token, the verifier's embeddings and head, hidden-states backend, EAGLE-3's
+    shift) and one batch read: a command that fails at start fails here; no missing row, the draft's states finite
+    and of its width."""
     try:
         from hs_connectors import HiddenStatesBackend
+        from speculators.model import SpeculatorModel
         from speculators.models.eagle3.data import shift_batch
+        from speculators.train.cli import build_draft_model, parse_vocab_mappings
         from speculators.train.config import TrainConfig
         from speculators.train.dataloader import create_train_val_loaders
     except ImportError as err:
@@ -580,27 +586,30 @@ def check_speculators(folder: Path) -> Check:
     for algo, argv in meta["speculators_train_argv"].items():
         if "streamx.speculators_backend" in argv:
             from . import backend  # noqa: F401 - registers the streamx backend, as that launcher does
-        args = TrainConfig.resolve([*argv[argv.index("--data-path"):], "--num-workers", "0"]).flatten()
-        ids = args["target_layer_ids"]
+        args = argparse.Namespace(**TrainConfig.resolve([*argv[argv.index("--data-path"):], "--num-workers", "0"])
+                                  .flatten())
         try:
-            transfer = HiddenStatesBackend.registry[args["hidden_states_backend"]].from_train_args(
-                argparse.Namespace(**args), args["data_path"])
+            d2t, t2d, draft_vocab_size = parse_vocab_mappings(args)
+            draft = build_draft_model(args, SpeculatorModel.registry[args.speculator_type], t2d, d2t, draft_vocab_size)
+            transfer = HiddenStatesBackend.registry[args.hidden_states_backend].from_train_args(args, args.data_path)
             train, _ = create_train_val_loaders(
-                data_path=args["data_path"], total_seq_len=args["total_seq_len"],
-                hidden_states_dtype=getattr(torch, args["hidden_states_dtype"]), transfer=transfer,
-                vllm_endpoint=args["vllm_endpoint"], on_missing="raise",
-                verifier_name_or_path=args["verifier_name_or_path"], request_timeout=args["request_timeout"],
-                max_retries=args["max_retries"], generation_validation_retries=args["generation_validation_retries"],
-                max_consecutive_generation_failures=args["max_consecutive_generation_failures"],
-                hidden_size=meta["hidden_size"], num_target_layers=len(ids), num_workers=0,
-                prefetch_factor=args["prefetch_factor"], preprocess=shift_batch if algo == "eagle3" else None,
-                train_data_ratio=args["train_data_ratio"], seed=args["seed"])
+                data_path=args.data_path, total_seq_len=args.total_seq_len,
+                hidden_states_dtype=getattr(torch, args.hidden_states_dtype), transfer=transfer,
+                vllm_endpoint=args.vllm_endpoint, on_missing="raise", verifier_name_or_path=args.verifier_name_or_path,
+                request_timeout=args.request_timeout, max_retries=args.max_retries,
+                generation_validation_retries=args.generation_validation_retries,
+                max_consecutive_generation_failures=args.max_consecutive_generation_failures,
+                hidden_size=draft.config.transformer_layer_config.hidden_size,
+                num_target_layers=len(draft.target_layer_ids), num_workers=0, prefetch_factor=args.prefetch_factor,
+                preprocess=shift_batch if algo == "eagle3" else None, train_data_ratio=args.train_data_ratio,
+                seed=args.seed)
             with warnings.catch_warnings():  # speculators asks for pinned memory, which a CPU cannot give
                 warnings.filterwarnings("ignore", message=".*pin_memory.*")
                 batch = next(iter(train))
         except Exception as err:  # noqa: BLE001 - whatever speculators raises is the finding
-            problems.append(f"{algo}: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}")
+            problems.append(f"{algo}: {_speculators_failure(err, args.verifier_name_or_path)}")
             continue
+        ids = draft.target_layer_ids
         states, width = batch["hidden_states"], len(ids) * meta["hidden_size"]
         if batch["error_records"]:
             problems.append(f"{algo}: {int(batch['error_records'])} rows of the first batch dropped by the loader")
@@ -609,8 +618,22 @@ def check_speculators(folder: Path) -> Check:
                             f"{meta['hidden_size']}), finite: {bool(torch.isfinite(states.float()).all())}")
         else:
             read.append(f"{algo} {int((batch['document_ids'] != -1).sum())} tokens")
-    return Check("speculators", not problems, "speculators' loaders read a batch: " + ", ".join(read) if not
-                 problems else f"{len(problems)} of {len(meta['speculators_train_argv'])} drafts fail", problems)
+    return Check("speculators", not problems, "speculators built each draft and read a batch: " + ", ".join(read) if
+                 not problems else f"{len(problems)} of {len(meta['speculators_train_argv'])} drafts fail", problems)
+
+
+def _speculators_failure(err: Exception, verifier: str) -> str:
+    """What speculators raised, in one line; where it could not resolve the draft's mask token itself (a multimodal
+    verifier without its processor files: streamx.train.mask_token), with the --mask-token-id to add."""
+    said = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}"
+    if "resolve_mask_token_id" not in (frame.name for frame in traceback.extract_tb(err.__traceback__)):
+        return said
+    try:
+        token = mask_token_id(verifier)
+    except Exception:  # noqa: BLE001 - the tokenizer cannot be read here either: speculators' own error says why
+        return said
+    return (f"speculators cannot resolve the draft's mask token ({said.split('. ')[0]}): add --mask-token-id {token} "
+            "to the train command (streamx convert adds it now)")
 
 
 def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", use_model: bool = True,
