@@ -75,6 +75,10 @@ class RunConfig:
     device: str = setting("auto", "auto (CUDA when present; this process's GPU under torchrun), cpu, cuda, cuda:N.")
     device_map: str | None = setting(None, "Split a model larger than one GPU over the visible GPUs, e.g. auto or "
                                      "balanced (accelerate).")
+    tp: int = setting(1, "Tensor parallel: the model's linear layers sharded over N processes of a torchrun job "
+                       "(transformers' tp_plan), for a target larger than one GPU at the speed of all of them; the "
+                       "job's processes form WORLD_SIZE / N data-parallel groups, each taking its share of the rows "
+                       "and writing its own part (docs/scaling.md).")
     rank: int | None = setting(None, "This process's share of the rows where no torchrun starts the processes (a "
                                "Slurm job array, any scheduler): rank N of --world-size M, each process writing its "
                                "own part, the result bit for bit torchrun's. Unset: torchrun's RANK, else Slurm's "

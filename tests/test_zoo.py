@@ -169,6 +169,8 @@ def test_a_packed_path_that_drops_the_window_or_the_chunk_is_caught(family, feat
 
 
 def test_the_support_table_is_the_zoo_and_the_docs():
-    """Every row of the table has its family in the zoo and every family its row; docs/support.md is the table."""
+    """Every row of the table has its family in the zoo and every family its row, with a tensor-parallel plan in
+    transformers (the --tp column); docs/support.md is the table."""
     assert sorted(s.model_type for s in SUPPORT) == sorted(zoo_config(f).model_type for f in FAMILIES)
+    assert all(zoo_config(f).get_text_config().base_model_tp_plan for f in FAMILIES)
     assert markdown() in (Path(__file__).parent.parent / "docs" / "support.md").read_text()

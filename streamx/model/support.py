@@ -73,6 +73,16 @@ SUPPORT: tuple[Support, ...] = (
 )
 
 
+# --tp: the families whose TP 2 run tests/test_tensor_parallel.py compares with one process (dense, MoE, the gated
+# delta-net hybrid); every family of the table has a tensor-parallel plan in transformers (tests/test_zoo.py)
+TP_TESTED = ("llama", "qwen3_moe", "qwen3_5_text")
+
+
+def tensor_parallel(support: Support) -> str:
+    """Its --tp column."""
+    return "TP 2 = one process (tested)" if support.model_type in TP_TESTED else "transformers' plan; not tested here"
+
+
 def support_of(config) -> Support | None:
     """The row of a model's config: its model_type (a multimodal checkpoint's), else its text config's."""
     for model_type in (config.model_type, config.get_text_config().model_type):
@@ -96,6 +106,7 @@ def note(config, packed: bool, continued: bool) -> str:
 
 def markdown() -> str:
     """The table as docs/support.md holds it."""
-    lines = ["| family | model_type | default path | what its layers ask, and how |", "| --- | --- | --- | --- |"]
-    lines += [f"| {s.family} | `{s.model_type}` | {s.path} | {s.how} |" for s in SUPPORT]
+    lines = ["| family | model_type | default path | --tp | what its layers ask, and how |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {s.family} | `{s.model_type}` | {s.path} | {tensor_parallel(s)} | {s.how} |" for s in SUPPORT]
     return "\n".join(lines) + "\n"

@@ -44,6 +44,7 @@ from ..model.carry import kept_bytes_per_token
 from ..model.check import check_continuation
 from ..model.load import (
     ModelInfo,
+    check_tensor_parallel,
     load_model,
     model_tokenizer,
     read_text_config,
@@ -185,9 +186,14 @@ class RunPlan:
 
 
 def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo] | None = None,
-              log: Callable[[str], None] = print) -> RunPlan:
-    """Check and load everything a run needs; `loaded` reuses a model already loaded with these settings."""
-    rank = init_from_env(config.rank, config.world_size)
+              log: Callable[[str], None] = print, rank: Rank | None = None) -> RunPlan:
+    """Check and load everything a run needs; `loaded` reuses a model already loaded with these settings, `rank`
+    this process's rank where it is known (else from the environment)."""
+    rank = rank or init_from_env(config.rank, config.world_size, config.tp)
+    if config.tp > 1:  # before any weight is read
+        if config.device_map:
+            raise ValueError("--tp shards the model over processes, --device-map over one process's GPUs: choose one")
+        check_tensor_parallel(config.model, config.tp)
     if rank.independent and config.overwrite:
         raise ValueError("--overwrite with several processes and no torchrun would have each delete the others' "
                          "parts: delete the store first, then start them")
@@ -204,7 +210,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
                 sized = check_space(config, source, output, log)
     model, tokenizer, info = loaded or load_model(config.model, config.dtype, rank.device(config.device),
                                                   config.attn_implementation, config.device_map,
-                                                  config.random_weights, config.tokenizer)
+                                                  config.random_weights, config.tokenizer, config.tp)
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     check_trainable(config, layer_ids, info.num_layers)
     packing = configure_packing(model, config.packing, config.max_length)

@@ -8,23 +8,44 @@ number of ranks skips exactly the rows some part has committed.
 Schedulers that start independent processes with no process group (Slurm job arrays, as NVIDIA's
 recipes shard with --shard-id $SLURM_ARRAY_TASK_ID) give each its rank by `--rank N --world-size M`
 or the array's own variables. Such ranks never wait for each other: each creates or opens the store
-itself (store.prepare creates it in one write), and the result is the same, bit for bit, as torchrun's."""
+itself (store.prepare creates it in one write), and the result is the same, bit for bit, as torchrun's.
+
+Tensor parallel (--tp N, torchrun only): the job's WORLD_SIZE processes form WORLD_SIZE / N groups of N
+consecutive ranks (a node's GPUs, where N is its GPU count). The model is sharded over each group (transformers'
+tp_plan on the group's device mesh); the groups are the data-parallel ranks above: group g takes the windows and
+writes the part of rank g. Every process of a group tokenizes and batches the group's windows itself (the batches
+never depend on anything but the rows), so only a word per batch travels between them (pipeline.follow): the
+group's first process captures and writes, the others run the forward with it."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 @dataclass(frozen=True)
 class Rank:
-    rank: int = 0
-    world_size: int = 1
+    rank: int = 0  # the data-parallel rank: its windows and its part (a tensor-parallel group's)
+    world_size: int = 1  # data-parallel ranks
     local_rank: int = 0
     group: bool = False  # a torch.distributed process group joins the ranks (torchrun); else they never wait
+    tp_rank: int = 0  # within its tensor-parallel group: 0 captures and writes
+    tp_size: int = 1
+    mesh: DeviceMesh | None = field(default=None, compare=False)  # ("dp", "tp") under --tp
+
+    @property
+    def leads(self) -> bool:
+        """Captures and writes its group's part (every process but tensor parallel's others)."""
+        return self.tp_rank == 0
+
+    @property
+    def process(self) -> int:
+        """Its rank in the torchrun job."""
+        return self.rank * self.tp_size + self.tp_rank
 
     @property
     def independent(self) -> bool:
@@ -33,7 +54,7 @@ class Rank:
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.rank == 0 and self.leads
 
     @property
     def part_name(self) -> str:
@@ -55,13 +76,21 @@ class Rank:
             dist.barrier()
 
 
-def init_from_env(rank: int | None = None, world_size: int | None = None) -> Rank:
+def init_from_env(rank: int | None = None, world_size: int | None = None, tp: int = 1) -> Rank:
     """This process's rank: `rank` of `world_size` when given (--rank, --world-size); else torchrun's
-    WORLD_SIZE/RANK/LOCAL_RANK (joining its process group); else a Slurm job array's task; else rank 0 of 1."""
+    WORLD_SIZE/RANK/LOCAL_RANK (joining its process group; with `tp` > 1, in groups of `tp` that shard the model);
+    else a Slurm job array's task; else rank 0 of 1."""
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp < 1:
+        raise ValueError(f"--tp must be 1 or more, got {tp}")
+    if tp > 1 and (rank is not None or world_size is not None or processes % tp):
+        raise ValueError(f"--tp {tp} shards the model over processes of one torchrun job: run it under torchrun with a "
+                         f"multiple of {tp} processes (torchrun --nproc-per-node {tp} ...), without --rank/--world-size"
+                         + (f"; this job has {processes}" if processes > 1 else ""))
     if rank is not None or world_size is not None:
         return _independent(rank, world_size, "--rank and --world-size")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return _torchrun()
+    if processes > 1:
+        return _torchrun(tp)
     if "SLURM_ARRAY_TASK_ID" in os.environ and "SLURM_ARRAY_TASK_COUNT" in os.environ:
         task, first = int(os.environ["SLURM_ARRAY_TASK_ID"]), int(os.environ.get("SLURM_ARRAY_TASK_MIN", "0"))
         step = int(os.environ.get("SLURM_ARRAY_TASK_STEP", "1"))
@@ -79,11 +108,14 @@ def _independent(rank: int | None, world_size: int | None, what: str) -> Rank:
     return Rank(rank, world_size)
 
 
-def _torchrun() -> Rank:
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+def _torchrun(tp: int) -> Rank:
+    rank, local_rank, processes = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), \
+        int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
     if not dist.is_initialized():
-        cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend="nccl" if cuda else "gloo")
-    return Rank(rank, int(os.environ["WORLD_SIZE"]), local_rank, group=True)
+    mesh = None if tp == 1 else init_device_mesh("cuda" if cuda else "cpu", (processes // tp, tp),
+                                                 mesh_dim_names=("dp", "tp"))
+    return Rank(rank // tp, processes // tp, local_rank, group=True, tp_rank=rank % tp, tp_size=tp, mesh=mesh)

@@ -38,6 +38,7 @@ from ..store import PARTS, DoneKeys, OwnedPart, RunStore, SharedKinds, SpaceGuar
 from .metrics import QueueFill, StageTimes, Throughput
 from .plan import RunPlan, make_plan
 from .ranks import Rank, init_from_env
+from .tensor_parallel import GroupWord
 from .writer import CapturedBatch, PartWriter, RejectRate, WriterStage
 
 
@@ -72,6 +73,7 @@ class RunSummary:
     stored_again: int = 0  # tokens a resume stored again: the shared prefixes that later rows continue
     store_waiting: int = 0  # the store's committed rows that repeat rows not committed yet (Store.waiting_rows)
     fanout: str | None = None  # rows that extend an earlier row's messages but not its tokens (FanOut.note)
+    tp_rank: int = 0  # within its tensor-parallel group (--tp): the others only run the forward with the first
 
     @property
     def tokens_per_s(self) -> float:
@@ -107,6 +109,9 @@ class RunSummary:
         else:
             ending = [f"next: streamx inspect {self.out}   |   streamx convert {self.out} --out SPEC_DIR (speculators "
                       f"training data)   |   python: streamx.open_store({self.out!r}).sample(row_id)"]
+        if self.tp_rank:
+            return [f"[rank {self.rank}, tensor-parallel {self.tp_rank}] ran its share of the group's forwards "
+                    f"({self.real_tokens:,} tokens) in {self.seconds:.0f} s; the group's first process wrote them"]
         if self.rank:
             return [f"[rank {self.rank}] committed {self.samples:,} samples in {self.seconds:.0f} s ({self.pace()}), "
                     f"rejected {self.rejects:,} ({rejects})",
@@ -153,6 +158,8 @@ class Pipeline:
         self.fill = {"batches": QueueFill(self.batches), "to_write": QueueFill(self.to_write)}
         self.stage = WriterStage(writer, done, RejectRate(cfg.max_reject_fraction), self.times,
                                  lambda: plan.source_rows, self.fanout)  # (both asked after the producer's last batch)
+        # --tp: the group's other processes run each forward with this one (tensor_parallel)
+        self.group = GroupWord(plan.rank, plan.device) if plan.rank.tp_size > 1 else None
         planned = plan.tokens_to_compute  # (per rank: about)
         self.counts = Throughput(None if planned is None else -(-planned // plan.rank.world_size))
 
@@ -201,6 +208,8 @@ class Pipeline:
                     put(self.to_write, item, self.failed)
                     self.counts.rows += 1
                     continue
+                if self.group is not None:
+                    self.group.send(item)
                 states = torch.empty((item.num_tokens, K, H), dtype=torch.bfloat16, device=device)
                 with self.times.measure("forward", device):
                     capture.forward(item, states)
@@ -213,6 +222,8 @@ class Pipeline:
                     host = transfer.start(states, finite, scales)
                 put(self.to_write, CapturedBatch(item, host), self.failed)
                 self.counts.forwarded(self.rows_to_run(item), item.num_tokens, item.padded_tokens)
+        if self.group is not None:
+            self.group.send(None)
         put(self.to_write, None, self.failed)
 
     def next_batch(self) -> Any:
@@ -263,9 +274,12 @@ def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str],
     started = time.perf_counter(), time.process_time()  # wall and CPU
     library_bars(progress)
     cfg, rank = (config.config, config.rank) if isinstance(config, RunPlan) else \
-        (config, init_from_env(config.rank, config.world_size))
+        (config, init_from_env(config.rank, config.world_size, config.tp))
+    if not rank.leads:  # a tensor-parallel group's other processes: the forward alone, no part of their own
+        plan = config if isinstance(config, RunPlan) else make_plan(config, log=log, rank=rank)
+        return follow(plan, started)
     with OwnedPart(cfg.out, rank.part_name) as part:
-        plan = config if isinstance(config, RunPlan) else make_plan(config, log=log)
+        plan = config if isinstance(config, RunPlan) else make_plan(config, log=log, rank=rank)
         return _run(plan, part, started, progress, log, wind_up_on_signals)
 
 
@@ -316,6 +330,32 @@ def _run(plan: RunPlan, part: OwnedPart, started: tuple[float, float], progress:
         incomplete=incomplete, shared=shared, cpu_seconds=time.process_time() - started[1], cores=available_cores(),
         stored_again=pipeline.stage.stored_again, store_waiting=store_waiting, fanout=pipeline.fanout(),
     )
+
+
+def follow(plan: RunPlan, started: tuple[float, float]) -> RunSummary:
+    """A tensor-parallel group's other process (--tp): its share of each forward of the group, in step with its
+    first process, which captures and writes (tensor_parallel.GroupWord). It makes the same batches from the same
+    rows, holds no part and writes nothing, and leaves a signal to the first process: it stops when that one does."""
+    cfg, rank = plan.config, plan.rank
+    rank.barrier()  # the store is prepared (`_run`)
+    target = open_for_run(cfg.out, plan.metadata)
+    rank.barrier()
+    group, K, H = GroupWord(rank, plan.device), len(plan.layer_ids), plan.info.hidden_size
+    batches = tokens = 0
+    # a first signal is the first process's to act on (it winds the group up); a second stops at once, as there
+    with LayerCapture(plan.model, plan.layer_ids, select_gather_fn(cfg.kernel, plan.device)) as capture, \
+            SignalStop(threading.Event(), lambda message: None):
+        stream = (item for item in plan.batch_stream(target.done_rows, done_keys=target.done_keys,
+                                                     same_as=target.same_as) if isinstance(item, Batch))
+        while group.receive(batch := next(stream, None)):
+            capture.forward(batch, torch.empty((batch.num_tokens, K, H), dtype=torch.bfloat16, device=plan.device))
+            batches, tokens = batches + 1, tokens + batch.num_tokens
+    rank.barrier()  # the group's part is closed
+    return RunSummary(out=cfg.out, layer_ids=plan.layer_ids, num_layers=plan.info.num_layers, samples=0, tokens=0,
+                      trainable_tokens=0, duplicates=0, rejects=0, reject_counts={}, hidden_bytes=0,
+                      real_tokens=tokens, padded_tokens=tokens, resumed_rows=len(target.done_rows),
+                      seconds=time.perf_counter() - started[0], stage_seconds={}, queue_fill={}, rank=rank.rank,
+                      tp_rank=rank.tp_rank, cpu_seconds=time.process_time() - started[1], cores=available_cores())
 
 
 def rows_to_run(num_rows: int, done: Collection[int], sort_window: int, rank: Rank) -> int:

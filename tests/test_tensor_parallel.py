@@ -1,0 +1,118 @@
+"""--tp on the CPU (torchrun, gloo): the model sharded over the processes of a group by transformers' tp_plan, the
+group's first process capturing and writing. The reference is one process of the same model (the sharded matmuls
+reduce in another order: the stored bf16 states agree within their rounding, the ids and masks exactly)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import committed_samples, distinct_copies, run_args
+from transformers import AutoTokenizer, GPT2Config
+from zoo_models import zoo_model
+
+from streamx.model.support import TP_TESTED
+from streamx.store import open_store
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+FAMILIES = ["llama3", "qwen3_moe", "qwen3_5"]  # dense, MoE, and the hybrid's gated delta-net layers
+
+
+@pytest.fixture(scope="module")
+def checkpoints(smollm2_dir, tmp_path_factory) -> dict[str, str]:
+    """The zoo's tiny models of FAMILIES, saved with SmolLM2's tokenizer."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    out = {}
+    for family in FAMILIES:
+        path = tmp_path_factory.mktemp(f"tp-{family}")
+        zoo_model(family).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        out[family] = str(path)
+    return out
+
+
+def command(model: str, data: str, out, processes: int = 1, **settings) -> list[str]:
+    """`streamx run` in one process, or under torchrun in `processes` (with --tp in `settings`)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)] \
+        if processes > 1 else [sys.executable]
+    return [*launcher, "-m", "streamx", *run_args(model, data, out, sort_window=8, layers="0,2,4", dtype="float32",
+                                                  **settings)]
+
+
+def launch(*args, **settings) -> subprocess.CompletedProcess:
+    result = subprocess.run(command(*args, **settings), env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def assert_close_samples(reference, other) -> None:
+    """Every row of `reference` in `other`: ids and masks equal, every state within bf16's rounding of it."""
+    a, b = open_store(str(reference)), open_store(str(other))
+    assert sorted(a.row_ids().tolist()) == sorted(b.row_ids().tolist()) and len(a) > 0
+    for row in a.row_ids().tolist():
+        x, y = a.sample(row), b.sample(row)
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
+        torch.testing.assert_close(y.hidden_states.float(), x.hidden_states.float(), rtol=2 ** -7, atol=1e-5)
+
+
+def test_the_support_tables_tp_column_is_these_tests():
+    from zoo_models import zoo_config
+
+    assert sorted(TP_TESTED) == sorted(zoo_config(family).model_type for family in FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp_2_equals_one_process(family, checkpoints, chat_jsonl, tmp_path):
+    """Packed, with shared prefixes continued (the hybrid's conv and recurrent states handed over too)."""
+    model = checkpoints[family]
+    launch(model, chat_jsonl, tmp_path / "one.zarr")
+    result = launch(model, chat_jsonl, tmp_path / "tp2.zarr", processes=2, tp=2)
+    assert "[rank 0, tensor-parallel 1] ran its share" in result.stdout
+    store = open_store(str(tmp_path / "tp2.zarr"))
+    assert list(store.parts) == ["part-00000"] and store.num_tokens < store.row_tokens  # one group, shared
+    assert_close_samples(tmp_path / "one.zarr", tmp_path / "tp2.zarr")
+
+
+def test_tp_2_by_dp_2_and_a_kill_then_resume_equal_one_process(checkpoints, chat_jsonl, tmp_path):
+    """Four processes in two groups of two write two parts; a group's other process killed mid-run stops the job,
+    and the same command resumes it."""
+    model = checkpoints["llama3"]
+    data = tmp_path / "data.jsonl"  # long enough to kill a process mid-run
+    data.write_text(distinct_copies(chat_jsonl, 3))
+    launch(model, str(data), tmp_path / "one.zarr")
+    launch(model, str(data), tmp_path / "four.zarr", processes=4, tp=2)
+    assert list(open_store(str(tmp_path / "four.zarr")).parts) == ["part-00000", "part-00001"]
+    assert_close_samples(tmp_path / "one.zarr", tmp_path / "four.zarr")
+
+    killed = tmp_path / "killed.zarr"
+    job = subprocess.Popen(command(model, str(data), killed, processes=2, tp=2), env=ENV, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while committed_samples(killed, "part-00000") < 3 and job.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    workers = subprocess.run(["pgrep", "-f", "-P", str(job.pid), "streamx"], capture_output=True, text=True)
+    pids = [int(p) for p in workers.stdout.split()]
+    assert job.poll() is None and len(pids) == 2, "the job ended before a process could be killed"
+    os.kill(max(pids), signal.SIGKILL)  # workers start in rank order: the group's other process
+    assert job.wait(timeout=120) != 0  # the job fails with it, it does not hang
+    assert 0 < committed_samples(killed, "part-00000") < len(open_store(str(tmp_path / "one.zarr")))
+    launch(model, str(data), killed, processes=2, tp=2)
+    assert_close_samples(tmp_path / "one.zarr", killed)
+
+
+def test_a_family_without_a_tp_plan_is_refused_before_any_weight_is_read(smollm2_dir, chat_jsonl, tmp_path):
+    """GPT-2 has no tensor-parallel plan in transformers: one line, and the checkpoint has no weights to read."""
+    model = tmp_path / "gpt2"
+    GPT2Config(vocab_size=49152, n_embd=64, n_layer=2, n_head=4).save_pretrained(model)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(model)
+    result = subprocess.run(command(str(model), chat_jsonl, tmp_path / "s.zarr", processes=2, tp=2), env=ENV,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "error: --tp 2: transformers has no tensor-parallel plan for gpt2; run it with --tp 1" in result.stderr
+    alone = subprocess.run(command(str(model), chat_jsonl, tmp_path / "s.zarr", tp=2), env=ENV, capture_output=True,
+                           text=True, timeout=600)
+    assert alone.returncode != 0 and "error: --tp 2 shards the model over processes of one torchrun job" in alone.stderr
+    assert not (tmp_path / "s.zarr").exists()
