@@ -1,10 +1,8 @@
 """Scale-out on existing engines: torchrun (gloo on CPU) ranks and accelerate device maps."""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import replace
 
 import pytest
@@ -16,6 +14,7 @@ from helpers import (
     committed_samples,
     distinct_copies,
     fail_at_batch,
+    kill_the_last_worker_mid_run,
     run_args,
     small_config,
 )
@@ -62,16 +61,8 @@ def test_two_ranks_equal_one_process_and_resume_after_a_rank_dies(tiny_chat_mode
 
     # kill rank 1 mid-run: torchrun stops the whole job (no hang); one process then resumes it
     killed = tmp_path / "killed.zarr"
-    job = subprocess.Popen(streamx_cmd(tiny_chat_model_dir, chat_jsonl, killed, nproc=2), env=ENV,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 120
-    while committed_samples(killed, "part-00001") < 3 and job.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    workers = subprocess.run(["pgrep", "-f", "-P", str(job.pid), "streamx"], capture_output=True, text=True)
-    pids = [int(p) for p in workers.stdout.split()]
-    assert job.poll() is None and len(pids) == 2, "the job ended before a rank could be killed"
-    os.kill(max(pids), signal.SIGKILL)  # workers start in rank order: this is rank 1
-    assert job.wait(timeout=120) != 0  # the job fails with the rank, it does not hang
+    kill_the_last_worker_mid_run(streamx_cmd(tiny_chat_model_dir, chat_jsonl, killed, nproc=2), ENV, killed,
+                                 "part-00001")  # rank 1
     assert 0 < committed_samples(killed, "part-00001") < committed_samples(both, "part-00001")
     result = cli(*rank_args(tiny_chat_model_dir, chat_jsonl, killed))  # one process resumes
     assert result.returncode == 0, result.stderr[-2000:]

@@ -3,14 +3,12 @@ group's first process capturing and writing. The reference is one process of the
 reduce in another order: the stored bf16 states agree within their rounding, the ids and masks exactly)."""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from helpers import committed_samples, distinct_copies, run_args
+from helpers import committed_samples, distinct_copies, kill_the_last_worker_mid_run, run_args
 from transformers import AutoTokenizer, GPT2Config
 from zoo_models import zoo_model
 
@@ -87,17 +85,8 @@ def test_tp_2_by_dp_2_and_a_kill_then_resume_equal_one_process(checkpoints, chat
     assert list(open_store(str(tmp_path / "four.zarr")).parts) == ["part-00000", "part-00001"]
     assert_close_samples(tmp_path / "one.zarr", tmp_path / "four.zarr")
 
-    killed = tmp_path / "killed.zarr"
-    job = subprocess.Popen(command(model, str(data), killed, processes=2, tp=2), env=ENV, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 120
-    while committed_samples(killed, "part-00000") < 3 and job.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    workers = subprocess.run(["pgrep", "-f", "-P", str(job.pid), "streamx"], capture_output=True, text=True)
-    pids = [int(p) for p in workers.stdout.split()]
-    assert job.poll() is None and len(pids) == 2, "the job ended before a process could be killed"
-    os.kill(max(pids), signal.SIGKILL)  # workers start in rank order: the group's other process
-    assert job.wait(timeout=120) != 0  # the job fails with it, it does not hang
+    killed = tmp_path / "killed.zarr"  # the group's other process killed
+    kill_the_last_worker_mid_run(command(model, str(data), killed, processes=2, tp=2), ENV, killed, "part-00000")
     assert 0 < committed_samples(killed, "part-00000") < len(open_store(str(tmp_path / "one.zarr")))
     launch(model, str(data), killed, processes=2, tp=2)
     assert_close_samples(tmp_path / "one.zarr", killed)
