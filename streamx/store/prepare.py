@@ -171,7 +171,10 @@ def _create(path: str, metadata: StoreMetadata, overwrite: bool) -> zarr.Group:
     if overwrite:  # a lock inside the store stays (base.durable); zarr >= 3.2's mode "w" deletes nothing
         store = _writable(path)
         sync((FsspecStore.from_url(store) if isinstance(store, str) else store).delete_dir(""))
-    zarr.open_group(_writable(f"{path.rstrip('/')}/{PARTS}"), mode="a")
+    try:
+        zarr.open_group(_writable(f"{path.rstrip('/')}/{PARTS}"), mode="a")
+    except zarr.errors.ContainsGroupError:  # another process made it meanwhile (ranks of a job array, at once)
+        pass
     return zarr.create_group(_writable(path), attributes={"streamx": metadata.to_json()})
 
 
