@@ -15,6 +15,9 @@
 #   1. the same two models on fanned-out multi-turn rows (one row per assistant turn, as speculators'
 #      data is), sharing on (streamx) against off (streamx_unshared), beside the forward pass
 #   2. both models with --storage fp8
+#   PART=tp (a machine with 2 GPUs or more; says so and stops on one):
+#   1. bench/tp.py: `streamx run --tp N` (N = the GPUs) against one process on one GPU, a random Qwen3 of hidden
+#      4096 in bf16 saved once to /tmp, the embedded chats
 # Each step gets what is left of the 8 minutes (capped per step), so a slow step never loses the
 # rest; results are JSON files and one log in OUT_DIR, with summary.txt holding the table rows.
 #   bash bench/gpu_check.sh WHEELS_DIR [OUT_DIR]      # OUT_DIR: default $OUT, else bench/out
@@ -95,7 +98,15 @@ bench() {  # bench NAME CAP MODEL DATA EXTRA...: streamx bench --random-weights,
 step tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_writer.py tests/test_kernel.py tests/test_fp8.py \
     tests/test_sharing.py tests/test_zoo.py -k "not pipeline and not speculators and (not test_sharing or equals_the_row_alone or flash_varlen) and (not test_zoo or cuda)" -rs
 chats="$work/chats.jsonl"
-if [ "$part" = table ]; then
+if [ "$part" = tp ]; then
+    gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+    if [ "$gpus" -lt 2 ]; then
+        echo "PART=tp needs 2 GPUs or more; this machine has $gpus: nothing run"
+    else
+        step tp 400 python3 bench/tp.py --tp "$gpus" --hidden 4096 --dtype bfloat16 --rows "$rows" --rounds 2 \
+            --json "$out/tp.json"
+    fi
+elif [ "$part" = table ]; then
     bench qwen3_8b 150 "$model_8b" "$chats" --rounds 2
     # no uncounted round: the shape warm-up already compiles and autotunes every batch (packed and padded), and
     # the packed and padded forwards with streamx make three modes of about 20 s a round at 27B

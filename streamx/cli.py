@@ -174,12 +174,17 @@ def plan(
                                                  "streamx bench)."),
     calibrate: bool = typer.Option(False, "--calibrate/--no-calibrate", help="Load the model and time its forward "
                                    "pass on a few batches of the data, for the time estimate."),
+    gpu_memory: Optional[float] = typer.Option(None, help="The GPUs' memory in GB, to say which --tp fits (default: "
+                                               "this machine's first GPU, else 80)."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
     """Say what `streamx run` with the same settings would write, before running it: rows, tokens, the
-    store's bytes and files for each storage choice, the free space at --out, and the time."""
+    store's bytes and files for each storage choice, the free space at --out, the time, and the memory per GPU
+    at each --tp (which fits)."""
+    import torch
+
     from .measure.bench import calibrate as calibrate_rate
-    from .pipeline.estimate import Forecast, estimate
+    from .pipeline.estimate import Forecast, estimate, gpu_footprints
     from .pipeline.plan import preflight
 
     try:
@@ -190,9 +195,12 @@ def plan(
         rate, how = tokens_per_s, "given"
         if rate is None and calibrate:
             rate, how = calibrate_rate(cfg, log=_log), "calibrated: forward pass alone"
+        gpu_bytes = round(gpu_memory * 1e9) if gpu_memory else torch.cuda.get_device_properties(0).total_memory \
+            if torch.cuda.is_available() else 80 * 10**9
+        found = gpu_footprints(cfg, len(est.layer_ids))
     except (Exception, Interrupted) as err:  # noqa: BLE001
         _fail(err)
-    forecast = Forecast(est, cfg, rate, how)
+    forecast = Forecast(est, cfg, rate, how, gpu_bytes, found)
     typer.echo(json.dumps(forecast.to_json(), indent=2) if as_json else "\n".join(forecast.lines()))
 
 

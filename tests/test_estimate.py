@@ -211,3 +211,27 @@ def test_the_plan_sizes_the_store_on_what_the_support_table_says_the_family_shar
             (cfg.replace(sharing="off"), LlamaConfig(), est.tokens, "every row's tokens")]:
         tokens, said = expected_stored(config, None if config.sharing == "off" else shared, est.tokens, text_config)
         assert tokens == stored and why in said, (tokens, said)
+
+
+def test_the_plan_sizes_each_gpu_at_each_tp(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    """The weights per GPU are the checkpoint's bytes at --tp 1 (its safetensors file, read independently of the
+    meta model), their decoder layers split N ways above; a --tp that does not divide the heads (2 key-value heads:
+    4 and 8) is not offered; the smallest --tp that fits the given GPUs is named, and none where none does."""
+    import safetensors
+
+    from streamx.model.footprint import HEADROOM, fit_lines, footprints, meta_model
+
+    model = meta_model(tiny_chat_model_dir, torch.float32)
+    found = footprints(model, 512, 3)
+    assert [f.tp for f in found] == [1, 2]
+    with safetensors.safe_open(str(Path(tiny_chat_model_dir) / "model.safetensors"), "pt") as f:
+        stored = sum(f.get_tensor(name).numel() * f.get_tensor(name).element_size() for name in f.keys())
+    one, two = found
+    assert one.weights == stored and one.weights > two.weights > one.weights / 2  # (embeddings whole on each GPU)
+    assert two.kept == one.kept // 2 and two.activations < one.activations
+    fits_two = int(two.total / HEADROOM) + 1  # fits --tp 2, not --tp 1
+    assert "--tp 2 is the smallest that fits" in fit_lines(found, fits_two, torch.float32, 512)[-1]
+    assert "no --tp of [1, 2] fits" in fit_lines(found, fits_two // 2, torch.float32, 512)[-1]
+    text = CliRunner().invoke(app, ["plan", "--model", tiny_chat_model_dir, "--data", chat_jsonl, "--out",
+                                    str(tmp_path / "s.zarr"), "--gpu-memory", "1"])
+    assert text.exit_code == 0 and "--tp 1 is the smallest that fits" in text.stdout, text.output

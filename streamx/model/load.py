@@ -220,6 +220,12 @@ class GroupsOfTensorParallel(DistributedConfig):
         return 1
 
 
+def head_counts(config: PretrainedConfig) -> dict[str, int]:
+    """The model's head counts (attention, key-value, linear attention's): what tensor parallel splits whole."""
+    return {name: n for name, n in vars(config).items() if name.startswith(("num_", "linear_num_")) and
+            name.endswith("heads") and isinstance(n, int) and n}
+
+
 def check_tensor_parallel(model: str, tp: int) -> None:
     """Refuse --tp before any weight is read where transformers has no tensor-parallel plan for the model, or `tp`
     does not divide its heads (each process holds a whole number of them)."""
@@ -227,9 +233,7 @@ def check_tensor_parallel(model: str, tp: int) -> None:
     if not getattr(config, "base_model_tp_plan", None):
         raise ValueError(f"--tp {tp}: transformers has no tensor-parallel plan for {config.model_type}; run it with "
                          "--tp 1 (--device-map auto splits it over one process's GPUs)")
-    heads = {name: n for name, n in vars(config).items() if name.startswith(("num_", "linear_num_")) and
-             name.endswith("heads") and isinstance(n, int) and n}
-    uneven = {name: n for name, n in heads.items() if n % tp}
+    uneven = {name: n for name, n in head_counts(config).items() if n % tp}
     if uneven:
         named = ", ".join(f"{name} {n}" for name, n in uneven.items())
         raise ValueError(f"--tp {tp} does not divide the model's heads ({named}): choose a --tp that divides them")

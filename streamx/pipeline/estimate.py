@@ -24,7 +24,8 @@ from ..data.fanout import FanOut
 from ..data.sharing import Segment, covered_rows, pieces, share
 from ..data.source import Row, Source, open_source
 from ..data.tokenize import DIGEST_BYTES, Reject, Repeats, Sample, SampleBuilder
-from ..model.load import model_tokenizer, read_text_config, resolve_model_path
+from ..model.footprint import Footprint, fit_lines, footprints, meta_model
+from ..model.load import model_tokenizer, read_text_config, resolve_dtype, resolve_model_path
 from ..model.support import support_of
 from ..store import STORAGES, Layout, free_bytes, make_layout
 from ..store.format import (
@@ -304,6 +305,8 @@ class Forecast:
     config: RunConfig
     tokens_per_s: float | None
     how: str
+    gpu_bytes: int = 80 * 10**9  # the GPUs the footprints are fitted to
+    footprints: list[Footprint] = field(default_factory=list)  # per GPU at each --tp (streamx.model.footprint)
     free: int | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -316,7 +319,8 @@ class Forecast:
 
     def to_json(self) -> dict[str, Any]:
         return {**self.estimate.to_json(), "storage": self.config.storage, "free_bytes": self.free,
-                "tokens_per_s": self.tokens_per_s, "seconds": self.seconds}
+                "tokens_per_s": self.tokens_per_s, "seconds": self.seconds, "gpu_bytes": self.gpu_bytes,
+                "footprints": [asdict(f) for f in self.footprints]}
 
     def lines(self) -> list[str]:
         """What `streamx plan` prints: rows, samples, tokens, the store per storage choice, free space, time."""
@@ -360,7 +364,16 @@ class Forecast:
             lines.append(f"time         {duration(self.seconds)} at {tokens_per_s:,.0f} tokens/s ({how}{note})")
         else:
             lines.append("time         pass --tokens-per-s N (e.g. from streamx bench) or --calibrate")
+        if self.footprints:
+            lines += fit_lines(self.footprints, self.gpu_bytes, resolve_dtype(config.dtype, "cuda"),
+                               config.token_budget)
         return lines
+
+
+def gpu_footprints(config: RunConfig, num_slots: int) -> list[Footprint]:
+    """The run's bytes per GPU at each --tp, at the dtype it computes in on a GPU."""
+    return footprints(meta_model(resolve_model_path(config.model), resolve_dtype(config.dtype, "cuda")),
+                      config.token_budget, num_slots)
 
 
 

@@ -1,0 +1,88 @@
+"""What a target needs on each GPU, whole or tensor-parallel (--tp N): `streamx plan` sizes a run before any GPU is
+at hand, and says which N fits.
+
+The weights are counted on the model built on the meta device (no memory, no files read: every family, MoE and
+hybrids alike) at the compute dtype. Under --tp the decoder layers' weights split N ways (transformers' plan shards
+their projections and experts) and the embeddings and the LM head are counted whole on every GPU (the safe side: a
+plan may shard them too). A forward's working memory grows with the token budget: the residual stream and its
+norms, the attention projections and the MLP's widest intermediate (split N ways), and the captured states of the
+selected layers; about, not measured (bench/RESULTS.md has measured peaks). Kept keys are those of a shared prefix
+continued in later batches (streamx.model.carry), at most one chain of --token-budget tokens, split N ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .carry import kept_bytes_per_token
+from .load import head_counts
+
+TP_SIZES = (1, 2, 4, 8)
+HEADROOM = 0.9  # of a GPU's memory that a run may plan on: the CUDA context, the allocator's fragmentation
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes on each GPU of a run at --tp `tp`."""
+
+    tp: int
+    weights: int
+    activations: int  # about
+    kept: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.activations + self.kept
+
+    def fits(self, gpu_bytes: int) -> bool:
+        return self.total <= HEADROOM * gpu_bytes
+
+
+def meta_model(path: str, dtype: torch.dtype) -> nn.Module:
+    """The model as transformers builds it from its config, on the meta device: shapes without memory."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+
+
+def footprints(model: nn.Module, token_budget: int, num_slots: int, sizes: tuple[int, ...] = TP_SIZES
+               ) -> list[Footprint]:
+    """The footprint at each --tp of `sizes` that divides the model's heads."""
+    text = model.config.get_text_config()
+    width = next(model.parameters()).element_size()
+    whole = sum(p.numel() for name, p in model.named_parameters() if "layers." not in name) * width
+    layers = sum(p.numel() for name, p in model.named_parameters() if "layers." in name) * width
+    hidden = text.hidden_size
+    heads = text.num_attention_heads * (getattr(text, "head_dim", None) or hidden // text.num_attention_heads)
+    mlp = max(getattr(text, "intermediate_size", 0) or 0,
+              (getattr(text, "moe_intermediate_size", 0) or 0) * (getattr(text, "num_experts_per_tok", 0) or 0))
+    kept = token_budget * kept_bytes_per_token(model)
+    divisors = head_counts(text).values()
+    out = []
+    for tp in sizes:
+        if any(n % tp for n in divisors):
+            continue
+        working = token_budget * (width * (6 * hidden + (3 * heads + 3 * mlp) // tp) + 2 * num_slots * hidden)
+        out.append(Footprint(tp, whole + layers // tp, working, kept // tp))
+    return out
+
+
+def fit_lines(found: list[Footprint], gpu_bytes: int, dtype: torch.dtype, token_budget: int) -> list[str]:
+    """`streamx plan`'s lines: each --tp's bytes per GPU, whether it fits GPUs of `gpu_bytes`, the smallest that
+    does."""
+    def gb(n: int) -> str:
+        return f"{n / 1e9:,.1f} GB"
+
+    lines = [f"gpu memory   per GPU, {str(dtype).removeprefix('torch.')}, --token-budget {token_budget:,}: weights + "
+             f"a forward's working memory (about) + kept keys, against {gb(gpu_bytes)} GPUs ({HEADROOM:.0%} planned)"]
+    for f in found:
+        lines.append(f"  --tp {f.tp:<6} {gb(f.weights)} + {gb(f.activations)} + {gb(f.kept)} = {gb(f.total)}   "
+                     + ("fits" if f.fits(gpu_bytes) else "does not fit"))
+    fitting = next((f.tp for f in found if f.fits(gpu_bytes)), None)
+    lines.append("  " + (f"--tp {fitting} is the smallest that fits (docs/scaling.md); --gpu-memory GB for other GPUs"
+                         if fitting else f"no --tp of {[f.tp for f in found]} fits: a smaller --token-budget, more "
+                         "GPUs per group, or --device-map over one process's GPUs"))
+    return lines
