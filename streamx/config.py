@@ -79,6 +79,9 @@ class RunConfig:
                        "(transformers' tp_plan), for a target larger than one GPU at the speed of all of them; the "
                        "job's processes form WORLD_SIZE / N data-parallel groups, each taking its share of the rows "
                        "and writing its own part (docs/scaling.md).")
+    ep: bool = setting(False, "With --tp N, expert parallel: a MoE target's experts spread whole over the group's "
+                        "processes (transformers' expert-parallel plan: num_experts / N each) rather than every "
+                        "expert split N ways; the other layers stay tensor parallel.")
     rank: int | None = setting(None, "This process's share of the rows where no torchrun starts the processes (a "
                                "Slurm job array, any scheduler): rank N of --world-size M, each process writing its "
                                "own part, the result bit for bit torchrun's. Unset: torchrun's RANK, else Slurm's "

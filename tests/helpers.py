@@ -39,7 +39,9 @@ def small_config(model_dir, data, out, **settings) -> RunConfig:
 def run_args(model_dir, data, out, **settings) -> list[str]:
     """`streamx run` and its flags for the same settings as small_config."""
     values = {**SMALL_RUN, "model": model_dir, "data": data, "out": str(out), **settings}
-    flags = [part for name, value in values.items() for part in ("--" + name.replace("_", "-"), str(value))]
+    flags = [part for name, value in values.items() for part in
+             ([("--" if value else "--no-") + name.replace("_", "-")] if isinstance(value, bool) else
+              ["--" + name.replace("_", "-"), str(value)])]
     return ["run", *flags, "--no-progress"]
 
 

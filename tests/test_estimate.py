@@ -235,3 +235,20 @@ def test_the_plan_sizes_each_gpu_at_each_tp(tiny_chat_model_dir, chat_jsonl, tmp
     text = CliRunner().invoke(app, ["plan", "--model", tiny_chat_model_dir, "--data", chat_jsonl, "--out",
                                     str(tmp_path / "s.zarr"), "--gpu-memory", "1"])
     assert text.exit_code == 0 and "--tp 1 is the smallest that fits" in text.stdout, text.output
+
+
+def test_a_moes_experts_split_over_the_gpus_only_with_ep():
+    """transformers' tensor-parallel plan leaves a MoE's experts whole on every process (tests/test_tensor_parallel.py
+    runs it): the plan counts them whole at --tp N, and split N ways with --ep."""
+    from zoo_models import zoo_config
+
+    from streamx.model.footprint import footprints
+
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(zoo_config("qwen3_moe"))
+    experts = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".experts." in name)
+    plain, spread = footprints(model, 512, 3), footprints(model, 512, 3, ep=True)
+    assert experts > 0 and plain[0].weights == spread[0].weights  # --tp 1: all on one GPU either way
+    assert plain[1].weights - spread[1].weights == experts - experts // 2

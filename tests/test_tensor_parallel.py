@@ -62,12 +62,14 @@ def test_the_support_tables_tp_column_is_these_tests():
     assert sorted(TP_TESTED) == sorted(zoo_config(family).model_type for family in FAMILIES)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_tp_2_equals_one_process(family, checkpoints, chat_jsonl, tmp_path):
-    """Packed, with shared prefixes continued (the hybrid's conv and recurrent states handed over too)."""
+@pytest.mark.parametrize("family, ep", [(family, False) for family in FAMILIES] + [("qwen3_moe", True)],
+                         ids=[*FAMILIES, "qwen3_moe-ep"])
+def test_tp_2_equals_one_process(family, ep, checkpoints, chat_jsonl, tmp_path):
+    """Packed, with shared prefixes continued (the hybrid's conv and recurrent states handed over too); with --ep the
+    MoE's experts spread whole over the two processes (transformers 5.25 leaves them whole on each under TP alone)."""
     model = checkpoints[family]
     launch(model, chat_jsonl, tmp_path / "one.zarr")
-    result = launch(model, chat_jsonl, tmp_path / "tp2.zarr", processes=2, tp=2)
+    result = launch(model, chat_jsonl, tmp_path / "tp2.zarr", processes=2, tp=2, **({"ep": True} if ep else {}))
     assert "[rank 0, tensor-parallel 1] ran its share" in result.stdout
     store = open_store(str(tmp_path / "tp2.zarr"))
     assert list(store.parts) == ["part-00000"] and store.num_tokens < store.row_tokens  # one group, shared
@@ -104,4 +106,7 @@ def test_a_family_without_a_tp_plan_is_refused_before_any_weight_is_read(smollm2
     alone = subprocess.run(command(str(model), chat_jsonl, tmp_path / "s.zarr", tp=2), env=ENV, capture_output=True,
                            text=True, timeout=600)
     assert alone.returncode != 0 and "error: --tp 2 shards the model over processes of one torchrun job" in alone.stderr
+    no_tp = subprocess.run(command(str(model), chat_jsonl, tmp_path / "s.zarr", ep=True), env=ENV, capture_output=True,
+                           text=True, timeout=600)
+    assert no_tp.returncode != 0 and "error: --ep spreads a MoE's experts over a --tp group" in no_tp.stderr
     assert not (tmp_path / "s.zarr").exists()

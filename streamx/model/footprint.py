@@ -3,11 +3,13 @@ at hand, and says which N fits.
 
 The weights are counted on the model built on the meta device (no memory, no files read: every family, MoE and
 hybrids alike) at the compute dtype. Under --tp the decoder layers' weights split N ways (transformers' plan shards
-their projections and experts) and the embeddings and the LM head are counted whole on every GPU (the safe side: a
-plan may shard them too). A forward's working memory grows with the token budget: the residual stream and its
-norms, the attention projections and the MLP's widest intermediate (split N ways), and the captured states of the
-selected layers; about, not measured (bench/RESULTS.md has measured peaks). Kept keys are those of a shared prefix
-continued in later batches (streamx.model.carry), at most one chain of --token-budget tokens, split N ways.
+their projections) but for a MoE's experts, which its plan leaves whole on every process unless --ep spreads them
+(transformers 5.25: Qwen3-MoE's experts are replicated under TP alone); the embeddings and the LM head are counted
+whole on every GPU (the safe side: a plan may shard them). A forward's working memory grows with the token budget:
+the residual stream and its norms, the attention projections and the MLP's widest intermediate (split N ways), and
+the captured states of the selected layers; about, not measured (bench/RESULTS.md has measured peaks). Kept keys
+are those of a shared prefix continued in later batches (streamx.model.carry), at most one chain of --token-budget
+tokens, split N ways.
 """
 
 from __future__ import annotations
@@ -48,13 +50,15 @@ def meta_model(path: str, dtype: torch.dtype) -> nn.Module:
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
 
 
-def footprints(model: nn.Module, token_budget: int, num_slots: int, sizes: tuple[int, ...] = TP_SIZES
-               ) -> list[Footprint]:
-    """The footprint at each --tp of `sizes` that divides the model's heads."""
+def footprints(model: nn.Module, token_budget: int, num_slots: int, ep: bool = False,
+               sizes: tuple[int, ...] = TP_SIZES) -> list[Footprint]:
+    """The footprint at each --tp of `sizes` that divides the model's heads (`ep`: with --ep)."""
     text = model.config.get_text_config()
     width = next(model.parameters()).element_size()
-    whole = sum(p.numel() for name, p in model.named_parameters() if "layers." not in name) * width
-    layers = sum(p.numel() for name, p in model.named_parameters() if "layers." in name) * width
+    params = {name: p.numel() * width for name, p in model.named_parameters()}
+    experts = sum(n for name, n in params.items() if ".experts." in name)
+    layers = sum(n for name, n in params.items() if "layers." in name) - experts
+    whole = sum(params.values()) - layers - experts
     hidden = text.hidden_size
     heads = text.num_attention_heads * (getattr(text, "head_dim", None) or hidden // text.num_attention_heads)
     mlp = max(getattr(text, "intermediate_size", 0) or 0,
@@ -66,7 +70,7 @@ def footprints(model: nn.Module, token_budget: int, num_slots: int, sizes: tuple
         if any(n % tp for n in divisors):
             continue
         working = token_budget * (width * (6 * hidden + (3 * heads + 3 * mlp) // tp) + 2 * num_slots * hidden)
-        out.append(Footprint(tp, whole + layers // tp, working, kept // tp))
+        out.append(Footprint(tp, whole + layers // tp + (experts // tp if ep else experts), working, kept // tp))
     return out
 
 

@@ -226,10 +226,20 @@ def head_counts(config: PretrainedConfig) -> dict[str, int]:
             name.endswith("heads") and isinstance(n, int) and n}
 
 
-def check_tensor_parallel(model: str, tp: int) -> None:
+def check_tensor_parallel(model: str, tp: int, ep: bool = False) -> None:
     """Refuse --tp before any weight is read where transformers has no tensor-parallel plan for the model, or `tp`
-    does not divide its heads (each process holds a whole number of them)."""
+    does not divide its heads (each process holds a whole number of them); --ep where it has no expert-parallel
+    plan or `tp` does not divide the experts."""
     config = read_text_config(model)
+    if ep:
+        experts = next((n for name in ("num_experts", "n_routed_experts", "num_local_experts")
+                        if isinstance(n := getattr(config, name, None), int)), None)
+        if not getattr(config, "base_model_ep_plan", None) or not experts:
+            raise ValueError(f"--ep: transformers has no expert-parallel plan for {config.model_type}; drop --ep (the "
+                             "experts are then split like the other layers)")
+        if experts % tp:
+            raise ValueError(f"--ep with --tp {tp} does not divide the model's {experts} experts: choose a --tp that "
+                             "divides them, or drop --ep")
     if not getattr(config, "base_model_tp_plan", None):
         raise ValueError(f"--tp {tp}: transformers has no tensor-parallel plan for {config.model_type}; run it with "
                          "--tp 1 (--device-map auto splits it over one process's GPUs)")
@@ -248,11 +258,13 @@ def load_model(
     random_weights: bool = False,
     tokenizer: str | None = None,
     tp: int = 1,
+    ep: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo]:
     """Load a causal LM for inference (eval, no grads) and its tokenizer (from `tokenizer` when given).
     device_map (e.g. "auto") overrides device. random_weights: build the model from its config (a hub
     id, a directory with config.json, or a config .json file) on the device, reading no weights. `tp`: shard it over
-    groups of that many processes of the torchrun job (transformers' tp_plan; check_tensor_parallel first)."""
+    groups of that many processes of the torchrun job (transformers' tp_plan; check_tensor_parallel first), with `ep`
+    a MoE's experts spread whole over each group (its ep_plan)."""
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)  # before any loading, so a typo fails fast
     library_bars()
@@ -265,9 +277,9 @@ def load_model(
         files = None
     else:
         try:
-            placement = dict(distributed_config=GroupsOfTensorParallel(tp_size=tp, tp_plan="auto",
-                                                                       dp_replicate_size=dist.get_world_size() // tp)) \
-                if tp > 1 else dict(device_map=device_map or device)
+            groups = None if tp == 1 else GroupsOfTensorParallel(
+                tp_size=tp, tp_plan="auto", ep_size=tp if ep else None, dp_replicate_size=dist.get_world_size() // tp)
+            placement = dict(distributed_config=groups) if groups else dict(device_map=device_map or device)
             lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation,
                                                       **placement)
         except OSError as e:

@@ -373,7 +373,7 @@ class Forecast:
 def gpu_footprints(config: RunConfig, num_slots: int) -> list[Footprint]:
     """The run's bytes per GPU at each --tp, at the dtype it computes in on a GPU."""
     return footprints(meta_model(resolve_model_path(config.model), resolve_dtype(config.dtype, "cuda")),
-                      config.token_budget, num_slots)
+                      config.token_budget, num_slots, config.ep)
 
 
 

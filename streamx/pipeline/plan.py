@@ -193,7 +193,9 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     if config.tp > 1:  # before any weight is read
         if config.device_map:
             raise ValueError("--tp shards the model over processes, --device-map over one process's GPUs: choose one")
-        check_tensor_parallel(config.model, config.tp)
+        check_tensor_parallel(config.model, config.tp, config.ep)
+    elif config.ep:
+        raise ValueError("--ep spreads a MoE's experts over a --tp group: give --tp N as well")
     if rank.independent and config.overwrite:
         raise ValueError("--overwrite with several processes and no torchrun would have each delete the others' "
                          "parts: delete the store first, then start them")
@@ -210,7 +212,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
                 sized = check_space(config, source, output, log)
     model, tokenizer, info = loaded or load_model(config.model, config.dtype, rank.device(config.device),
                                                   config.attn_implementation, config.device_map,
-                                                  config.random_weights, config.tokenizer, config.tp)
+                                                  config.random_weights, config.tokenizer, config.tp, config.ep)
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     check_trainable(config, layer_ids, info.num_layers)
     packing = configure_packing(model, config.packing, config.max_length)
