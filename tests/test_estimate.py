@@ -90,13 +90,13 @@ def test_a_sampled_estimate_sizes_the_shared_store_and_the_space_check_takes_it(
     sampled_est, exact = estimate(cfg), estimate(cfg, sample_rows=4100)
     assert exact.exact and not sampled_est.exact and exact.tokens > 4 * exact.shared.prefix_rows
     assert 1.0 <= sampled_est.shared.prefix_rows / exact.shared.prefix_rows < 1.1
-    assert 1.0 <= sampled_est.most_bytes / exact.most_bytes < 1.1
-    free = 2 * exact.most_bytes  # the free-space check's bound: where the model continues no shared prefix
+    assert 1.0 <= sampled_est.sizes["bf16"].bytes / exact.sizes["bf16"].bytes < 1.1
+    free = 2 * exact.sizes["bf16"].bytes
     monkeypatch.setattr(plan, "free_bytes", lambda path: free)
     logged = []
     plan.check_space(cfg, open_source(data), Output.read(cfg.out), log=logged.append)
-    assert "stored at most with --sharing" in logged[0]
-    monkeypatch.setattr(plan, "free_bytes", lambda path: exact.most_bytes // 2)
+    assert f"{sampled_est.stored_tokens:,} stored: shared leading runs" in logged[0]
+    monkeypatch.setattr(plan, "free_bytes", lambda path: exact.sizes["bf16"].bytes // 2)
     with pytest.raises(StoreError, match="has .* MB free and the store needs about"):
         plan.check_space(cfg, open_source(data), Output.read(cfg.out), log=logged.append)
 
@@ -190,7 +190,7 @@ def test_the_plan_sizes_the_store_on_what_the_support_table_says_the_family_shar
                                                                                    tmp_path):
     """The store and the time are sized on the shared leading runs where batches are packed and the family
     continues a shared prefix (a Llama), on prefix rows only where it does not (MiniMax-Text-01's lightning
-    attention, a family not in the table, --packing off); the free-space bound is always prefix rows only."""
+    attention, a family not in the table, --packing off); a run's free-space check takes the same size."""
     from transformers import LlamaConfig, MiniMaxConfig
 
     from streamx.pipeline.estimate import expected_stored
@@ -199,8 +199,8 @@ def test_the_plan_sizes_the_store_on_what_the_support_table_says_the_family_shar
     est = estimate(cfg)
     shared = est.shared
     assert shared.leading_runs < shared.prefix_rows <= est.tokens
-    assert est.stored_tokens == shared.leading_runs and est.sizes[cfg.storage].bytes < est.most_bytes
-    assert est.most_bytes == estimate(cfg.replace(packing="off")).sizes[cfg.storage].bytes
+    assert est.stored_tokens == shared.leading_runs
+    assert est.sizes[cfg.storage].bytes < estimate(cfg.replace(packing="off")).sizes[cfg.storage].bytes
     unknown = LlamaConfig()
     unknown.model_type = "not_a_family"
     for config, text_config, stored, why in [

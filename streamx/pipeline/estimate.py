@@ -81,7 +81,6 @@ class Estimate:
     stored_tokens: int  # what the store holds and the forward computes, as expected (`stored`)
     stored_as: str  # why: what sharing the expectation counts on
     sizes: dict[str, StoreSize]  # storage choice -> the store it makes (of stored_tokens)
-    most_bytes: int  # the --storage store where the model continues no shared prefix: the free-space check's bound
     fanout: str | None  # rows that extend an earlier row's messages but not its tokens (FanOut.note; None: none seen)
 
     @property
@@ -187,17 +186,17 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
         return store_size(make_layout(len(layer_ids), H, config.chunk_tokens, config.shard_tokens, config.compressor,
                                       storage), tokens, samples, sum(rejects.values()))
 
-    most = tokens if shared is None else shared.prefix_rows
     return Estimate(total, len(rows), samples, rejects, tokens, trainable, longest,
                     duplicates if count_duplicates and total is not None else None, shared, layer_ids, L, H, stored,
                     stored_as, {storage: size(storage, stored) for storage in STORAGES},
-                    size(config.storage, most).bytes, fanout.note(config.train_turns))
+                    fanout.note(config.train_turns))
 
 
 def expected_stored(config: RunConfig, shared: SharedTokens | None, tokens: int, text_config: Any) -> tuple[int, str]:
     """The tokens a run is expected to compute and store, and why: with --sharing, the common leading runs too
     where batches are packed and the support table says the family continues a shared prefix (the start-up check
-    decides on the loaded model: where it finds otherwise, prefix rows only, at most `most_bytes`)."""
+    decides on the loaded model: where it finds otherwise, prefix rows only; the run's space guard then stops it
+    cleanly, with what it wrote committed, if the disk fills)."""
     if shared is None:
         return tokens, "every row's tokens" if config.sharing == "off" else "every row's tokens (sharing not estimated)"
     support = support_of(text_config)

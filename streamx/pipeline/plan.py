@@ -368,12 +368,12 @@ def check_space(config: RunConfig, source: Source, output: Output, log: Callable
     plan = estimate(config, source)
     done = 0 if config.overwrite else output.committed_rows
     left = max(0, source.num_rows - done) / max(1, source.num_rows)
-    needed = round(plan.most_bytes * left)  # (the bound: the model may continue no shared prefix)
+    needed = round(plan.sizes[config.storage].bytes * left)
     if config.overwrite and Path(config.out).is_dir():  # the old store's bytes are freed first
         free += sum(f.stat().st_size for f in Path(config.out).rglob("*") if f.is_file())
     how = "" if plan.exact else f", estimated from {plan.sampled_rows:,} rows" + (
         f" and {plan.shared.sampled_runs} runs of rows" if plan.shared is not None else "")
-    stored = "" if plan.shared is None else f", {plan.shared.prefix_rows:,} stored at most with --sharing"
+    stored = "" if plan.shared is None else f", {plan.stored_tokens:,} stored: {plan.stored_as}"
     log(f"  space   {gb(needed)} to write ({config.storage}, {plan.tokens:,} tokens{stored}{how}), {gb(free)} free")
     if free < needed:
         raise StoreError(f"{config.out}: its filesystem has {gb(free)} free and the store needs about {gb(needed)}; "
