@@ -235,8 +235,8 @@ def check_tensor_parallel(model: str, tp: int, ep: bool = False) -> None:
         experts = next((n for name in ("num_experts", "n_routed_experts", "num_local_experts")
                         if isinstance(n := getattr(config, name, None), int)), None)
         if not getattr(config, "base_model_ep_plan", None) or not experts:
-            raise ValueError(f"--ep: transformers has no expert-parallel plan for {config.model_type}; drop --ep (the "
-                             "experts are then split like the other layers)")
+            raise ValueError(f"--ep: transformers has no expert-parallel plan for {config.model_type}; drop --ep (each "
+                             "process then holds every expert)")
         if experts % tp:
             raise ValueError(f"--ep with --tp {tp} does not divide the model's {experts} experts: choose a --tp that "
                              "divides them, or drop --ep")

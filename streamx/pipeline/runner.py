@@ -341,7 +341,7 @@ def follow(plan: RunPlan, started: tuple[float, float]) -> RunSummary:
     target = open_for_run(cfg.out, plan.metadata)
     rank.barrier()
     group, K, H = GroupWord(rank, plan.device), len(plan.layer_ids), plan.info.hidden_size
-    batches = tokens = 0
+    tokens = 0
     # a first signal is the first process's to act on (it winds the group up); a second stops at once, as there
     with LayerCapture(plan.model, plan.layer_ids, select_gather_fn(cfg.kernel, plan.device)) as capture, \
             SignalStop(threading.Event(), lambda message: None):
@@ -349,7 +349,7 @@ def follow(plan: RunPlan, started: tuple[float, float]) -> RunSummary:
                                                      same_as=target.same_as) if isinstance(item, Batch))
         while group.receive(batch := next(stream, None)):
             capture.forward(batch, torch.empty((batch.num_tokens, K, H), dtype=torch.bfloat16, device=plan.device))
-            batches, tokens = batches + 1, tokens + batch.num_tokens
+            tokens += batch.num_tokens
     rank.barrier()  # the group's part is closed
     return RunSummary(out=cfg.out, layer_ids=plan.layer_ids, num_layers=plan.info.num_layers, samples=0, tokens=0,
                       trainable_tokens=0, duplicates=0, rejects=0, reject_counts={}, hidden_bytes=0,
