@@ -3,8 +3,10 @@ group's first process capturing and writing. The reference is one process of the
 reduce in another order: the stored bf16 states agree within their rounding, the ids and masks exactly)."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -30,6 +32,16 @@ def checkpoints(smollm2_dir, tmp_path_factory) -> dict[str, str]:
         tokenizer.save_pretrained(path)
         out[family] = str(path)
     return out
+
+
+@pytest.fixture(scope="module")
+def long_data(checkpoints, chat_jsonl, tmp_path_factory) -> tuple[str, str]:
+    """Data long enough to stop a run mid-way (its rows all differ), and one process's store of it on llama3."""
+    folder = tmp_path_factory.mktemp("tp-long")
+    data = folder / "data.jsonl"
+    data.write_text(distinct_copies(chat_jsonl, 3))
+    launch(checkpoints["llama3"], str(data), folder / "one.zarr")
+    return str(data), str(folder / "one.zarr")
 
 
 def command(model: str, data: str, out, processes: int = 1, **settings) -> list[str]:
@@ -76,22 +88,19 @@ def test_tp_2_equals_one_process(family, ep, checkpoints, chat_jsonl, tmp_path):
     assert_close_samples(tmp_path / "one.zarr", tmp_path / "tp2.zarr")
 
 
-def test_tp_2_by_dp_2_and_a_kill_then_resume_equal_one_process(checkpoints, chat_jsonl, tmp_path):
+def test_tp_2_by_dp_2_and_a_kill_then_resume_equal_one_process(checkpoints, long_data, tmp_path):
     """Four processes in two groups of two write two parts; a group's other process killed mid-run stops the job,
     and the same command resumes it."""
-    model = checkpoints["llama3"]
-    data = tmp_path / "data.jsonl"  # long enough to kill a process mid-run
-    data.write_text(distinct_copies(chat_jsonl, 3))
-    launch(model, str(data), tmp_path / "one.zarr")
-    launch(model, str(data), tmp_path / "four.zarr", processes=4, tp=2)
+    (model, (data, reference)) = checkpoints["llama3"], long_data
+    launch(model, data, tmp_path / "four.zarr", processes=4, tp=2)
     assert list(open_store(str(tmp_path / "four.zarr")).parts) == ["part-00000", "part-00001"]
-    assert_close_samples(tmp_path / "one.zarr", tmp_path / "four.zarr")
+    assert_close_samples(reference, tmp_path / "four.zarr")
 
     killed = tmp_path / "killed.zarr"  # the group's other process killed
-    kill_the_last_worker_mid_run(command(model, str(data), killed, processes=2, tp=2), ENV, killed, "part-00000")
-    assert 0 < committed_samples(killed, "part-00000") < len(open_store(str(tmp_path / "one.zarr")))
-    launch(model, str(data), killed, processes=2, tp=2)
-    assert_close_samples(tmp_path / "one.zarr", killed)
+    kill_the_last_worker_mid_run(command(model, data, killed, processes=2, tp=2), ENV, killed, "part-00000")
+    assert 0 < committed_samples(killed, "part-00000") < len(open_store(reference))
+    launch(model, data, killed, processes=2, tp=2)
+    assert_close_samples(reference, killed)
 
 
 def test_a_family_without_a_tp_plan_is_refused_before_any_weight_is_read(smollm2_dir, chat_jsonl, tmp_path):
@@ -110,3 +119,40 @@ def test_a_family_without_a_tp_plan_is_refused_before_any_weight_is_read(smollm2
                            text=True, timeout=600)
     assert no_tp.returncode != 0 and "error: --ep spreads a MoE's experts over a --tp group" in no_tp.stderr
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_fp8_under_tp_stopped_by_sigterm_resumes_to_one_process(checkpoints, long_data, tmp_path):
+    """--storage fp8 with --tp 2: SIGTERM to every process of the job (Slurm's way; torchrun passes its own on as
+    well, a second signal that is the same request) winds the group up with what was written committed; the same
+    command resumes, and every state is one process's within fp8's rounding."""
+    (model, (data, reference)), out = (checkpoints["llama3"], long_data), tmp_path / "tp2.zarr"
+    args = command(model, data, out, processes=2, tp=2, storage="fp8")
+    job = subprocess.Popen(args, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while committed_samples(out) < 3 and job.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert job.poll() is None, "the job ended before it could be stopped"
+        os.killpg(job.pid, signal.SIGTERM)  # as Slurm does: each process, and torchrun passes it on again
+        stdout, stderr = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert "stopped by SIGTERM: what was written is committed" in stdout, stderr[-3000:]
+    assert "stopped at once" not in stderr
+    committed = committed_samples(out)
+    assert 0 < committed < len(open_store(reference))
+    resumed = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed: {committed} rows were committed before this run" in resumed.stdout
+    store = open_store(str(out))
+    assert store.metadata.storage == "fp8" and store.completeness().complete
+    reference = open_store(reference)
+    assert sorted(store.row_ids().tolist()) == sorted(reference.row_ids().tolist())
+    for row in reference.row_ids().tolist():
+        x, y = reference.sample(row), store.sample(row)
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
+        # fp8 e4m3 keeps 3 mantissa bits (test_fp8): within 2^-4 of each value, or the token's subnormal step
+        scale = store.sample(row, raw=True).hidden_states_scales.float()[:, None, None]
+        bound = x.hidden_states.float().abs() * (2**-4 + 2**-7) + scale * 2**-8
+        assert ((y.hidden_states.float() - x.hidden_states.float()).abs() <= bound).all(), row

@@ -73,10 +73,12 @@ def test_a_failed_write_gives_its_host_buffer_back():
 
 
 def test_a_second_signal_stops_at_once_with_its_own_exit_code():
-    """The first SIGTERM winds the run up; the second stops it at once, and the command exits 143 (128 + 15), not
-    130 as an interrupt would, with one line saying what stays."""
+    """The first SIGTERM winds the run up; one right after it is the same request passed on (torchrun passes its
+    own on to workers that got it too) and changes nothing; a second one later stops it at once, and the command
+    exits 143 (128 + 15), not 130 as an interrupt would, with one line saying what stays."""
     import os
     import signal
+    import time
 
     import typer
 
@@ -87,6 +89,9 @@ def test_a_second_signal_stops_at_once_with_its_own_exit_code():
     with SignalStop(signalled, said.append):
         os.kill(os.getpid(), signal.SIGTERM)
         assert signalled.is_set() and "SIGTERM: finishing" in said[0]
+        os.kill(os.getpid(), signal.SIGINT)  # passed on: no Interrupted, nothing said
+        assert len(said) == 1
+        time.sleep(SignalStop.PASSED_ON_SECONDS)
         try:
             os.kill(os.getpid(), signal.SIGTERM)
             raise AssertionError("the second signal did not stop at once")

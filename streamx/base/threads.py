@@ -17,9 +17,11 @@ the run failed raises `Stopped`: it did nothing wrong, and the error to report i
 
 from __future__ import annotations
 
+import math
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -106,14 +108,19 @@ class Interrupted(KeyboardInterrupt):
 class SignalStop:
     """SIGINT (Ctrl-C) and SIGTERM (Slurm, preemption, `kill`) ask a run to wind up: `signalled` is set, the
     stages stop taking new work and finish and commit what they hold; `signal` says which came. A second
-    signal stops at once (Interrupted, a KeyboardInterrupt; what was committed stays). Python delivers signals
-    to the main thread, so the handlers are installed only there, and the previous ones are put back on exit."""
+    signal stops at once (Interrupted, a KeyboardInterrupt; what was committed stays), but one within
+    PASSED_ON_SECONDS of the first is that same request passed on: torchrun passes every signal it gets to its
+    workers, which Ctrl-C (the terminal's whole process group) and Slurm (every process of a step) signal too.
+    Python delivers signals to the main thread, so the handlers are installed only there, and the previous ones
+    are put back on exit."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    PASSED_ON_SECONDS = 1.0
 
     def __init__(self, signalled: threading.Event, log: Callable[[str], None], enabled: bool = True):
         self.signalled, self.log, self.enabled = signalled, log, enabled
         self.signal: signal.Signals | None = None
+        self._first_at = -math.inf
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> SignalStop:
@@ -128,8 +135,10 @@ class SignalStop:
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.signalled.is_set():
+            if time.monotonic() - self._first_at < self.PASSED_ON_SECONDS:
+                return
             raise Interrupted(signal.Signals(signum))
-        self.signal = signal.Signals(signum)
+        self.signal, self._first_at = signal.Signals(signum), time.monotonic()
         self.signalled.set()
         self.log(f"{self.signal.name}: finishing the batch in hand and committing what is written "
                  "(send it again to stop at once)")
