@@ -242,7 +242,7 @@ def test_a_moes_experts_split_over_the_gpus_only_with_ep():
     runs it): the plan counts them whole at --tp N, and split N ways with --ep."""
     from zoo_models import zoo_config
 
-    from streamx.model.footprint import footprints
+    from streamx.model.footprint import HEADROOM, fit_lines, footprints
 
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM
@@ -251,4 +251,10 @@ def test_a_moes_experts_split_over_the_gpus_only_with_ep():
     experts = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".experts." in name)
     plain, spread = footprints(model, 512, 3), footprints(model, 512, 3, ep=True)
     assert experts > 0 and plain[0].weights == spread[0].weights  # --tp 1: all on one GPU either way
-    assert plain[1].weights - spread[1].weights == experts - experts // 2
+    assert plain[1].weights - spread[1].weights == experts - experts // 2 == plain[1].ep_saves
+    assert spread[1].ep_saves == 0 and plain[0].ep_saves == 0
+    # GPUs that --tp 2 fits only with --ep: the plan says so beside "no --tp fits"
+    gpu = int((spread[1].total + plain[1].total) / 2 / HEADROOM)
+    lines = fit_lines(plain, gpu, torch.float32, 512)
+    assert "no --tp of [1, 2] fits" in lines[-2] and lines[-1].startswith("  --tp 2 --ep fits: ")
+    assert not any("--ep fits" in line for line in fit_lines(spread, gpu, torch.float32, 512))

@@ -35,6 +35,7 @@ class Footprint:
     weights: int
     activations: int  # about
     kept: int
+    ep_saves: int = 0  # what --ep would take off the weights (a MoE's experts, split N ways), where it is not on
 
     @property
     def total(self) -> int:
@@ -70,7 +71,8 @@ def footprints(model: nn.Module, token_budget: int, num_slots: int, ep: bool = F
         if any(n % tp for n in divisors):
             continue
         working = token_budget * (width * (6 * hidden + (3 * heads + 3 * mlp) // tp) + 2 * num_slots * hidden)
-        out.append(Footprint(tp, whole + layers // tp + (experts // tp if ep else experts), working, kept // tp))
+        out.append(Footprint(tp, whole + layers // tp + (experts // tp if ep else experts), working, kept // tp,
+                             0 if ep else experts - experts // tp))
     return out
 
 
@@ -89,4 +91,8 @@ def fit_lines(found: list[Footprint], gpu_bytes: int, dtype: torch.dtype, token_
     lines.append("  " + (f"--tp {fitting} is the smallest that fits (docs/scaling.md); --gpu-memory GB for other GPUs"
                          if fitting else f"no --tp of {[f.tp for f in found]} fits: a smaller --token-budget, more "
                          "GPUs per group, or --device-map over one process's GPUs"))
+    spread = next((f for f in found if f.total - f.ep_saves <= HEADROOM * gpu_bytes and f.ep_saves), None)
+    if spread and (fitting is None or spread.tp < fitting):
+        lines.append(f"  --tp {spread.tp} --ep fits: {gb(spread.total - spread.ep_saves)} per GPU with the experts "
+                     f"spread over the group, {gb(spread.ep_saves)} less (docs/scaling.md)")
     return lines
