@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything streamx measures on a GPU, in two parts of at most 8 minutes each (one device call each),
+# Everything streamx measures on a GPU, in three parts of at most 8 minutes each (one device call each),
 # on a bare machine with no network: it installs the wheels from WHEELS_DIR (bench/gpu_wheels.sh
 # downloads them), then runs the tests that need the GPU (the store writer under the newest zarr, the
 # Triton kernel compiled for this GPU, shared prefixes against the unbatched reference: flash-attention
@@ -29,7 +29,7 @@ cd "$(dirname "$0")/.."
 wheels=${1:?usage: bash bench/gpu_check.sh WHEELS_DIR [OUT_DIR]}
 out=${2:-${OUT:-bench/out}}
 part=${PART:-table}
-case $part in table | sharing) ;; *) echo "error: PART is table or sharing, not $part" >&2; exit 2 ;; esac
+case $part in table | sharing | tp) ;; *) echo "error: PART is table, sharing or tp, not $part" >&2; exit 2 ;; esac
 budget=${BUDGET_S:-480}
 model_8b=${MODEL_8B:-bench/configs/qwen3-8b.json}
 model_hybrid=${MODEL_HYBRID:-bench/configs/qwen3.6-27b-like.json}

@@ -361,7 +361,10 @@ def test_token_ids_from_a_vllm_shaped_server_are_what_streamx_run_trains_on(smol
 
 # ---- against a real server: transformers serve of the embedded model ----
 
-SERVED = ["--max-tokens", "8", "--temperature", "0"]  # short turns: the server runs on the test machine's CPU
+# turns of up to 32 tokens: the tiny model answers in ~0.2 s each on a CPU, so a run lasts long enough (~15 turns
+# one after another) for the tests below to kill it or its server part way
+SERVED_MAX_TOKENS = 32
+SERVED = ["--max-tokens", str(SERVED_MAX_TOKENS), "--temperature", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -393,7 +396,7 @@ def test_regenerate_against_transformers_serve(chat_server, served, conversation
         for history, turn in zip(assistant_prompts(row["messages"]), row["turns"], strict=True):
             text = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
             assert turn["prompt_tokens"] == len(tok(text, add_special_tokens=False)["input_ids"])
-            assert 1 <= turn["completion_tokens"] <= 8 and turn["finish_reason"] in ("stop", "length")
+            assert 1 <= turn["completion_tokens"] <= SERVED_MAX_TOKENS and turn["finish_reason"] in ("stop", "length")
     assert rows[5]["messages"][-2]["content"] == "And what else?"  # the trailing user turn was answered
     errors = {e["source_row"]: e["reason"] for e in read_rows(side_files(out)[0])}
     assert set(errors) == {3, 4, 5, 6} and set(errors.values()) == BAD_REASONS
@@ -403,7 +406,7 @@ def test_regenerate_against_transformers_serve(chat_server, served, conversation
 
     store = tmp_path / "store.zarr"
     run = cli("run", "--model", chat_server.model, "--data", str(out), "--out", str(store), "--no-progress",
-              "--layers", "2,30")
+              "--layers", "2,4")
     assert run.returncode == 0, run.stderr
     assert open_store(str(store)).summary()["samples"] == 8
 
@@ -423,6 +426,7 @@ def test_kill_9_mid_run_and_the_same_command_gives_every_row_once(chat_server, s
     args = ["--data", str(conversations), "--endpoint", chat_server.url, *SERVED, "--concurrency", "2"]
     out = tmp_path / "killed.jsonl"
     kill_when(start_regenerate(*args, "--out", str(out)), out, 3)
+    assert out.read_text().count("\n") < 8  # killed part way: rows were left to the resume
     with open(out, "a") as fh:  # what a kill in the middle of a write could leave
         fh.write('{"source_row": 9, "messages": [{"ro')
     resumed = cli("regenerate", "--no-progress", *args, "--out", str(out))
@@ -436,8 +440,8 @@ def test_kill_9_mid_run_and_the_same_command_gives_every_row_once(chat_server, s
 
 
 def test_a_server_that_dies_stops_the_run_in_one_line_and_nothing_is_written_twice(
-        chat_server, smollm2_dir, conversations, tmp_path):
-    doomed = ChatServer(smollm2_dir, tmp_path / "doomed.log")
+        chat_server, conversations, tmp_path):
+    doomed = ChatServer(chat_server.model, tmp_path / "doomed.log")
     out = tmp_path / "o.jsonl"
     args = ["--data", str(conversations), *SERVED, "--concurrency", "1",
             "--out", str(out), "--retries", "2"]
