@@ -15,7 +15,7 @@
 #   1. the same two models on fanned-out multi-turn rows (one row per assistant turn, as speculators'
 #      data is), sharing on (streamx) against off (streamx_unshared), beside the forward pass
 #   2. both models with --storage fp8
-#   PART=tp (a machine with 2 GPUs or more; says so and stops on one):
+#   PART=tp (a machine with 2 GPUs or more; on fewer it says so and stops before installing anything):
 #   1. bench/tp.py: `streamx run --tp N` (N = the GPUs) against one process on one GPU, a random Qwen3 of hidden
 #      4096 in bf16 saved once to /tmp, the embedded chats
 # Each step gets what is left of the 8 minutes (capped per step), so a slow step never loses the
@@ -30,6 +30,15 @@ wheels=${1:?usage: bash bench/gpu_check.sh WHEELS_DIR [OUT_DIR]}
 out=${2:-${OUT:-bench/out}}
 part=${PART:-table}
 case $part in table | sharing | tp) ;; *) echo "error: PART is table, sharing or tp, not $part" >&2; exit 2 ;; esac
+compgen -G "$wheels/fla_core-*.whl" >/dev/null || {
+    echo "error: no wheels in $wheels (flash-linear-attention's among them): run bash bench/gpu_wheels.sh first" >&2
+    exit 2
+}
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$part" = tp ] && [ "$gpus" -lt 2 ]; then  # said before any install: device time is scarce
+    echo "error: PART=tp needs 2 GPUs or more; this machine has $gpus: nothing run" >&2
+    exit 2
+fi
 budget=${BUDGET_S:-480}
 model_8b=${MODEL_8B:-bench/configs/qwen3-8b.json}
 model_hybrid=${MODEL_HYBRID:-bench/configs/qwen3.6-27b-like.json}
@@ -99,13 +108,8 @@ step tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_writer.py tes
     tests/test_sharing.py tests/test_zoo.py -k "not pipeline and not speculators and (not test_sharing or equals_the_row_alone or flash_varlen) and (not test_zoo or cuda)" -rs
 chats="$work/chats.jsonl"
 if [ "$part" = tp ]; then
-    gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-    if [ "$gpus" -lt 2 ]; then
-        echo "PART=tp needs 2 GPUs or more; this machine has $gpus: nothing run"
-    else
-        step tp 400 python3 bench/tp.py --tp "$gpus" --hidden 4096 --dtype bfloat16 --rows "$rows" --rounds 2 \
-            --json "$out/tp.json"
-    fi
+    step tp 400 python3 bench/tp.py --tp "$gpus" --hidden 4096 --dtype bfloat16 --rows "$rows" --rounds 2 \
+        --json "$out/tp.json"
 elif [ "$part" = table ]; then
     bench qwen3_8b 150 "$model_8b" "$chats" --rounds 2
     # no uncounted round: the shape warm-up already compiles and autotunes every batch (packed and padded), and

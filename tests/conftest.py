@@ -8,6 +8,10 @@ import sys
 # Tests never reach the HF hub: set before transformers / huggingface_hub are imported (they read it at import).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Two test processes (pytest-xdist) share the machine's cores: torch runs on one intra-op thread in each, and in
+# every process a test starts (they inherit it). The tests' models are tiny: with two threads each on 2 cores, the
+# threads wait on one another at every small op. A test that needs another count asks for `torch_threads`.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
@@ -67,14 +71,12 @@ def tiny_chat_model_dir(smollm2_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def one_thread():
-    """Torch on one thread for the test: the zoo's tiny matrices run several times faster than on two, and the
-    other core stays with the other test worker."""
+def torch_threads():
+    """`torch_threads(n)`: torch on n intra-op threads for the rest of the test (the session's are restored)."""
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
+    yield torch.set_num_threads
     torch.set_num_threads(threads)
 
 

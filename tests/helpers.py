@@ -143,17 +143,17 @@ def committed_samples(out, part: str = "part-00000") -> int:
         return 0
 
 
-def kill_the_last_worker_mid_run(command: list[str], env: dict, out, part: str) -> None:
-    """Start a torchrun job of two workers, SIGKILL the second (workers start in rank order) once `part` of the
-    store at `out` has committed 3 samples, and see the whole job fail (torchrun stops it: no hang)."""
+def kill_the_last_worker_mid_run(command: list[str], env: dict, out, part: str, workers: int = 2) -> None:
+    """Start a torchrun job of `workers` workers, SIGKILL the last (workers start in rank order) once `part` of
+    the store at `out` has committed 3 samples, and see the whole job fail (torchrun stops it: no hang)."""
     job = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True)
     deadline = time.time() + 120
     while committed_samples(out, part) < 3 and job.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    workers = subprocess.run(["pgrep", "-f", "-P", str(job.pid), "streamx"], capture_output=True, text=True)
-    pids = [int(p) for p in workers.stdout.split()]
-    assert job.poll() is None and len(pids) == 2, "the job ended before a worker could be killed"
+    found = subprocess.run(["pgrep", "-f", "-P", str(job.pid), "streamx"], capture_output=True, text=True)
+    pids = [int(p) for p in found.stdout.split()]
+    assert job.poll() is None and len(pids) == workers, "the job ended before a worker could be killed"
     os.kill(max(pids), signal.SIGKILL)
     assert job.wait(timeout=120) != 0
 

@@ -57,13 +57,13 @@ def _threads_started_by(work) -> int:
     return started["n"]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or torch.get_num_threads() < 2,
-                    reason="counts Linux threads; one intra-op thread starts no team")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts Linux threads")
 @pytest.mark.parametrize("packed", [True, False])
-def test_batching_starts_no_openmp_team_in_the_producer_thread(packed):
+def test_batching_starts_no_openmp_team_in_the_producer_thread(packed, torch_threads):
     """The producer thread builds batches beside the model's forward; a multi-threaded torch op there would
     give it an OpenMP team of its own for the whole run (and slow a CPU forward pass: bench/RESULTS.md).
     Large batches (64k tokens), where torch's ops would go parallel."""
+    torch_threads(2)  # one intra-op thread starts no team anywhere
     assert _threads_started_by(lambda: torch.repeat_interleave(torch.arange(16), torch.full((16,), 4096))) > 0
     items = samples_of([4096] * 16) + [Reject(16, "empty_conversation", "no turns")]
     batches = _threads_started_by(lambda: list(iter_batches(items, 65536, 64, 0, packed=packed)))

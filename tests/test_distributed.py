@@ -43,9 +43,10 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
 def test_two_ranks_equal_one_process_and_resume_after_a_rank_dies(tiny_chat_model_dir, chat_jsonl, tmp_path,
-                                                                  one_thread):
+                                                                  torch_threads):
     """torchrun gives each rank one thread (OMP_NUM_THREADS=1): the reference runs on one too (docs/scaling.md:
     on the CPU, another thread count changes the last bits of some small batches)."""
+    torch_threads(1)
     data = tmp_path / "data.jsonl"  # long enough that a rank can be killed mid-run
     data.write_text(distinct_copies(chat_jsonl, 3))
     chat_jsonl = str(data)

@@ -266,7 +266,7 @@ def test_the_flash_varlen_path_on_cuda_gives_every_row_alone(family):
 
 
 @pytest.mark.parametrize("family", [f for f in sorted(FAMILIES) if support_of(zoo_config(f)).continued])
-def test_what_a_cut_tree_keeps_is_what_the_run_says_it_keeps(family, one_thread):
+def test_what_a_cut_tree_keeps_is_what_the_run_says_it_keeps(family):
     """The bytes a batch keeps for the later batches of its tree, per kept token, are what the run's log line
     states from the model's config (every attention layer's keys and values, MLA's of their own sizes; none for the
     layers that mix tokens through a state, nor for MLP and MoE blocks), on every family of the zoo."""

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import committed_samples, distinct_copies, kill_the_last_worker_mid_run, run_args
+from helpers import cli, committed_samples, distinct_copies, kill_the_last_worker_mid_run, run_args
 from transformers import AutoTokenizer, GPT2Config
 from zoo_models import zoo_model
 
@@ -44,16 +44,24 @@ def long_data(checkpoints, chat_jsonl, tmp_path_factory) -> tuple[str, str]:
     return str(data), str(folder / "one.zarr")
 
 
-def command(model: str, data: str, out, processes: int = 1, **settings) -> list[str]:
-    """`streamx run` in one process, or under torchrun in `processes` (with --tp in `settings`)."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)] \
-        if processes > 1 else [sys.executable]
-    return [*launcher, "-m", "streamx", *run_args(model, data, out, sort_window=8, layers="0,2,4", dtype="float32",
-                                                  **settings)]
+def flags(model: str, data: str, out, **settings) -> list[str]:
+    """`run` and its flags, for these tests' settings."""
+    return run_args(model, data, out, sort_window=8, layers="0,2,4", dtype="float32", **settings)
 
 
-def launch(*args, **settings) -> subprocess.CompletedProcess:
-    result = subprocess.run(command(*args, **settings), env=ENV, capture_output=True, text=True, timeout=600)
+def command(model: str, data: str, out, processes: int, **settings) -> list[str]:
+    """`streamx run` under torchrun in `processes` (with --tp in `settings`)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+            "-m", "streamx", *flags(model, data, out, **settings)]
+
+
+def launch(model: str, data: str, out, processes: int = 1, **settings) -> subprocess.CompletedProcess:
+    """The run, and that it succeeded: one process in this one (no interpreter to start), more under torchrun."""
+    if processes == 1:
+        result = cli(*flags(model, data, out, **settings))
+    else:
+        result = subprocess.run(command(model, data, out, processes, **settings), env=ENV, capture_output=True,
+                                text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -89,18 +97,14 @@ def test_tp_2_equals_one_process(family, ep, checkpoints, chat_jsonl, tmp_path):
 
 
 def test_tp_2_by_dp_2_and_a_kill_then_resume_equal_one_process(checkpoints, long_data, tmp_path):
-    """Four processes in two groups of two write two parts; a group's other process killed mid-run stops the job,
-    and the same command resumes it."""
-    (model, (data, reference)) = checkpoints["llama3"], long_data
-    launch(model, data, tmp_path / "four.zarr", processes=4, tp=2)
-    assert list(open_store(str(tmp_path / "four.zarr")).parts) == ["part-00000", "part-00001"]
-    assert_close_samples(reference, tmp_path / "four.zarr")
-
-    killed = tmp_path / "killed.zarr"  # the group's other process killed
-    kill_the_last_worker_mid_run(command(model, data, killed, processes=2, tp=2), ENV, killed, "part-00000")
-    assert 0 < committed_samples(killed, "part-00000") < len(open_store(reference))
-    launch(model, data, killed, processes=2, tp=2)
-    assert_close_samples(reference, killed)
+    """Four processes in two groups of two write two parts; the second group's other process killed mid-run stops
+    the whole job, and the same command resumes it."""
+    (model, (data, reference)), out = (checkpoints["llama3"], long_data), tmp_path / "four.zarr"
+    kill_the_last_worker_mid_run(command(model, data, out, processes=4, tp=2), ENV, out, "part-00001", workers=4)
+    assert 0 < committed_samples(out, "part-00001") < len(open_store(reference))
+    launch(model, data, out, processes=4, tp=2)
+    assert list(open_store(str(out)).parts) == ["part-00000", "part-00001"]
+    assert_close_samples(reference, out)
 
 
 def test_a_family_without_a_tp_plan_is_refused_before_any_weight_is_read(smollm2_dir, chat_jsonl, tmp_path):
@@ -112,11 +116,9 @@ def test_a_family_without_a_tp_plan_is_refused_before_any_weight_is_read(smollm2
                             capture_output=True, text=True, timeout=600)
     assert result.returncode != 0
     assert "error: --tp 2: transformers has no tensor-parallel plan for gpt2; run it with --tp 1" in result.stderr
-    alone = subprocess.run(command(str(model), chat_jsonl, tmp_path / "s.zarr", tp=2), env=ENV, capture_output=True,
-                           text=True, timeout=600)
+    alone = cli(*flags(str(model), chat_jsonl, tmp_path / "s.zarr", tp=2))
     assert alone.returncode != 0 and "error: --tp 2 shards the model over processes of one torchrun job" in alone.stderr
-    no_tp = subprocess.run(command(str(model), chat_jsonl, tmp_path / "s.zarr", ep=True), env=ENV, capture_output=True,
-                           text=True, timeout=600)
+    no_tp = cli(*flags(str(model), chat_jsonl, tmp_path / "s.zarr", ep=True))
     assert no_tp.returncode != 0 and "error: --ep spreads a MoE's experts over a --tp group" in no_tp.stderr
     assert not (tmp_path / "s.zarr").exists()
 

@@ -114,12 +114,12 @@ def _team_size_in(thread_of) -> int:
     return seen["n"]
 
 
-@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one intra-op thread starts no team anywhere")
-def test_a_worker_runs_torch_on_one_thread():
+def test_a_worker_runs_torch_on_one_thread(torch_threads):
     """A side thread's parallel torch op gives it an OpenMP team beside the main thread's, which keeps the
     main thread's forward waking threads at every small op (bench/RESULTS.md): a Worker's torch runs on its
     own thread, and the main thread and the threads started later keep theirs (torch.set_num_threads also sets
     what later threads begin with). A plain thread uses them all (the control)."""
+    torch_threads(2)  # one intra-op thread starts no team anywhere
     threads = torch.get_num_threads()
     plain = lambda work: threading.Thread(target=work)  # noqa: E731
     assert _team_size_in(plain) == threads

@@ -102,7 +102,7 @@ def run_family(family: str, model, rows: str, tokenizer_dir: str, tmp_path, out:
 
 @pytest.mark.parametrize(("family", "path"), [(f, "cpu") for f in sorted(FAMILIES)] +
                          [(f, "flash_varlen") for f in ON_FLASH_VARLEN])
-def test_every_family_runs_by_default_as_its_own_forward(family, path, zoo_rows, smollm2_dir, tmp_path, one_thread,
+def test_every_family_runs_by_default_as_its_own_forward(family, path, zoo_rows, smollm2_dir, tmp_path,
                                                          monkeypatch):
     if family in UNBUILDABLE:
         pytest.skip(UNBUILDABLE[family])
@@ -149,7 +149,7 @@ def test_windows_chunks_and_mla_on_cuda_in_bf16_give_the_models_own_forward(fami
 
 @pytest.mark.parametrize(("family", "feature"), [("gemma3", "window"), ("llama4", "chunk")])
 def test_a_packed_path_that_drops_the_window_or_the_chunk_is_caught(family, feature, zoo_rows, smollm2_dir, tmp_path,
-                                                                    one_thread, monkeypatch):
+                                                                    monkeypatch):
     """Packed attention that forgets the layer's window (Gemma 3) or chunk (Llama 4): the start-up check finds it
     against the model's own forward, and the run falls back to padded batches, which are right, and says why; with
     the check silenced, the zoo's comparison fails."""
