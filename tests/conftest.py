@@ -167,9 +167,7 @@ class ChatServer:
         exe = shutil.which("transformers") or os.path.join(os.path.dirname(sys.executable), "transformers")
         self.proc = subprocess.Popen([exe, "serve", model_dir, "--host", "127.0.0.1", "--port", str(self.port),
                                       "--device", "cpu", "--log-level", "warning"], stdout=self.log,
-                                     stderr=subprocess.STDOUT,
-                                     # one thread: the served model is tiny, the other core is the other worker's
-                                     env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+                                     stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         self._wait_healthy(timeout=180)
 
     def _wait_healthy(self, timeout: float) -> None:

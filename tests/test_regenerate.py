@@ -1,6 +1,6 @@
 """`streamx regenerate`: the target model's own assistant turns, multi-turn on-policy, exactly once.
 
-Against a real OpenAI-compatible server (`transformers serve` of the embedded model, on localhost) and the
+Against a real OpenAI-compatible server (`transformers serve` of a tiny random Llama, on localhost) and the
 in-process engine; the references are independent: the tokenizer's own rendering of the output's messages,
 and an unbatched greedy `generate` of each turn's prompt."""
 
@@ -359,10 +359,10 @@ def test_token_ids_from_a_vllm_shaped_server_are_what_streamx_run_trains_on(smol
         assert all(t["tokens_verbatim"] for t in row["turns"])
 
 
-# ---- against a real server: transformers serve of the embedded model ----
+# ---- against a real server: transformers serve of the tiny random Llama (conftest.chat_server) ----
 
-# turns of up to 32 tokens: the tiny model answers in ~0.2 s each on a CPU, so a run lasts long enough (~15 turns
-# one after another) for the tests below to kill it or its server part way
+# turns of up to 32 tokens: the tiny model answers each in ~0.2 s on a CPU, so a run of the ~15 turns lasts long
+# enough for the tests below to kill it or its server part way
 SERVED_MAX_TOKENS = 32
 SERVED = ["--max-tokens", str(SERVED_MAX_TOKENS), "--temperature", "0"]
 
