@@ -317,8 +317,8 @@ def bench(
     skip_naive: bool = typer.Option(False, "--skip-naive/--with-naive", help="Leave out the (slow) naive per-sample "
                                     "mode."),
     modes: Optional[str] = typer.Option(None, help="Only these modes, comma-separated (streamx among them): "
-                                        "forward_only, forward_padded, streamx, streamx_unshared, naive. Default: "
-                                        "all (less naive with --skip-naive)."),
+                                        "forward_only, forward_padded, streamx, streamx_unshared, streamx_unaudited "
+                                        "(--audit-every 0), naive. Default: all (less naive with --skip-naive)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full report as JSON here."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE", help="Also draw tokens/s per mode and the "
                                         "stages' busy time into FILE (.png, .svg, or .html); needs matplotlib."),

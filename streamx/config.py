@@ -22,7 +22,7 @@ Kernel = Literal["auto", "torch", "triton"]
 Compressor = Literal["none", "zstd", "shuffle-lz4", "shuffle-zstd", "bitshuffle-lz4", "bitshuffle-zstd"]
 StorageName = Literal["bf16", "fp8"]
 PackingSetting = Literal["on", "off"]
-SharingSetting = Literal["on", "off"]
+SharingSetting = Literal["on", "rows", "off"]
 Thinking = Literal["auto", "on", "off"]
 Reasoning = Literal["keep", "drop"]
 TruncatedTurns = Literal["keep", "drop-turn", "drop-row"]
@@ -121,9 +121,10 @@ class RunConfig:
                                       "whose content repeats an earlier row's anywhere in the data: it is not "
                                       "computed and reads that row. Readers see whole rows either way. off: every "
                                       "row computed in full (the reference; stores written before streamx 0.5 resume "
-                                      "with it).")
+                                      "with it). rows: only rows that repeat or are prefixes of others.")
     min_shared_tokens: int = setting(16, "The shortest common leading run of tokens that --sharing computes once.")
-    max_batch_size: int = setting(256, "Max samples per forward pass.")
+    max_batch_size: int = setting(256, "Max samples per forward pass (1: each row in a forward of its own, the "
+                                  "model's own forward).")
     sort_window: int = setting(1024, "Consecutive source rows sorted by length together before batching (more: "
                                "less padding, more host memory).")
     queue_batches: int = setting(4, "Batches each bounded hand-off queue between stages holds.")
@@ -137,6 +138,10 @@ class RunConfig:
                                    "float32 scale per token, speculators' fp8 format: half the bytes, quantised on "
                                    "the model's device).")
     # safety
+    audit_every: int = setting(512, "The in-run audit: the first row of each way the run computes rows (packed, "
+                               "continued from a shared prefix, padded, ...) and then one row in N are computed again "
+                               "alone through the model's own forward and compared token by token; a row that differs "
+                               "stops the run, naming it and the setting that avoids its way. 0: no audit.")
     space_check: bool = setting(True, "Refuse to start when the output filesystem has less free space than the "
                                 "estimated store (off: start anyway; the run still stops cleanly, everything "
                                 "committed, when the filesystem nearly fills up).")
@@ -152,7 +157,7 @@ class RunConfig:
                      "min_shared_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        for name in ("chunk_tokens", "shard_tokens"):
+        for name in ("chunk_tokens", "shard_tokens", "audit_every"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
         if self.max_samples is not None and self.max_samples < 0:

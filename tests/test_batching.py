@@ -111,3 +111,33 @@ def test_a_window_of_rows_leaving_one_path_at_every_depth_is_batched_and_served_
             kept.update((id(s), ids[cu[k] : cu[k + 1]]) for k, s in batch.carry.exports.items())
     assert served == dict(enumerate(rows))
     assert sum(b.num_tokens for b in batches) == trie_nodes(rows) == 15 + n + 3 * n
+
+
+@pytest.mark.parametrize(("packed", "alone_past"), [(True, False), (False, False), (True, True)])
+def test_rows_on_two_sides_of_a_length_split_never_share_a_forward_or_a_prefix(packed, alone_past):
+    """A length-dependent rope (streamx.model.lengths): rows of at most `split` tokens are batched, and share
+    prefixes, only among themselves; past it among themselves too (prefix rows only, no leading runs), or each alone."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(3, 1000, (90,), generator=g)
+    # a short row that is a prefix of a long one, a long row that is a prefix of a longer one, rows that share a
+    # leading run on each side, and unrelated rows of both sides
+    ids = [base[:20], base[:90], base[:70], torch.cat([base[:30], base[60:80]]), *(
+        torch.randint(3, 1000, (n,), generator=g) for n in (12, 25, 33, 41, 55, 64, 80))]
+    samples = [Sample(i, t, torch.ones(len(t), dtype=torch.int64)) for i, t in enumerate(ids)]
+    split = 32
+    batches = list(iter_batches(samples, 256, 8, 0, packed=packed, sharing=True, min_shared_tokens=8, split=split,
+                                alone_past_split=alone_past))
+    served = sorted(s.row_id for b in batches for s in b.samples)
+    assert served == list(range(len(samples)))  # every row once
+    for b in batches:
+        sides = {len(s.input_ids) > split for s in b.samples}
+        assert len(sides) == 1, [len(s.input_ids) for s in b.samples]
+        if sides == {True}:
+            assert b.segment_parents is None  # no leading run shared past the split
+            if alone_past:
+                assert len(b.samples) == 1 and len(b.segment_lengths) == 1
+    # the short prefix of the long row is computed on its own side; the long prefix row is served from 90 (or alone)
+    short = next(b for b in batches if 0 in [s.row_id for s in b.samples])
+    assert all(len(s.input_ids) <= split for s in short.samples)
+    longest = next(b for b in batches if 1 in [s.row_id for s in b.samples])
+    assert (2 in [s.row_id for s in longest.samples]) != alone_past

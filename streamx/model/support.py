@@ -22,11 +22,17 @@ class Support:
     packed: bool  # packed batches (else padded)
     continued: bool  # rows continue a shared prefix's state (else only prefix rows and duplicates are shared)
     how: str  # what its layers ask and how streamx does it, or why it falls back
+    alone: bool = False  # one row per forward (no batching gives its rows their own forward's states)
+    prefix_rows: bool = True  # a row that is a prefix of another is served from it (else its states depend on its
+    # length: every row computed in full)
 
     @property
     def path(self) -> str:
+        shared = "prefix rows shared" if self.prefix_rows else "nothing shared"
+        if self.alone:
+            return f"one row per forward, {shared}"
         if not self.packed:
-            return "padded, prefix rows shared"
+            return f"padded, {shared}"
         return "packed and shared" if self.continued else "packed, prefix rows shared"
 
 
@@ -35,9 +41,16 @@ WINDOWS = "sliding windows per layer (a window on the CPU and in shared prefixes
 GDN = ("gated delta-net layers kept apart per row (run row by row where transformers' kernels would mix rows), a "
        "shared prefix's conv and recurrent state handed over")
 MAMBA = "Mamba2 layers run row by row, a shared prefix's conv and SSM state handed over"
+DSA = ("sparse attention: an indexer picks the top-k keys per query from a padding mask that packed rows lack: "
+       "padded batches, probed past index_topk")
+HYPER = ("hyper-connections: several residual streams, stored whole at every id (streams x hidden values per token, "
+         "as the model's own output_hidden_states holds them; id L before their contraction)")
 
 SUPPORT: tuple[Support, ...] = (
-    Support("Llama 3", "llama", True, True, PLAIN),
+    Support("Llama 3", "llama", True, True,
+            f"{PLAIN}; dynamic NTK rope (the base rescaled to the forward's longest row past max_position_embeddings, "
+            "and kept for later forwards): rows up to that length never share a forward or a prefix with longer ones, "
+            "which run each in a forward of its own from the original scale"),
     Support("Llama 4 (text)", "llama4_text", True, True,
             "chunked attention (each query within its chunk of positions, counted from the row's start); the no-rope "
             "layers' attention temperature from each token's own position, not its place in the batch"),
@@ -64,12 +77,37 @@ SUPPORT: tuple[Support, ...] = (
     Support("MiniMax-M2", "minimax_m2", True, True, PLAIN),
     Support("MiniMax-Text-01", "minimax", False, False,
             "its lightning-attention layers mix packed rows, and streamx does not run them row by row"),
-    Support("Phi-3", "phi3", True, True, WINDOWS),
+    Support("Phi-3 / Phi-3.5 / Phi-4-mini", "phi3", True, True,
+            f"{WINDOWS}; longrope (long factors for a whole forward once a position passes "
+            "original_max_position_embeddings): rows up to that length never share a forward or a prefix with longer "
+            "ones, which are batched among themselves"),
     Support("Olmo 3", "olmo3", True, True, WINDOWS),
     Support("Nemotron-H", "nemotron_h", True, True, MAMBA),
     Support("Granite 4.0-H", "granitemoehybrid", True, True, MAMBA),
     Support("LFM2", "lfm2", True, True, "short-convolution layers run row by row, a shared prefix's conv state handed "
             "over"),
+    Support("DeepSeek-V3.2", "deepseek_v32", False, False,
+            f"{DSA}; MLA"),
+    Support("GLM-5", "glm_moe_dsa", False, False, DSA),
+    Support("MiniMax-M3 (text decoder)", "minimax_m3_vl_text", False, False,
+            "block-sparse attention (an indexer picks blocks of keys per query from the row's own positions, which "
+            "packed rows restart): padded batches, where the packed attention refuses the blocks it would not pick"),
+    Support("DeepSeek-V4", "deepseek_v4", False, False,
+            f"{HYPER} (a learned head contracts them); compressed attention pools the row's blocks, so packed and "
+            "padded rows differ from their own forward and a prefix's states depend on the row's length: every row in "
+            "a forward of its own, in full", alone=True, prefix_rows=False),
+    Support("Qwen4-exp (text)", "qwen4_exp_text", False, False,
+            f"{HYPER} (a gated mixer contracts them; no final norm); gated delta-net and indexed sparse attention, "
+            "which packed rows' segments do not reach: padded batches"),
+    Support("GLM-5-next (multimodal checkpoint)", "glm5_next", False, False,
+            f"{HYPER} (their mean is normed); linear and indexed attention reading a 2-D padding mask: padded batches; "
+            "no causal LM class in transformers: loaded as image-text-to-text, its text decoder run"),
+    Support("Gemma 3n (text)", "gemma3n_text", True, True,
+            f"AltUp: {HYPER.removeprefix('hyper-connections: ')} ([streams, B, S, D] between layers; projections and a "
+            f"mean contract them); {WINDOWS}"),
+    Support("LongCat-Flash", "longcat_flash", True, True,
+            "MLA, two attention sublayers per decoder layer (its config's num_hidden_layers counts the sublayers: L "
+            "is the model's decoder layers)"),
 )
 
 

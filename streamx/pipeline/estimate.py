@@ -26,6 +26,7 @@ from ..data.source import Row, Source, open_source
 from ..data.tokenize import DIGEST_BYTES, Reject, Repeats, Sample, SampleBuilder
 from ..model.footprint import Footprint, fit_lines, footprints, meta_model
 from ..model.load import model_tokenizer, read_text_config, resolve_dtype, resolve_model_path
+from ..model.residual import config_layers, residual_of
 from ..model.support import support_of
 from ..store import STORAGES, Layout, free_bytes, make_layout
 from ..store.format import (
@@ -82,6 +83,7 @@ class Estimate:
     stored_as: str  # why: what sharing the expectation counts on
     sizes: dict[str, StoreSize]  # storage choice -> the store it makes (of stored_tokens)
     fanout: str | None  # rows that extend an earlier row's messages but not its tokens (FanOut.note; None: none seen)
+    residual: str = ""  # what the stored width per token and id is (model.residual)
 
     @property
     def exact(self) -> bool:  # every row was tokenized
@@ -130,11 +132,11 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
     builder = builder or SampleBuilder(model_tokenizer(resolve_model_path(config.model), config.tokenizer),
                                        config.max_length, config.truncation, config.train_turns)
     text_config = read_text_config(config.model)
-    L, H = text_config.num_hidden_layers, text_config.hidden_size
+    L, H = config_layers(text_config), residual_of(text_config).width
     layer_ids = resolve_layer_ids(config.layers, L)
     rows, total = sampled(source, sample_rows)
     exact = total is not None and len(rows) == total
-    shared = SharedTokens(0, 0) if exact and config.sharing == "on" else None
+    shared = SharedTokens(0, 0) if exact and config.sharing != "off" else None
     repeats: set[int] = set()
     if (count_duplicates or shared is not None) and total is not None:
         seen = Repeats()
@@ -173,7 +175,7 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
         if config.skip_duplicates:  # their share comes out of what the sample stands for
             scale = (total - duplicates) / len(rows)
     samples, tokens, trainable = (round(n * scale) for n in (samples, tokens, trainable))
-    if config.sharing == "on" and not exact and total is not None:
+    if config.sharing != "off" and not exact and total is not None:
         builder.fanout = fanout  # the runs of consecutive rows
         shared = sampled_sharing(config, source, builder, repeats, tokens, samples, sample_rows)
     builder.fanout = None
@@ -189,7 +191,7 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
     return Estimate(total, len(rows), samples, rejects, tokens, trainable, longest,
                     duplicates if count_duplicates and total is not None else None, shared, layer_ids, L, H, stored,
                     stored_as, {storage: size(storage, stored) for storage in STORAGES},
-                    fanout.note(config.train_turns))
+                    fanout.note(config.train_turns), residual=residual_of(text_config).describe())
 
 
 def expected_stored(config: RunConfig, shared: SharedTokens | None, tokens: int, text_config: Any) -> tuple[int, str]:
@@ -200,9 +202,9 @@ def expected_stored(config: RunConfig, shared: SharedTokens | None, tokens: int,
     if shared is None:
         return tokens, "every row's tokens" if config.sharing == "off" else "every row's tokens (sharing not estimated)"
     support = support_of(text_config)
-    if config.packing == "on" and support is not None and support.continued:
+    if config.packing == "on" and config.sharing == "on" and support is not None and support.continued:
         return shared.leading_runs, f"shared leading runs ({support.family}: packed and shared, docs/support.md)"
-    why = "--packing off" if config.packing != "on" else \
+    why = "--packing off" if config.packing != "on" else "--sharing rows" if config.sharing == "rows" else \
         f"{support.family}: {support.path}" if support is not None else \
         f"{text_config.model_type} is not in the support table: the start-up check decides"
     return shared.prefix_rows, f"prefix rows and duplicates only ({why})"
@@ -343,11 +345,11 @@ class Forecast:
                f"  shared     {e.shared.kinds.phrase(e.tokens)} of the tokens"] if e.shared is not None else
               ["sharing      on: not estimated from the first rows of a stream (the store below is the unshared "
                "bound)"]
-              if config.sharing == "on" else []),
+              if config.sharing != "off" else []),
             *(["fan-out      " + (f"in {e.shared.sampled_runs} runs of consecutive rows, " if e.shared and
                                     e.shared.sampled_runs else "") + e.fanout] if e.fanout else []),
             f"stored       {e.stored_tokens:,} tokens ({e.stored_as}): the store and the time below",
-            f"layers       {e.layer_ids} of {e.num_layers}, hidden {e.hidden_size}",
+            f"layers       {e.layer_ids} of {e.num_layers}, {e.residual or f'hidden {e.hidden_size}'}",
             "storage      bytes/token   store        files" + ("   (uncompressed: an upper bound)"
                                                               if config.compressor != "none" else ""),
         ]

@@ -41,7 +41,7 @@ from ..data.tokenize import (
     vocabulary_fingerprint,
 )
 from ..model.carry import kept_bytes_per_token
-from ..model.check import check_continuation
+from ..model.check import check_continuation, check_prefix_rows
 from ..model.load import (
     ModelInfo,
     check_tensor_parallel,
@@ -54,6 +54,7 @@ from ..model.load import (
 )
 from ..model.packing import Packing, hand_states_over, keep_samples_apart_natively, sample_wise_layers
 from ..model.packing import configure as configure_packing
+from ..model.residual import config_layers, residual_of
 from ..model.support import note as family_note
 from ..store import (
     Compat,
@@ -94,6 +95,10 @@ class RunPlan:
         return self.source.num_rows if self.source.num_rows is not None else self.rows_seen
 
     @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
@@ -103,11 +108,12 @@ class RunPlan:
     def batches(self, samples: list[Sample | Reject | Duplicate], packed: bool | None = None,
                 ) -> Iterator[Batch | Reject | Duplicate]:
         """A window's samples as the run batches them (packed when packing is on), or as asked."""
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         packed = self.packing.on if packed is None else packed
-        return iter_batches(samples, self.config.token_budget, self.config.max_batch_size, pad_id, packed=packed,
-                            sharing=self.sharing.on,
-                            min_shared_tokens=self.sharing.min_shared_tokens if packed else None)
+        split = self.packing.split
+        return iter_batches(samples, self.config.token_budget, 1 if self.packing.alone else self.config.max_batch_size,
+                            self.pad_token_id, packed=packed, sharing=self.sharing.on,
+                            min_shared_tokens=self.sharing.min_shared_tokens if packed else None,
+                            split=split.limit if split else None, alone_past_split=bool(split and split.alone))
 
     def batch_stream(self, done: Collection[int] = frozenset(), packed: bool | None = None,
                      times: StageTimes | None = None, done_keys: DoneKeys | None = None,
@@ -178,6 +184,12 @@ class RunPlan:
         return dataclasses.replace(self, config=config, sharing=Sharing(False), metadata=dataclasses.replace(
             self.metadata, config=config.to_dict(), sharing="off", compat=compat))
 
+    def unaudited(self) -> RunPlan:
+        """The same plan with --audit-every 0 (bench's arm for the audit's cost)."""
+        config = self.config.replace(audit_every=0)
+        return dataclasses.replace(self, config=config, metadata=dataclasses.replace(self.metadata,
+                                                                                      config=config.to_dict()))
+
     def with_output(self, out: str, overwrite: bool = False) -> RunPlan:
         """The same plan into another store (bench's rounds): nothing is loaded, probed or fingerprinted again."""
         config = self.config.replace(out=out, overwrite=overwrite)
@@ -215,12 +227,13 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
                                                   config.random_weights, config.tokenizer, config.tp, config.ep)
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     check_trainable(config, layer_ids, info.num_layers)
-    packing = configure_packing(model, config.packing, config.max_length)
+    packing = configure_packing(model, config.packing, config.max_length, config.max_batch_size)
     sharing = decide_sharing(config, packing, model)
     if rank.is_main and loaded is None:
         log(f"  packing {packing.note()}")
         log(f"  sharing {sharing.note()}")
         log(f"  family  {family_note(model.config, packing.on, sharing.min_shared_tokens is not None)}")
+        log(f"  audit   {audit_note(config)}")
     check_vocabulary(config.data, record, tokenizer)
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation, config.train_turns)
     layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor,
@@ -231,11 +244,28 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
                    metadata, tokens_to_compute=tokens_to_compute(sized, sharing))
 
 
+def audit_note(config: RunConfig) -> str:
+    """The run's log line on its in-run audit (pipeline.audit)."""
+    if not config.audit_every:
+        return "off (--audit-every 0)"
+    if config.tp > 1:
+        return ("off under --tp: each audited row's forward would need the group's other processes too (verify "
+                "checks a store afterwards)")
+    return (f"the first row of each way of computing rows, in forwards of each size and rows of each length, then "
+            f"one row in {config.audit_every:,}, recomputed alone through the model's own forward and compared "
+            "before its batch is written")
+
+
 def decide_sharing(config: RunConfig, packing: Packing, model: PreTrainedModel) -> Sharing:
     """--sharing on this model: prefix rows always; common leading runs where the packed forward continues a
     segment from another's state (padded batches hand no state over), proved by a probe."""
     if config.sharing == "off":
         return Sharing(False)
+    unlike = check_prefix_rows(packing.probes)
+    if unlike is not None:
+        return Sharing(False, reason=unlike)
+    if config.sharing == "rows":
+        return Sharing(True, None, "leading runs are computed in every row (--sharing rows)")
     if not packing.on:
         return Sharing(True, None, "padded batches hand no state from one segment to another, so leading runs "
                                    "are computed in every row")
@@ -276,7 +306,7 @@ def preflight(config: RunConfig, device: str, log: Callable[[str], None] = lambd
     output = Output.read(config.out)
     output.check(config.overwrite)
     path = resolve_model_path(config.model, log)
-    L = read_text_config(path).num_hidden_layers
+    L = config_layers(read_text_config(path))
     layer_ids = resolve_layer_ids(config.layers, L)
     check_trainable(config, layer_ids, L)
     if output.is_store and not config.overwrite:
@@ -346,10 +376,13 @@ def announce(config: RunConfig, source: Source, output: Output, device: str, log
     if path != config.model:
         log(f"  model   {path}")
     text_config = read_text_config(path)
-    L = text_config.num_hidden_layers
+    L = config_layers(text_config)
     layer_ids = resolve_layer_ids(config.layers, L)
     log(f"  layers  {layer_ids} of {L} ({config.layers}): id 0 = embeddings, id k = output of layer k-1, id {L} = "
         "the last layer's output before the final norm")
+    residual = residual_of(text_config)
+    if residual.streams > 1:
+        log(f"  states  {residual.describe()}")
     linear = list(getattr(text_config, "layer_types", None) or []).count("linear_attention")
     if linear and resolve_device(device).startswith("cuda") and not fla_installed():
         log(f"  note    {linear} linear-attention layers will run transformers' slow reference path: "

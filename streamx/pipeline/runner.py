@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Collection
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,8 @@ from ..model.capture import LayerCapture, segment_is_finite
 from ..model.gather import select_gather_fn
 from ..model.load import library_bars
 from ..model.transfer import HostTransfer
-from ..store import PARTS, DoneKeys, OwnedPart, RunStore, SharedKinds, SpaceGuard, Store, open_for_run, prepare
+from ..store import PARTS, Audited, DoneKeys, OwnedPart, RunStore, SharedKinds, SpaceGuard, Store, open_for_run, prepare
+from .audit import Audit
 from .metrics import QueueFill, StageTimes, Throughput
 from .plan import RunPlan, make_plan
 from .ranks import Rank, init_from_env
@@ -74,6 +76,7 @@ class RunSummary:
     store_waiting: int = 0  # the store's committed rows that repeat rows not committed yet (Store.waiting_rows)
     fanout: str | None = None  # rows that extend an earlier row's messages but not its tokens (FanOut.note)
     tp_rank: int = 0  # within its tensor-parallel group (--tp): the others only run the forward with the first
+    audit: Audited | None = None  # what the in-run audit did (None: --audit-every 0, or under --tp)
 
     @property
     def tokens_per_s(self) -> float:
@@ -134,6 +137,7 @@ class RunSummary:
                                                                     f"{self.shared.phrase(self.store_tokens)}")]
               if self.row_tokens != self.tokens else []),
             *([f"fan-out: {self.fanout}"] if self.fanout else []),
+            *([f"audit: {self.audit.phrase()}"] if self.audit is not None else []),
             f"store: {self.out} ({self.store_samples:,} samples, {self.store_tokens:,} tokens in total"
             + (f"; {self.store_waiting:,} more committed rows repeat rows not committed yet: samples once those land"
                if self.store_waiting else "") + ")",
@@ -156,10 +160,13 @@ class Pipeline:
         self.to_write: queue.Queue = queue.Queue(maxsize=cfg.queue_batches)
         self.times = StageTimes()
         self.fill = {"batches": QueueFill(self.batches), "to_write": QueueFill(self.to_write)}
-        self.stage = WriterStage(writer, done, RejectRate(cfg.max_reject_fraction), self.times,
-                                 lambda: plan.source_rows, self.fanout)  # (both asked after the producer's last batch)
         # --tp: the group's other processes run each forward with this one (tensor_parallel)
         self.group = GroupWord(plan.rank, plan.device) if plan.rank.tp_size > 1 else None
+        # (not under --tp: the group's other processes would have to run each audited row's forward too)
+        self.audit = Audit(plan.model, plan.layer_ids, plan.packing, plan.pad_token_id, cfg.audit_every) \
+            if cfg.audit_every and self.group is None else None
+        self.stage = WriterStage(writer, done, RejectRate(cfg.max_reject_fraction), self.times,
+                                 lambda: plan.source_rows, self.fanout, self.audited)  # (asked after the last batch)
         planned = plan.tokens_to_compute  # (per rank: about)
         self.counts = Throughput(None if planned is None else -(-planned // plan.rank.world_size))
 
@@ -167,6 +174,13 @@ class Pipeline:
         """What this run's chat rows fan out to that sharing cannot fold (data.fanout), once they are tokenized."""
         found = self.plan.builder.fanout
         return None if found is None else found.note(self.plan.config.train_turns)
+
+    def audited(self) -> Audited | None:
+        """The audit's figures so far, with the run's forward time (asked by the writer when it closes the part)."""
+        if self.audit is None:
+            return None
+        self.audit.audited.forward_seconds = self.stage_seconds().get("forward", 0.0)
+        return self.audit.audited
 
     def rows_to_run(self, batch: Batch) -> int:
         """The batch's rows that this run commits (a resume's batch may hold rows committed before)."""
@@ -201,7 +215,7 @@ class Pipeline:
             with self.times.measure("gather", device):
                 gather(states, slot, hidden, token_index)
 
-        with LayerCapture(plan.model, plan.layer_ids, timed_gather) as capture:
+        with LayerCapture(plan.model, plan.layer_ids, timed_gather) as capture, self.audit or nullcontext():
             while (item := self.next_batch()) is not None:
                 self.fill["batches"].record()
                 if isinstance(item, (Reject, Duplicate)):  # nothing to compute
@@ -214,6 +228,8 @@ class Pipeline:
                 with self.times.measure("forward", device):
                     capture.forward(item, states)
                     finite = segment_is_finite(states, item.segment_index, len(item.segment_lengths))
+                if self.audit is not None:  # before the writer sees the batch: a row that differs stops the run
+                    self.audit.batch(item, states)
                 scales = None
                 if storage.scaled:  # on the device, so the host copy and the writer move half the bytes
                     with self.times.measure("quantize", device):
@@ -329,6 +345,7 @@ def _run(plan: RunPlan, part: OwnedPart, started: tuple[float, float], progress:
         stopped_by=signals_in.signal.name if signals_in.signal and pipeline.rows_left.is_set() else None,
         incomplete=incomplete, shared=shared, cpu_seconds=time.process_time() - started[1], cores=available_cores(),
         stored_again=pipeline.stage.stored_again, store_waiting=store_waiting, fanout=pipeline.fanout(),
+        audit=pipeline.audited(),
     )
 
 

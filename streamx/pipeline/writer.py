@@ -37,7 +37,7 @@ from ..data.batching import Batch, Carry
 from ..data.sharing import Segment
 from ..data.tokenize import REJECT_REASONS, Duplicate, Reject, tokens_digest
 from ..model.transfer import HostBatch
-from ..store import Commit, SpaceGuard, StoreError
+from ..store import Audited, Commit, SpaceGuard, StoreError
 from ..store.format import (
     DIGEST_ARRAY,
     RANGE_ARRAYS,
@@ -230,10 +230,12 @@ class PartWriter:
     def reject(self, reject: Reject) -> None:
         self.pending_rejects.append(reject)
 
-    def close(self, complete: bool = True, source_rows: int | None = None, fanout: str | None = None) -> None:
+    def close(self, complete: bool = True, source_rows: int | None = None, fanout: str | None = None,
+              audit: Audited | None = None) -> None:
         """Write the last partial shard, commit everything and trim the arrays to the commit; `complete`: the
         run got to the end of its data, which had `source_rows` rows (else the part stays open for a resume,
-        as after a kill); `fanout`: what the run's rows fan out to that sharing cannot fold (data.fanout)."""
+        as after a kill); `fanout`: what the run's rows fan out to that sharing cannot fold (data.fanout);
+        `audit`: what the in-run audit did (pipeline.audit), added to the part's earlier runs'."""
         self._end_shard(self.end - self.flushed)
         self.wait_committed()
         self._committer.shutdown()
@@ -241,6 +243,8 @@ class PartWriter:
         if complete:
             self.commit.source_rows = source_rows
         self.commit.fanout = fanout or self.commit.fanout  # (a resume tokenizes fewer rows: a note stays)
+        if audit is not None:
+            self.commit.audit = audit.merged(self.commit.audit).to_json()
         self._fence()
         for name, arr in self.arrays.items():
             n = self._committed_size(name)
@@ -421,10 +425,12 @@ class WriterStage:
 
     def __init__(self, writer: PartWriter, done: Collection[int], rate: RejectRate, times: StageTimes,
                  source_rows: Callable[[], int | None] = lambda: None,
-                 fanout: Callable[[], str | None] = lambda: None):
+                 fanout: Callable[[], str | None] = lambda: None,
+                 audit: Callable[[], Audited | None] = lambda: None):
         self.writer, self.done, self.rate, self.times = writer, done, rate, times
         self.source_rows = source_rows  # the data's rows, asked when it has run out (recorded in the commit)
         self.fanout = fanout  # the run's FanOut note, asked at the end (recorded in the commit)
+        self.audit = audit  # the in-run audit's figures, asked at the end (recorded in the commit)
         self.kept = KeptSegments()
         self.stored_again = 0  # tokens a resume stored again (`_store`)
 
@@ -439,7 +445,8 @@ class WriterStage:
                 if item is None:
                     complete = rows_left is None or not rows_left.is_set()
                     with self.times.measure("write"):
-                        self.writer.close(complete, self.source_rows() if complete else None, self.fanout())
+                        self.writer.close(complete, self.source_rows() if complete else None, self.fanout(),
+                                          self.audit())
                     return
                 if isinstance(item, Reject):
                     self.reject(item)

@@ -12,6 +12,7 @@ from .format import (
     FP8_STORAGE,
     PARTS,
     STORAGES,
+    Audited,
     Commit,
     Compat,
     Layout,
@@ -29,8 +30,8 @@ from .reader import Completeness, DoneKeys, RowSet, SampleIndex, Store, StoredSa
 from .space import SpaceGuard, free_bytes
 
 __all__ = [
-    "BF16", "FP8_STORAGE", "PARTS", "STORAGES", "Commit", "Compat", "Completeness", "DoneKeys", "Layout", "Output",
-    "OwnedPart", "RowSet", "RunStore", "SampleIndex", "SharedKinds", "SpaceGuard", "Storage", "Store", "StoreError",
-    "StoreMetadata", "StoredSample", "bf16_to_bits", "check_compatible", "create_part", "free_bytes", "make_layout",
-    "open_for_run", "open_store", "prepare", "storage_named", "to_json",
+    "BF16", "FP8_STORAGE", "PARTS", "STORAGES", "Audited", "Commit", "Compat", "Completeness", "DoneKeys", "Layout",
+    "Output", "OwnedPart", "RowSet", "RunStore", "SampleIndex", "SharedKinds", "SpaceGuard", "Storage", "Store",
+    "StoreError", "StoreMetadata", "StoredSample", "bf16_to_bits", "check_compatible", "create_part", "free_bytes",
+    "make_layout", "open_for_run", "open_store", "prepare", "storage_named", "to_json",
 ]

@@ -302,6 +302,45 @@ class StoreMetadata:
 
 
 @dataclass
+class Audited:
+    """What a run's in-run audit did (streamx.pipeline.audit), as each part's commit record keeps it (summed over
+    the runs that wrote the part)."""
+
+    rows: int = 0
+    tokens: int = 0
+    worst: float = 0.0  # the largest relative difference of an audited token
+    worst_row: int | None = None
+    seconds: float = 0.0  # the audit's forwards and comparisons
+    forward_seconds: float = 0.0  # the run's forwards meanwhile, for the audit's share
+    ways: list[str] | None = None  # the ways of computing rows it audited
+
+    def merged(self, earlier: dict | None) -> Audited:
+        """This run's figures added to an earlier run's of the same part (a resume)."""
+        if not earlier:
+            return self
+        before = Audited(**earlier)
+        worst = max((self.worst, self.worst_row), (before.worst, before.worst_row), key=lambda w: w[0])
+        return Audited(self.rows + before.rows, self.tokens + before.tokens, worst[0], worst[1],
+                       self.seconds + before.seconds, self.forward_seconds + before.forward_seconds,
+                       sorted(set(self.ways or []) | set(before.ways or [])))
+
+    @property
+    def share(self) -> float:
+        """The audit's time over the run's forwards."""
+        return self.seconds / self.forward_seconds if self.forward_seconds else 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def phrase(self) -> str:
+        if not self.rows:
+            return "no row audited"
+        return (f"{self.rows:,} rows ({self.tokens:,} tokens) recomputed alone through the model's own forward, "
+                f"worst token {self.worst:.2g} (row {self.worst_row}); {self.share:.1%} of the forward time; "
+                f"ways: {'; '.join(self.ways or [])}")
+
+
+@dataclass
 class Commit:
     """A part's attrs["commit"]: how much of its arrays is valid. Replaced atomically, as one document."""
 
@@ -321,6 +360,8 @@ class Commit:
     writer: dict[str, Any] | None = None  # who made this commit: {"id", "host", "pid"} (pipeline.writer's fencing)
     fanout: str | None = None  # rows that extend an earlier row's messages but not its tokens (data.fanout), as a run
     # that tokenized them found
+    audit: dict[str, Any] | None = None  # the in-run audit's figures, summed over the runs of the part
+    # (pipeline.audit.Audited)
 
     @property
     def samples_tokens(self) -> int:

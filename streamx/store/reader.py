@@ -28,6 +28,7 @@ from .format import (
     READABLE_FORMATS,
     ROW_MASK_ARRAYS,
     SHARING_ARRAYS,
+    Audited,
     Commit,
     SharedKinds,
     StoreError,
@@ -438,6 +439,15 @@ class Store:
             "metadata": self.metadata.to_json(),
         }
 
+    def audit(self) -> Audited | None:
+        """What the in-run audit of the runs that wrote the store did, over all its parts (None: no run audited:
+        --audit-every 0, --tp, or a store from before streamx audited its runs)."""
+        found = None
+        for commit in self.commits.values():
+            if commit.audit:
+                found = Audited(**commit.audit) if found is None else found.merged(commit.audit)
+        return found
+
     def describe(self) -> list[str]:
         """What `streamx inspect` prints: model, layers, counts, sizes, reject reasons, parts."""
         summary, meta = self.summary(), self.metadata
@@ -445,10 +455,11 @@ class Store:
         random = "; RANDOM WEIGHTS (--random-weights)" if meta.random_weights else ""
         scales = " (+ a float32 scale per token)" if self.storage.scaled else ""
         fanout = next((c.fanout for c in self.commits.values() if c.fanout), None)  # (data.fanout)
+        audit = self.audit()
         lines = [
             f"store        {summary['path']} ({meta.format})",
             f"model        {model.get('model', '?')} ({model.get('architecture', '?')}, {meta.num_layers} layers, "
-            f"hidden {meta.hidden_size}, computed in {model.get('dtype', '?')}; weights "
+            f"{model.get('residual') or f'hidden {meta.hidden_size}'}, computed in {model.get('dtype', '?')}; weights "
             f"{model.get('weights_fingerprint', '?')[:12]}{random})",
             f"layer ids    {meta.layer_ids} ({meta.layer_convention}: id {meta.num_layers} = last layer before the "
             "final norm)",
@@ -467,6 +478,7 @@ class Store:
                 f"; shared: {SharedKinds(**summary['shared']).phrase(self.row_tokens)}"
                 if self.num_tokens != self.row_tokens else "") + "); rows read whole",
             *([f"fan-out      {fanout}"] if fanout else []),
+            *([f"audit        {audit.phrase()}"] if audit is not None else []),
             "lengths      " + ("no samples" if not len(self) else ", ".join(
                 f"{name} {int(v):,}" for name, v in zip(("min", "median", "p90", "p99", "max"), np.percentile(
                     self.index.lengths, [0, 50, 90, 99, 100], method="lower"), strict=True)) + " tokens"),

@@ -38,6 +38,7 @@ from ..data.source import Source, open_source
 from ..data.tokenize import Reject, Sample, SampleBuilder
 from ..model.capture import find_decoder
 from ..model.load import load_model, model_tokenizer, read_text_config
+from ..model.residual import residual_of
 from ..store import BF16, STORAGES, Store, StoreError, open_store
 from .folder import FROM_STORE, HS_DIR, META, STORE_ROWS
 from .mask_token import mask_token_id
@@ -82,6 +83,16 @@ def _check(name: str, problems: list[str], ok: str, total: int, what: str) -> Ch
 
 
 # -- structure, without the model
+
+
+def check_audit(store: Store) -> Check:
+    """What the in-run audit of the runs that wrote the store found (they stop at a row that differs, so a store
+    they wrote passed it), or why there is none."""
+    audited = store.audit()
+    if audited is None:
+        return Check("audit", True, "skipped: the runs that wrote this store did not audit their rows (--audit-every "
+                     "0, --tp, or a streamx before 0.8)", skipped=True)
+    return Check("audit", True, f"in the run: {audited.phrase()}")
 
 
 def check_commits(store: Store) -> Check:
@@ -403,18 +414,23 @@ def pick_samples(store: Store, n: int, seed: int) -> list[int]:
 
 
 @torch.inference_mode()
-def reference_states(model: nn.Module, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """One sample alone: every id 0..L (id L before the final norm) and the final norm's output, float32."""
-    decoder = find_decoder(model)
+def reference_states(model: nn.Module, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """One sample alone, float32: every id 0..L from transformers' output_hidden_states (id L from the last layer's
+    output: transformers' last entry has the final norm, or a multi-stream residual's contraction, applied), each
+    residual whole (streamx.model.residual); and transformers' last entry where it has the width of the others
+    (the final norm's output: a slot that holds it is named), else None."""
+    decoder, residual = find_decoder(model), residual_of(model.config)
     seen: list[torch.Tensor] = []
-    handle = decoder.norm.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+    handle = decoder.layers[-1].register_forward_hook(
+        lambda mod, args, out: seen.append(out[0] if isinstance(out, (tuple, list)) else out))
     try:
         out = decoder.module(input_ids=input_ids[None].to(next(model.parameters()).device), output_hidden_states=True,
-                      use_cache=False)
+                             use_cache=False)
     finally:
         handle.remove()
-    ids = [h[0].float().cpu() for h in out.hidden_states[:-1]] + [seen[0][0].float().cpu()]
-    return ids, out.hidden_states[-1][0].float().cpu()
+    ids = [residual.flat(h)[0].float().cpu() for h in (*out.hidden_states[:-1], seen[0])]
+    last = out.hidden_states[-1]
+    return ids, last[0].float().cpu() if last.shape[-1] == residual.width and last.dim() == 3 else None
 
 
 def token_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -433,7 +449,7 @@ def _mismatch(store: Store, stored: dict[int, Any], references: dict[int, Any], 
     sample, (ref, post_norm) = stored[pos], references[pos]
     got = sample.hidden_states[:, slot].float()
     others = {f"id {j}": ref[j] for j in (layer_id - 1, layer_id + 1) if 0 <= j <= L}
-    if layer_id == L:
+    if layer_id == L and post_norm is not None:
         others["the final norm's output"] = post_norm
     others.update({f"row {stored[p].row_id}'s id {layer_id}": references[p][0][layer_id] for p in stored
                    if p != pos and len(stored[p].input_ids) == len(sample.input_ids)})
@@ -657,7 +673,7 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
         vocab_size = read_text_config(meta.model["path"]).vocab_size
     except Exception:  # noqa: BLE001 - the model's config is not here: the ids are checked for sign only
         vocab_size = None
-    checks = [check_complete(store), check_commits(store), check_index(store), check_rows(store),
+    checks = [check_complete(store), check_commits(store), check_audit(store), check_index(store), check_rows(store),
               *check_values(store, vocab_size), check_data(store, data_rows(store, DATA_ROWS, seed))]
     if use_model:
         if meta.random_weights:

@@ -1,0 +1,84 @@
+"""A length past which a model's forward changes every row's states with the batch's longest position.
+
+Length-dependent rope picks its frequencies once per forward, from the largest position in the batch
+(transformers' `dynamic_rope_update`): longrope (Phi-3.5, Phi-4-mini) takes its long factors for the whole forward
+once a position reaches `original_max_position_embeddings`, dynamic NTK rescales its base to the forward's longest
+row past `max_position_embeddings` (and keeps that scale for later forwards until a short one resets it). A row
+at most that long, packed, padded or shared beside a longer one, then gets other states than its own forward
+gives it alone. So the run keeps the two sides apart (streamx.data.batching): rows of at most `limit` tokens never
+share a forward or a prefix with longer rows; past it, longrope's rows are batched among themselves (every such
+forward takes the long factors, as each row alone does) and dynamic NTK's run one row per forward, from a fresh
+scale (`keep_rope_fresh`), as the model's own forward of the row alone in a new process does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LengthSplit:
+    """Rows longer than `limit` tokens never share a forward or a prefix with shorter ones."""
+
+    limit: int
+    alone: bool  # past the limit, one row per forward (its frequencies depend on its own length)
+    why: str  # the feature, for the log
+
+    def side(self, length: int) -> bool:
+        """True for a row past the limit."""
+        return length > self.limit
+
+    def note(self) -> str:
+        past = "each in a forward of its own" if self.alone else "batched among themselves"
+        return (f"{self.why}: rows of at most {self.limit:,} tokens never share a forward or a prefix with longer "
+                f"ones, which run {past}")
+
+
+def _rope_parameters(config) -> Iterator[dict]:
+    """The rope parameter sets of a (text) config: one, or one per layer type."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        yield from rope.values()
+    elif isinstance(rope, dict):
+        yield rope
+
+
+def length_split(config, max_length: int) -> LengthSplit | None:
+    """The split a model's text config asks for, where rows of the run (at most `max_length` tokens) reach past it;
+    None where no rope of the model depends on the forward's length."""
+    text = config.get_text_config()
+    found = None
+    for params in _rope_parameters(text):
+        kind = str(params.get("rope_type", params.get("type", "")))
+        if kind == "longrope":
+            limit = params.get("original_max_position_embeddings") or getattr(
+                text, "original_max_position_embeddings", None)
+            split = LengthSplit(int(limit), False,
+                                f"longrope (long factors past {int(limit):,} positions in a forward)")
+        elif "dynamic" in kind:
+            limit = getattr(text, "max_position_embeddings", None)
+            split = LengthSplit(int(limit), True, f"dynamic NTK rope (rescaled past {int(limit):,} positions to the "
+                                                  "forward's longest row)")
+        else:
+            continue
+        found = split if found is None or split.limit < found.limit or split.alone else found
+    return found if found is not None and max_length > found.limit else None
+
+
+def keep_rope_fresh(model: nn.Module) -> None:
+    """Every forward's dynamic NTK rope from its original scale, as in a process that runs that forward first:
+    transformers keeps the scale of the longest forward so far until a short one resets it, so a row's states would
+    depend on the rows before it. Once per model (a pre-hook on each such rope module, for the model's life)."""
+
+    def reset(module: nn.Module, args) -> None:
+        module.inv_freq = module.original_inv_freq.to(module.inv_freq.device)
+        module.max_seq_len_cached = module.original_max_seq_len
+
+    for module in model.modules():
+        if hasattr(module, "original_inv_freq") and "dynamic" in str(getattr(module, "rope_type", "")) and \
+                not getattr(module, "_streamx_fresh", False):
+            module.register_forward_pre_hook(reset)
+            module._streamx_fresh = True
