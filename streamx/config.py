@@ -123,8 +123,8 @@ class RunConfig:
                                       "row computed in full (the reference; stores written before streamx 0.5 resume "
                                       "with it). rows: only rows that repeat or are prefixes of others.")
     min_shared_tokens: int = setting(16, "The shortest common leading run of tokens that --sharing computes once.")
-    max_batch_size: int = setting(256, "Max samples per forward pass (1: each row in a forward of its own, the "
-                                  "model's own forward).")
+    max_batch_size: int = setting(256, "Max samples per forward pass (with --packing off, 1: each row in a forward "
+                                  "of its own, the model's own forward).")
     sort_window: int = setting(1024, "Consecutive source rows sorted by length together before batching (more: "
                                "less padding, more host memory).")
     queue_batches: int = setting(4, "Batches each bounded hand-off queue between stages holds.")

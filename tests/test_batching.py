@@ -125,7 +125,7 @@ def test_rows_on_two_sides_of_a_length_split_never_share_a_forward_or_a_prefix(p
         torch.randint(3, 1000, (n,), generator=g) for n in (12, 25, 33, 41, 55, 64, 80))]
     samples = [Sample(i, t, torch.ones(len(t), dtype=torch.int64)) for i, t in enumerate(ids)]
     split = 32
-    batches = list(iter_batches(samples, 256, 8, 0, packed=packed, sharing=True, min_shared_tokens=8, split=split,
+    batches = list(iter_batches(samples, 256, 8, 0, packed=packed, sharing=True, min_shared_tokens=8, split_at=split,
                                 alone_past_split=alone_past))
     served = sorted(s.row_id for b in batches for s in b.samples)
     assert served == list(range(len(samples)))  # every row once

@@ -98,10 +98,12 @@ def test_non_finite_states_are_rejected(tiny_chat_model_dir, chat_jsonl, tmp_pat
         hidden[0, -1, 0] = float("nan")  # the last token of every (packed) batch, in every slot
         real_gather(self, slot, hidden, stop)
 
-    # the start-up check's and the audit's captures stay clean (they would find the run's rows unlike the model's)
+    # the start-up check's captures stay clean (it would find the model wrong and refuse it); the in-run audit's
+    # are poisoned as the run's are (a model that overflows on a row does so alone too: nothing to compare), and
+    # its forwards of one row are not the run's
     clean = type("Clean", (capture.LayerCapture,), {"forward": real_forward, "_gather": real_gather})
     monkeypatch.setattr(check, "LayerCapture", clean)
-    monkeypatch.setattr(audit, "LayerCapture", clean)
+    monkeypatch.setattr(audit, "LayerCapture", type("Audited", (capture.LayerCapture,), {"forward": real_forward}))
     monkeypatch.setattr(capture.LayerCapture, "forward", forward)
     monkeypatch.setattr(capture.LayerCapture, "_gather", poisoned)
     summary = run(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", max_samples=30), progress=False)

@@ -217,6 +217,16 @@ _ZOO: dict[str, Family] = {
         activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0]),
         "gemma3n_text / Gemma3nForCausalLM: AltUp (4 streams, [4, B, S, D] between layers), per-layer inputs, "
         "sliding (16) and full attention, KV shared by the last 2 layers"),
+    "kimi_k25": Family("Kimi_K25Config", dict(
+        text_config=dict(MLA_COMMON, model_type="deepseek_v3", n_routed_experts=4, n_shared_experts=1, n_group=1,
+                         topk_group=1, first_k_dense_replace=1, **MOE, q_lora_rank=32, kv_lora_rank=32,
+                         qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           pos_emb_height=8, pos_emb_width=8),
+        projection_hidden_size=32, tie_word_embeddings=False),
+        "kimi_k25 / Kimi_K25ForConditionalGeneration (no causal LM class: loaded as image-text-to-text, its "
+        "DeepSeek-V3 text decoder run): MLA, group-limited MoE with a shared expert; a 1-layer vision tower",
+        AutoModelForImageTextToText),
     "longcat_flash": Family("LongcatFlashConfig", dict(
         {k: v for k, v in COMMON.items() if k not in ("num_hidden_layers", "head_dim", "num_key_value_heads",
                                                        "intermediate_size")},

@@ -265,14 +265,14 @@ def iter_windows(rows: Iterable[Row], sort_window: int) -> Iterator[list[Row]]:
 
 def iter_batches(items: list[Sample | Reject | Duplicate], token_budget: int, max_batch_size: int,
                  pad_token_id: int, packed: bool = False, sharing: bool = False,
-                 min_shared_tokens: int | None = None, split: int | None = None,
+                 min_shared_tokens: int | None = None, split_at: int | None = None,
                  alone_past_split: bool = False) -> Iterator[Batch | Reject | Duplicate]:
     """One window's samples as batches, packed or padded; rejects (nothing to compute) pass straight through,
     and duplicates (nothing to compute, read from an earlier row) come after the batches, so that a run stopped
     part way never commits a repeat before the row it reads. With `sharing`, rows that are prefixes of others
     (duplicates too) are served by those rows' states (streamx.data.sharing), and, packed, common leading runs
     of `min_shared_tokens` (None: none) are computed once (a tree too large for one batch in pieces, each alone
-    in its batch and after the ones it continues). With a `split` (streamx.model.lengths), rows of at most that
+    in its batch and after the ones it continues). With `split_at` (streamx.model.lengths), rows of at most that
     many tokens never share a forward or a prefix with longer ones; these share prefix rows only, or with
     `alone_past_split` nothing, one row per forward."""
     samples, duplicates = [], []
@@ -285,12 +285,12 @@ def iter_batches(items: list[Sample | Reject | Duplicate], token_budget: int, ma
             raise ValueError(f"row {item.row_id}: {len(item.input_ids)} tokens exceed token_budget {token_budget}")
         else:
             samples.append(item)
-    if split is None:
+    if split_at is None:
         yield from _batches(samples, token_budget, max_batch_size, pad_token_id, packed, sharing, min_shared_tokens)
     else:
-        yield from _batches([s for s in samples if len(s.input_ids) <= split], token_budget, max_batch_size,
+        yield from _batches([s for s in samples if len(s.input_ids) <= split_at], token_budget, max_batch_size,
                             pad_token_id, packed, sharing, min_shared_tokens)
-        yield from _batches([s for s in samples if len(s.input_ids) > split], token_budget,
+        yield from _batches([s for s in samples if len(s.input_ids) > split_at], token_budget,
                             1 if alone_past_split else max_batch_size, pad_token_id, packed,
                             sharing and not alone_past_split, None)
     yield from duplicates

@@ -86,18 +86,19 @@ class Probes:
         draw = lambda k: torch.randint(0, text.vocab_size, (k,), generator=g)  # noqa: E731
         if split is not None:
             spans[split.why.split(" (")[0] + " limit"] = split.limit
-        if split is not None and split.limit < cap:
-            n_long, n = max(min(split.limit * 3 // 2 + 8, cap), split.limit + 1), min(n, split.limit)
+        past = split is not None and split.limit < cap  # rows on both sides of the limit: the short ones below
+        if past:
+            n_long, n = max(min(split.limit * 3 // 2 + 8, cap), split.limit + 1), max(min(n, split.limit), 16)
         prefix = n // 3 + 5
         shared, second = draw(prefix), draw(n - 3)
         ids = [draw(n // 3 + 3), second, torch.cat([shared, draw(n - prefix)]),
                torch.cat([shared, draw(n - prefix - 5)]), second[: n - 11]]
         together, prefixes = [[0, 1]], [(1, 4)]
-        if split is not None and split.limit < cap:  # a second row on each side; the prefix probe on the long one
+        if past and not split.alone:  # longrope: the long side batched among itself, and its prefix rows
             longer = draw(n_long)
-            ids += [draw(n // 2 + 1), longer, longer[: max(split.limit + 1, n_long - 7)]]
-            together = [[0, 5]] if split.alone else [[0, 5], [6, 7]]
-            prefixes += [] if split.alone else [(6, 7)]
+            ids += [longer, longer[: n_long - 7] if n_long - 7 > split.limit else draw(n_long)]
+            together.append([5, 6])
+            prefixes += [(5, 6)] if n_long - 7 > split.limit else []
         rows = [Sample(i, t, torch.ones(len(t), dtype=torch.long)) for i, t in enumerate(ids)]
         L = len(find_decoder(model).layers)
         layer_ids = sorted({round(1 + k * (L - 1) / (COMPARED_LAYERS - 1)) for k in range(COMPARED_LAYERS)}) \
@@ -152,21 +153,33 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return (got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-30)
 
 
-def _where(error: torch.Tensor, layer_ids: list[int], done: int, length: int) -> tuple[float, str]:
+def largest(error: torch.Tensor) -> tuple[float, int, int]:
+    """The largest entry of a [tokens, layers] error, its token and its layer (index)."""
     value, at = error.flatten().max(0)
     token, layer = divmod(int(at), error.shape[1])
-    return float(value), (f"layer output {layer_ids[layer]}, token {done + token} of a {length}-token row: relative "
-                          f"difference {float(value):.2g}")
+    return float(value), token, layer
+
+
+def _where(error: torch.Tensor, layer_ids: list[int], done: int, length: int) -> tuple[float, str]:
+    value, token, layer = largest(error)
+    return value, (f"layer output {layer_ids[layer]}, token {done + token} of a {length}-token row: relative "
+                   f"difference {value:.2g}")
+
+
+def served_states(batch: Batch, k: int, states: torch.Tensor) -> torch.Tensor:
+    """Row k of `batch`: its tokens' states in `states` (those this forward computed: after the first
+    `batch.carried_tokens(k)`, which an earlier forward did)."""
+    index = torch.cat([torch.arange(a, a + n) for a, n in batch.row_ranges[k]]).to(states.device)
+    return states.index_select(0, index)
 
 
 def _worst(batch: Batch, states: torch.Tensor, probes: Probes) -> tuple[float, str]:
     """The largest difference between `batch`'s rows in `states` and the model's own forward of each alone
     (relative_error), and where it is. Rows' tokens an earlier forward computed were compared with that forward."""
     worst = (0.0, "")
-    for k, (row, ranges) in enumerate(zip(batch.samples, batch.row_ranges, strict=True)):
+    for k, row in enumerate(batch.samples):
         done = batch.carried_tokens(k)
-        index = torch.cat([torch.arange(a, a + n) for a, n in ranges]).to(states.device)
-        error = relative_error(states.index_select(0, index), probes.reference[row.row_id][done:])
+        error = relative_error(served_states(batch, k, states), probes.reference[row.row_id][done:])
         found = _where(error, probes.layer_ids, done, len(row.input_ids))
         if not found[0] <= worst[0]:
             worst = found
@@ -226,8 +239,9 @@ def check_padded(model: nn.Module, probes: Probes) -> str | None:
 
 
 def check_prefix_rows(probes: Probes) -> str | None:
-    """A row's prefix, forwarded alone, against the longer row's first tokens (what a prefix row is served from):
-    None when they agree, else why (a forward whose states depend on the row's length: dynamic rope)."""
+    """A row's prefix, forwarded alone, against the longer row's first tokens (what a prefix row is served from), on
+    each side of a length split: None when they agree, else why (a model whose states depend on the row's length:
+    DeepSeek-V4's compressed attention)."""
     for row, prefix in (probes.group(pair) for pair in probes.prefixes):
         n = len(prefix.input_ids)
         error = relative_error(probes.reference[row.row_id][:n], probes.reference[prefix.row_id])

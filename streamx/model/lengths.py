@@ -27,7 +27,7 @@ class LengthSplit:
     alone: bool  # past the limit, one row per forward (its frequencies depend on its own length)
     why: str  # the feature, for the log
 
-    def side(self, length: int) -> bool:
+    def past(self, length: int) -> bool:
         """True for a row past the limit."""
         return length > self.limit
 
@@ -64,7 +64,8 @@ def length_split(config, max_length: int) -> LengthSplit | None:
                                                   "forward's longest row)")
         else:
             continue
-        found = split if found is None or split.limit < found.limit or split.alone else found
+        found = split if found is None else LengthSplit(min(found.limit, split.limit), found.alone or split.alone,
+                                                        f"{found.why}; {split.why}")
     return found if found is not None and max_length > found.limit else None
 
 
@@ -73,12 +74,20 @@ def keep_rope_fresh(model: nn.Module) -> None:
     transformers keeps the scale of the longest forward so far until a short one resets it, so a row's states would
     depend on the rows before it. Once per model (a pre-hook on each such rope module, for the model's life)."""
 
+    def prefixes(module: nn.Module) -> list[str]:
+        """The attribute prefixes of its dynamic ropes: "" for one rope, "<layer type>_" for one per layer type."""
+        kinds = getattr(module, "rope_type", None)
+        if isinstance(kinds, dict):
+            return [f"{kind}_" for kind, rope in kinds.items() if "dynamic" in str(rope)]
+        return [""] if "dynamic" in str(kinds) and hasattr(module, "original_inv_freq") else []
+
     def reset(module: nn.Module, args) -> None:
-        module.inv_freq = module.original_inv_freq.to(module.inv_freq.device)
-        module.max_seq_len_cached = module.original_max_seq_len
+        for p in prefixes(module):
+            original = getattr(module, f"{p}original_inv_freq")
+            setattr(module, f"{p}inv_freq", original.to(getattr(module, f"{p}inv_freq").device))
+            setattr(module, f"{p}max_seq_len_cached", module.original_max_seq_len)
 
     for module in model.modules():
-        if hasattr(module, "original_inv_freq") and "dynamic" in str(getattr(module, "rope_type", "")) and \
-                not getattr(module, "_streamx_fresh", False):
+        if prefixes(module) and not getattr(module, "_streamx_fresh", False):
             module.register_forward_pre_hook(reset)
             module._streamx_fresh = True

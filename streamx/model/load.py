@@ -297,6 +297,7 @@ def load_model(
         keep_freed_host_memory()
     tok = model_tokenizer(path, tokenizer)
 
+    residual = residual_of(lm.config)
     is_snapshot = files is not None and files.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", files.name)
     info = ModelInfo(
         model=model,
@@ -305,18 +306,18 @@ def load_model(
         weights_fingerprint=fingerprint,
         architecture=type(lm).__name__,
         num_layers=len(find_decoder(lm).layers),  # the model's, not a config field that may count sublayers
-        hidden_size=residual_of(lm.config).width,
+        hidden_size=residual.width,
         dtype=str(lm.dtype).removeprefix("torch."),
         device=str(lm.device),
         random_weights=random_weights,
-        residual=residual_of(lm.config).describe() if residual_of(lm.config).streams > 1 else None,
+        residual=residual.describe() if residual.streams > 1 else None,
     )
     return lm, tok, info
 
 
 def causal_lm(build: Callable[[type], PreTrainedModel]) -> PreTrainedModel:
     """`build(auto_class)` with transformers' causal LM classes, or, for a multimodal checkpoint that has none
-    (GLM-5-next), its image-text-to-text class, whose text decoder streamx runs (the rest is never called); a
+    (GLM-5-next, Kimi K2.5), its image-text-to-text class, whose text decoder streamx runs (the rest is never called); a
     checkpoint neither loads is refused in one line."""
     try:
         return build(AutoModelForCausalLM)
@@ -328,7 +329,11 @@ def causal_lm(build: Callable[[type], PreTrainedModel]) -> PreTrainedModel:
         raise ValueError(f"this checkpoint's model class needs a package that is not installed: {err}") from None
     try:
         return build(AutoModelForImageTextToText)
-    except ValueError:
+    except ImportError as err:
+        raise ValueError(f"this checkpoint's model class needs a package that is not installed: {err}") from None
+    except ValueError as err:
+        if "Unrecognized configuration class" not in str(err):
+            raise
         name = next(iter(re.findall(r"\.(\w+)'>", str(first))), "its config")
         raise ValueError(f"transformers {transformers.__version__} has no causal LM or image-text-to-text class for "
                          f"{name}: streamx cannot load its text decoder") from None

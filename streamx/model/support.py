@@ -48,7 +48,8 @@ HYPER = ("hyper-connections: several residual streams, stored whole at every id 
 
 SUPPORT: tuple[Support, ...] = (
     Support("Llama 3", "llama", True, True,
-            f"{PLAIN}; dynamic NTK rope (the base rescaled to the forward's longest row past max_position_embeddings, "
+            f"{PLAIN}; a checkpoint with dynamic NTK rope (rope_type dynamic: the base rescaled to the forward's "
+            "longest row past max_position_embeddings, "
             "and kept for later forwards): rows up to that length never share a forward or a prefix with longer ones, "
             "which run each in a forward of its own from the original scale"),
     Support("Llama 4 (text)", "llama4_text", True, True,
@@ -73,6 +74,9 @@ SUPPORT: tuple[Support, ...] = (
     Support("Mixtral", "mixtral", True, True, PLAIN),
     Support("DeepSeek-V3 / R1, Kimi K2", "deepseek_v3", True, True,
             "MLA: value heads narrower than query and key heads (padded for the fused kernels)"),
+    Support("Kimi K2.5 (multimodal checkpoint)", "kimi_k25", True, True,
+            "as DeepSeek-V3 (MLA); no causal LM class in transformers: loaded as image-text-to-text, its text decoder "
+            "run"),
     Support("GLM-4.5 / 4.6", "glm4_moe", True, True, PLAIN),
     Support("MiniMax-M2", "minimax_m2", True, True, PLAIN),
     Support("MiniMax-Text-01", "minimax", False, False,
@@ -130,14 +134,15 @@ def support_of(config) -> Support | None:
     return None
 
 
-def note(config, packed: bool, continued: bool) -> str:
+def note(config, packed: bool, continued: bool, alone: bool = False, prefix_rows: bool = True) -> str:
     """The run's log line: the model's row of the table, and whether the start-up check on this model agrees."""
     support = support_of(config)
     if support is None:
         return (f"{config.model_type}: not in streamx's support table (docs/support.md); the start-up check on this "
                 "model decided the path above")
     said = f"{support.family} ({support.model_type}): {support.path} in the support table (docs/support.md)"
-    if (packed, continued) == (support.packed, support.continued):
+    if (packed, continued, alone, prefix_rows) == (support.packed, support.continued, support.alone,
+                                                   support.prefix_rows):
         return f"{said}, as the start-up check found on this model"
     return f"{said}, but the start-up check on this model found otherwise (above): the run takes the path it proved"
 

@@ -7,8 +7,9 @@ layers, one row in a forward: the reference by definition), and compared token b
 computed for them, before the batch is handed to the writer. It audits the first row of each way a row is computed
 (packed or padded, beside other rows or alone, a prefix row served from a longer row, continued from a shared
 prefix in its forward or in a later one, past a length limit) in forwards of each size and for rows of each length
-(powers of 2 and 4: a few dozen rows in a whole run), the last of its batch, and then one row in `every` (by row
-id, so that a resume audits the same rows).
+(powers of 2 and 4: tens to a few hundred rows in a whole run, however long), the last row of that shape in its
+batch, and each row whose id is a multiple of `every` (so that a resume audits the same rows). It compares the
+states before an fp8 store quantizes them (the quantization's own rounding is verify's to check).
 
 A row that differs stops the run at once: nothing of its batch is written, what was committed stays, and the error
 names the row, the layer, the token, the way it was computed and the setting that avoids that way. The figures
@@ -22,6 +23,7 @@ packed path, and the audit switches it back to the model's own for its forward (
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,7 +31,7 @@ from torch import nn
 
 from ..data.batching import Batch, make_batch
 from ..model.capture import LayerCapture
-from ..model.check import relative_error
+from ..model.check import largest, relative_error, served_states
 from ..model.gather import gather_into_torch
 from ..model.packing import Packing, padded_attention
 from ..store import Audited
@@ -42,40 +44,60 @@ TOLERANCE = {torch.float32: 1e-2, torch.float64: 1e-2}
 LOW_PRECISION_TOLERANCE = 5e-2
 # in reduced precision a MoE router near a tie may pick another expert for a token batched otherwise (the model's own
 # rounding): a row differs when more than this share of its tokens (and more than one) do; a broken path moves most
-LOW_PRECISION_TOKENS = 0.01
+LOW_PRECISION_TOKEN_SHARE = 0.01
 
 
 class AuditError(RuntimeError):
     """A row the run computed differs from the model's own forward of it alone."""
 
 
-def way(batch: Batch, k: int, segments: list[int], ends: list[int], packing: Packing) -> str:
-    """How row k of `batch`, which reads `segments` of it (whose computed tokens end at `ends`), was computed, in
-    words."""
-    ranges = batch.row_ranges[k]
-    kind = "packed" if batch.packed else "padded"
-    parts = [f"{kind} beside other rows" if len(batch.segment_lengths) > 1 else f"{kind} alone"]
-    if batch.carried_tokens(k):
-        parts.append("continued from a shared prefix computed in an earlier forward")
-    elif len(segments) > 1:
-        parts.append("continued from a shared prefix in its forward")
-    last, (start, n) = segments[-1], ranges[-1]
-    if start + n < ends[last]:
-        parts.append("a prefix row served from a longer row's states")
-    if packing.split is not None and packing.split.side(len(batch.samples[k].input_ids)):
-        parts.append(f"past the {packing.split.limit:,}-token limit")
-    return ", ".join(parts)
+@dataclass(frozen=True)
+class Way:
+    """How the run computed a row."""
 
+    packed: bool  # in a packed forward (else padded)
+    beside: bool  # beside other rows in its forward (else alone)
+    carried: bool = False  # continued from a shared prefix an earlier forward computed
+    continued: bool = False  # continued from a shared prefix in its forward
+    prefix_row: bool = False  # served from a longer row's states
+    past_limit: int | None = None  # the length limit it is past (a LengthSplit's)
 
-def fallback(way: str, packing: Packing) -> str:
-    """The setting that keeps a run off `way`."""
-    if "shared prefix" in way:
-        return "--sharing rows (prefix rows only) or --sharing off"
-    if "prefix row" in way:
-        return "--sharing off"
-    if way.startswith("packed"):
-        return "--packing off (padded batches)"
-    return "--max-batch-size 1 (one row per forward)"
+    @classmethod
+    def of(cls, batch: Batch, k: int, segments: list[int], ends: list[int], packing: Packing) -> Way:
+        """Row k of `batch`, which reads `segments` of it (whose computed tokens end at `ends`)."""
+        start, n = batch.row_ranges[k][-1]
+        split = packing.split
+        return cls(batch.packed, len(batch.segment_lengths) > 1, batch.carried_tokens(k) > 0,
+                   len(segments) > 1 and not batch.carried_tokens(k), start + n < ends[segments[-1]],
+                   split.limit if split is not None and split.past(len(batch.samples[k].input_ids)) else None)
+
+    @property
+    def reference(self) -> bool:
+        """A row padded alone and read whole: the reference forward itself."""
+        return not (self.packed or self.beside or self.carried or self.continued or self.prefix_row)
+
+    def fallback(self) -> str:
+        """The setting that keeps a run off this way."""
+        if self.carried or self.continued:
+            return "--sharing rows (prefix rows only) or --sharing off"
+        if self.prefix_row:
+            return "--sharing off"
+        if self.packed:
+            return "--packing off (padded batches)"
+        return "--packing off --max-batch-size 1 (one row per forward)"
+
+    def __str__(self) -> str:
+        kind = "packed" if self.packed else "padded"
+        parts = [f"{kind} beside other rows" if self.beside else f"{kind} alone"]
+        if self.carried:
+            parts.append("continued from a shared prefix computed in an earlier forward")
+        if self.continued:
+            parts.append("continued from a shared prefix in its forward")
+        if self.prefix_row:
+            parts.append("a prefix row served from a longer row's states")
+        if self.past_limit is not None:
+            parts.append(f"past the {self.past_limit:,}-token limit")
+        return ", ".join(parts)
 
 
 class Audit:
@@ -89,72 +111,73 @@ class Audit:
         self.capture: LayerCapture | None = None  # its own hooks, idle in the run's forwards (while in `with`)
         dtype = next(model.parameters()).dtype
         self.tolerance = TOLERANCE.get(dtype, LOW_PRECISION_TOLERANCE)
-        self.exact = dtype in TOLERANCE
+        self.strict = dtype in TOLERANCE  # no token over the tolerance allowed
         self.audited = Audited(ways=[])
-        self.seen: set[tuple] = set()  # (way, segments and row length to a power of 2 and 4) audited
+        self.seen: set[tuple[Way, int, int]] = set()  # (way, segments and row length to a power of 2 and 4) audited
 
-    def chosen(self, batch: Batch) -> list[tuple[int, str]]:
-        """The rows of `batch` to audit, each with its way: the first of each way in a forward of about as many
-        segments and for a row of about its length (powers of 2 and 4), the last such row of its batch (a leak from
-        the rows before it shows there first), and one row id in `every`."""
-        picked: dict[tuple, tuple[int, str]] = {}
-        segments, ends = len(batch.segment_lengths), np.cumsum(batch.segment_lengths).tolist()
-        for k, (row, read) in enumerate(zip(batch.samples, batch.row_segments(), strict=True)):
-            how = way(batch, k, read, ends, self.packing)
-            if how.startswith("padded alone") and "prefix row" not in how:
-                continue  # the reference itself
-            shape = (how, segments.bit_length(), len(row.input_ids).bit_length() // 2)
-            if shape not in self.seen or (self.every and row.row_id % self.every == 0):
-                picked[shape if shape not in self.seen else (row.row_id,)] = (k, how)
-        self.seen.update(picked)
-        return list(picked.values())
+    def chosen(self, batch: Batch) -> dict[int, Way]:
+        """The rows of `batch` to audit (by index), each with its way: the first of each way in a forward of about
+        as many segments and for a row of about its length (powers of 2 and 4), the last such row of its batch (a
+        leak from the rows before it shows there first), and each row whose id is a multiple of `every`."""
+        shapes: dict[tuple[Way, int, int], int] = {}
+        rows: dict[int, Way] = {}
+        count, ends = len(batch.segment_lengths), np.cumsum(batch.segment_lengths).tolist()
+        for k, (row, segments) in enumerate(zip(batch.samples, batch.row_segments(), strict=True)):
+            how = Way.of(batch, k, segments, ends, self.packing)
+            if how.reference:
+                continue
+            shape = (how, count.bit_length(), len(row.input_ids).bit_length() // 2)
+            if shape not in self.seen:
+                shapes[shape] = k
+            if row.row_id % self.every == 0:
+                rows[k] = how
+        self.seen.update(shapes)
+        return {**rows, **{k: shape[0] for shape, k in shapes.items()}}
 
     @torch.inference_mode()
     def batch(self, batch: Batch, states: torch.Tensor) -> None:
         """Audit the chosen rows of `batch`, whose computed tokens' states are `states` [N, K, H]; raises
         AuditError when one differs."""
-        if not self.every:
-            return
         chosen = self.chosen(batch)
         if not chosen:
             return
         started = time.perf_counter()
-        for k, how in chosen:
-            self._row(batch, k, how, states)
+        with padded_attention(self.model):
+            for k, how in chosen.items():
+                self._row(batch, k, how, states)
         if states.device.type == "cuda":
             torch.cuda.synchronize(states.device)
         self.audited.seconds += time.perf_counter() - started
 
-    def _row(self, batch: Batch, k: int, how: str, states: torch.Tensor) -> None:
+    def _row(self, batch: Batch, k: int, how: Way, states: torch.Tensor) -> None:
         row, done = batch.samples[k], batch.carried_tokens(k)
-        index = torch.cat([torch.arange(a, a + n) for a, n in batch.row_ranges[k]]).to(states.device)
-        got = states.index_select(0, index)
-        if not bool(torch.isfinite(got).all()):
-            return  # rejected as non_finite by the writer: not stored
+        got = served_states(batch, k, states)
         own = torch.empty(len(row.input_ids), *states.shape[1:], dtype=next(self.model.parameters()).dtype,
                           device=states.device)
-        with padded_attention(self.model):
-            self.capture.forward(make_batch([row], self.pad_token_id), own)
-        error = relative_error(got, own[done:]).nan_to_num(nan=float("inf"))
+        self.capture.forward(make_batch([row], self.pad_token_id), own)
+        own = own[done:]
+        if not bool(torch.isfinite(own).all()):
+            return  # the model's own forward overflows on this row: nothing to compare (the writer rejects the
+            # row where the run's states do too)
+        error = relative_error(got, own).nan_to_num(nan=float("inf"), posinf=float("inf"))
         per_token = error.max(dim=1).values
         over = int((per_token > self.tolerance).sum())
-        value, at = error.flatten().max(0)
-        token, slot = divmod(int(at), error.shape[1])
+        value, token, slot = largest(error)
         audited = self.audited
         audited.rows += 1
         audited.tokens += int(per_token.numel())
-        audited.ways = sorted(set(audited.ways) | {how})
-        if float(value) > audited.worst or audited.worst_row is None:
-            audited.worst, audited.worst_row = float(value), row.row_id
-        allowed = 0 if self.exact else max(1, int(LOW_PRECISION_TOKENS * per_token.numel()))
+        audited.ways = sorted(set(audited.ways) | {str(how)})
+        if value > audited.worst or audited.worst_row is None:
+            audited.worst, audited.worst_row = value, row.row_id
+        allowed = 0 if self.strict else max(1, int(LOW_PRECISION_TOKEN_SHARE * per_token.numel()))
         if over > allowed:
             raise AuditError(
                 f"the in-run audit found row {row.row_id} ({how}) unlike the model's own forward of it alone: layer id "
-                f"{self.capture.layer_ids[slot]}, token {done + token} of {len(row.input_ids)}, relative difference "
-                f"{float(value):.3g} ({over} of its {per_token.numel()} tokens over {self.tolerance:g}); the start-up "
+                f"{self.layer_ids[slot]}, token {done + token} of {len(row.input_ids)}, relative difference "
+                f"{value:.3g} ({over} of its {per_token.numel()} tokens over {self.tolerance:g}); the start-up "
                 f"check did not catch this way of computing rows on this model. Nothing of its batch was written; "
                 f"rows committed before may have been computed the same way: start over (--overwrite) with "
-                f"{fallback(how, self.packing)}, and report the model")
+                f"{how.fallback()}, and report the model")
 
     def __enter__(self) -> Audit:
         self.capture = LayerCapture(self.model, self.layer_ids, gather_into_torch)

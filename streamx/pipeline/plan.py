@@ -113,7 +113,7 @@ class RunPlan:
         return iter_batches(samples, self.config.token_budget, 1 if self.packing.alone else self.config.max_batch_size,
                             self.pad_token_id, packed=packed, sharing=self.sharing.on,
                             min_shared_tokens=self.sharing.min_shared_tokens if packed else None,
-                            split=split.limit if split else None, alone_past_split=bool(split and split.alone))
+                            split_at=split.limit if split else None, alone_past_split=bool(split and split.alone))
 
     def batch_stream(self, done: Collection[int] = frozenset(), packed: bool | None = None,
                      times: StageTimes | None = None, done_keys: DoneKeys | None = None,
@@ -232,7 +232,9 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     if rank.is_main and loaded is None:
         log(f"  packing {packing.note()}")
         log(f"  sharing {sharing.note()}")
-        log(f"  family  {family_note(model.config, packing.on, sharing.min_shared_tokens is not None)}")
+        family = family_note(model.config, packing.on, sharing.min_shared_tokens is not None, packing.alone,
+                             sharing.on)
+        log(f"  family  {family}")
         log(f"  audit   {audit_note(config)}")
     check_vocabulary(config.data, record, tokenizer)
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation, config.train_turns)

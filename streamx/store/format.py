@@ -318,11 +318,16 @@ class Audited:
         """This run's figures added to an earlier run's of the same part (a resume)."""
         if not earlier:
             return self
-        before = Audited(**earlier)
+        before = Audited.from_json(earlier)
         worst = max((self.worst, self.worst_row), (before.worst, before.worst_row), key=lambda w: w[0])
         return Audited(self.rows + before.rows, self.tokens + before.tokens, worst[0], worst[1],
                        self.seconds + before.seconds, self.forward_seconds + before.forward_seconds,
                        sorted(set(self.ways or []) | set(before.ways or [])))
+
+    @classmethod
+    def from_json(cls, record: dict) -> Audited:
+        known = {f.name for f in fields(cls)}  # (a newer streamx's record may hold more)
+        return cls(**{k: v for k, v in record.items() if k in known})
 
     @property
     def share(self) -> float:

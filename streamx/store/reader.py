@@ -445,7 +445,7 @@ class Store:
         found = None
         for commit in self.commits.values():
             if commit.audit:
-                found = Audited(**commit.audit) if found is None else found.merged(commit.audit)
+                found = Audited.from_json(commit.audit) if found is None else found.merged(commit.audit)
         return found
 
     def describe(self) -> list[str]:

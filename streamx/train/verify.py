@@ -37,6 +37,7 @@ from ..data.provenance import fingerprint
 from ..data.source import Source, open_source
 from ..data.tokenize import Reject, Sample, SampleBuilder
 from ..model.capture import find_decoder
+from ..model.lengths import keep_rope_fresh
 from ..model.load import load_model, model_tokenizer, read_text_config
 from ..model.residual import residual_of
 from ..store import BF16, STORAGES, Store, StoreError, open_store
@@ -680,6 +681,7 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
             raise StoreError(f"{path} was made with --random-weights: there are no weights to check it against; "
                              "use --no-model")
         model, _, info = load_model(meta.model["path"], meta.compat.compute_dtype, device)
+        keep_rope_fresh(model)  # each sample's forward as the run's was (dynamic NTK rope: from its original scale)
         same = info.weights_fingerprint == meta.compat.model
         checks.append(Check("weights", same, f"{meta.model['path']}: " + ("the weights the store was made with" if same
                             else "NOT the weights the store was made with"),
