@@ -225,3 +225,14 @@ def test_a_checkpoint_with_no_causal_lm_class_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"no causal LM or image-text-to-text class for T5Config: streamx cannot"):
         causal_lm(lambda auto: auto.from_config(T5Config(num_layers=1, d_model=16, d_ff=32, num_heads=2, d_kv=8,
                                                          vocab_size=64)))
+
+
+def test_a_checkpoint_whose_class_needs_a_missing_package_is_refused_in_one_line():
+    """Gemma 3n's multimodal class needs timm for its vision tower: one line naming what to install, not a
+    traceback."""
+    def build(auto):
+        raise ImportError("TimmWrapperModel requires the timm library but it was not found in your environment")
+
+    with pytest.raises(ValueError, match=r"^this checkpoint's model class needs a package that is not installed: "
+                                         r"TimmWrapperModel requires the timm library"):
+        causal_lm(build)

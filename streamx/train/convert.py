@@ -82,6 +82,9 @@ class ConvertSummary:
             f"speculators loads the verifier {v['path']} (the model the store was made with, {v['model']}): it must "
             f"be those very weights (fingerprint {v['weights_fingerprint'][:12]}); point --verifier-name-or-path at "
             "another copy of them if that path is not there when you train",
+            *([f"note: every slot holds the verifier's whole multi-stream residual ({v['residual']}); speculators "
+               "builds its drafter at the verifier's hidden_size and reads states of that width, so it does not train "
+               "on these as they are"] if v.get("residual") else []),
             f"before a long training run, check the store against the model: streamx verify {store}",
         ]
 
