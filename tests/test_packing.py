@@ -180,3 +180,19 @@ def test_a_model_that_leaks_falls_back_to_padded_batches(tiny_chat_model_dir, ch
     meta = json.loads((tmp_path / "s.zarr" / "zarr.json").read_text())["attributes"]["streamx"]
     assert meta["packing"].startswith("off: ") and "differs from the model's own forward" in meta["packing"]
     assert meta["compat"]["packing"] == "off"
+
+
+def test_the_check_needs_no_more_memory_than_the_runs_forwards():
+    """With --max-length equal to --token-budget, the start-up check's forwards (two rows packed, padded or
+    continued) stay within the budget: its rows are at most half of it, and the log says what that leaves unprobed."""
+    model = tiny_model("llama")
+    model.config.sliding_window = 200  # a span the probes would otherwise reach past (1.5 x 200 + 8 tokens)
+    model.config.layer_types = None
+    probes = Probes.of(model, max_length=256, token_budget=256)
+    assert max(len(row.input_ids) for row in probes.rows) <= 128
+    forwards = [sum(len(probes.rows[i].input_ids) for i in rows) for rows in probes.together]
+    forwards.append(sum(len(r.input_ids) for r in probes.group(probes.continued)))
+    assert max(forwards) <= 256
+    assert "half --token-budget" in probes.scope and "sliding window of 200" in probes.scope
+    wide = Probes.of(model, max_length=256, token_budget=4096)
+    assert max(len(row.input_ids) for row in wide.rows) > 200  # with room, past the window

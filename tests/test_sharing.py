@@ -19,6 +19,7 @@ from streamx.config import RunConfig
 from streamx.data.batching import Batch, iter_batches
 from streamx.data.sharing import pieces, share
 from streamx.data.tokenize import Sample
+from streamx.measure.look import row_lines
 from streamx.model import attention, packing, segments
 from streamx.model.capture import LayerCapture, find_decoder
 from streamx.model.carry import Kept, carrying, kept_bytes_per_token
@@ -558,6 +559,9 @@ def test_a_row_repeated_anywhere_in_the_data_is_computed_once(tmp_path, tiny_cha
     said = f"{len(waiting):,} more committed rows repeat rows not committed yet"
     assert any(said in line for line in alone.describe())
     assert any(said in line for line in dataclasses.replace(first, rank=0).lines())  # (as rank 0's summary says)
+    with pytest.raises(LookupError, match=rf"source row {waiting[0]} is committed as a repeat of row "
+                                          rf"{first_of[waiting[0]]}, which no part .* has committed yet"):
+        row_lines(alone, waiting[0])  # inspect --sample says it waits (not "no sample and no reject")
     run(RunConfig(out=ranks, rank=0, world_size=2, **settings), progress=False, log=lambda m: None)
     assert len(open_store(ranks).parts) == 2 and not open_store(ranks).repeated.unread.size
     assert not any("not committed yet" in line for line in open_store(ranks).describe())

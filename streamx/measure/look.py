@@ -45,6 +45,11 @@ def rejected_line(store: Store, row_id: int) -> str:
     reason and part: the commit's example), else the row it repeats or the kept example of that reason."""
     reason = dict(store.rejected()).get(row_id)
     if reason is None:
+        waits = store.repeated.unread_same_as[store.repeated.unread == row_id]
+        if waits.size:  # committed as a repeat of a row that no part has committed yet
+            raise LookupError(f"source row {row_id} is committed as a repeat of row {int(waits[0])}, which no part of "
+                              f"{store.path} has committed yet (another rank's, still running, or stopped): it reads "
+                              "as its sample once that row lands; re-run the rank that holds it")
         raise LookupError(f"source row {row_id} is not in {store.path}: no sample and no reject")
     own = f"row {row_id}: "
     examples = [e for c in store.commits.values() if (e := c.reject_examples.get(reason))]

@@ -7,7 +7,8 @@ the model's own forward of each row alone (its own attention implementation and 
 at its layer outputs, token by token, each token against its own scale (so that a first token's massive
 activation hides nothing). The probe rows are longer than every sliding window and attention chunk the model's
 config declares, so that one the packed path missed shows; they are at most --max-length long (no row of the run
-is longer) and PROBE_MAX_TOKENS, and `Probes.scope` says what they covered. A way that differs is not taken: the
+is longer), half --token-budget (a probe's forward holds two rows: the check needs no more memory than the run's
+forwards) and PROBE_MAX_TOKENS, and `Probes.scope` says what they covered. A way that differs is not taken: the
 run falls back to the next correct one, and says why (streamx.model.packing, streamx.pipeline.plan).
 """
 
@@ -75,12 +76,15 @@ class Probes:
 
     @classmethod
     @torch.inference_mode()
-    def of(cls, model: nn.Module, max_length: int, split: LengthSplit | None = None) -> Probes:
+    def of(cls, model: nn.Module, max_length: int, split: LengthSplit | None = None,
+           token_budget: int | None = None) -> Probes:
         """Probe rows for `model` (random tokens, the same every time) and its own forward of each; call it while
-        the model runs its own attention and layers. With a `split`, rows on both sides of its limit."""
+        the model runs its own attention and layers. With a `split`, rows on both sides of its limit. The rows are
+        at most `max_length` (no row of the run is longer) and half `token_budget` (a probe's forward holds two
+        rows: it needs no more memory than the run's forwards)."""
         text = model.config.get_text_config()
         spans = declared_spans(text)
-        cap = min(max_length, PROBE_MAX_TOKENS)
+        cap = min(max_length, PROBE_MAX_TOKENS, token_budget // 2 if token_budget else max_length)
         n = max(min(max(spans.values(), default=PLAIN_SPAN) * 3 // 2 + 8, cap), 24)
         g = torch.Generator().manual_seed(0)
         draw = lambda k: torch.randint(0, text.vocab_size, (k,), generator=g)  # noqa: E731
@@ -108,7 +112,8 @@ class Probes:
             for row in rows:
                 reference[row.row_id] = _states(capture, make_batch([row], 0), model)
         longest = max(len(t) for t in ids)
-        return cls(rows, together, (2, 3), prefixes, _scope(longest, spans, max_length), layer_ids, reference)
+        return cls(rows, together, (2, 3), prefixes, _scope(longest, spans, max_length, cap), layer_ids,
+                   reference)
 
     @property
     def tolerance(self) -> float:
@@ -121,7 +126,7 @@ class Probes:
         return [self.rows[i] for i in indexes]
 
 
-def _scope(n: int, spans: dict[str, int], max_length: int) -> str:
+def _scope(n: int, spans: dict[str, int], max_length: int, cap: int) -> str:
     said = f"on rows of up to {n:,} tokens"
     if not spans:
         return said
@@ -132,8 +137,9 @@ def _scope(n: int, spans: dict[str, int], max_length: int) -> str:
     if longer and max_length <= n:
         said += "; " + " and ".join(longer) + f" reaches past --max-length {max_length:,}, which no row exceeds"
     elif longer:
-        said += ("; " + " and ".join(longer) + f" is longer than the check's rows (at most {PROBE_MAX_TOKENS:,} "
-                 "tokens): rows that reach past it are not proven against this model")
+        said += ("; " + " and ".join(longer) + f" is longer than the check's rows (at most {cap:,} tokens: "
+                 f"{PROBE_MAX_TOKENS:,}, or half --token-budget so that the check's forwards fit where the run's do): "
+                 "rows that reach past it are proven by the in-run audit alone")
     return said
 
 

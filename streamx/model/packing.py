@@ -274,16 +274,18 @@ class Packing:
         return (f"off: {self.reason}; padded batches" if self.reason else "off: padded batches") + split
 
 
-def configure(model: nn.Module, packing: str, max_length: int, max_batch_size: int = 256) -> Packing:
+def configure(model: nn.Module, packing: str, max_length: int, max_batch_size: int = 256,
+              token_budget: int | None = None) -> Packing:
     """Set `model` up for --packing (on or off): packed where packed batches give each row the states the
     model's own forward gives it alone, else padded with the reason (the model then keeps its own attention),
     else one row per forward, the model's own forward by definition. The check's rows are at most `max_length`
-    tokens (the run's --max-length: no row is longer); rows past a length the model's forward depends on are never
-    batched with shorter ones (streamx.model.lengths)."""
+    tokens (the run's --max-length: no row is longer) and half `token_budget` (the check's forwards fit where the
+    run's do); rows past a length the model's forward depends on are never batched with shorter ones
+    (streamx.model.lengths)."""
     disable(model)
     keep_rope_fresh(model)
     split = length_split(model.config, max_length)
-    probes = Probes.of(model, max_length, split)
+    probes = Probes.of(model, max_length, split, token_budget)
     why = enable(model, probes) if packing == "on" else None
     if packing == "on" and why is None:
         return Packing(on=True, sample_wise_layers=sample_wise_layers(model), split=split, probes=probes)

@@ -227,7 +227,8 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
                                                   config.random_weights, config.tokenizer, config.tp, config.ep)
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     check_trainable(config, layer_ids, info.num_layers)
-    packing = configure_packing(model, config.packing, config.max_length, config.max_batch_size)
+    packing = configure_packing(model, config.packing, config.max_length, config.max_batch_size,
+                                config.token_budget)
     sharing = decide_sharing(config, packing, model)
     if rank.is_main and loaded is None:
         log(f"  packing {packing.note()}")
