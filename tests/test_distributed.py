@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -169,3 +170,56 @@ def test_ranks_from_flags_torchrun_and_slurm(monkeypatch):
         init_from_env()
     with pytest.raises(ValueError, match="--rank and --world-size go together"):
         init_from_env(1, None)
+
+
+SLOW_STREAMX = '''"""streamx's CLI with each forward of the run taking 2 s more (a real model's pace on a tiny
+one) and torch's default collective timeout at 10 s, as STREAMX_WAIT_MINUTES sets streamx's own."""
+import sys
+import time
+from datetime import timedelta
+
+import torch.distributed.distributed_c10d as c10d
+
+c10d.default_pg_timeout = timedelta(seconds=10)
+from streamx.model.capture import LayerCapture  # noqa: E402
+
+forward = LayerCapture.forward
+
+
+def slow(self, batch, states):
+    if batch.num_tokens > 64:  # the run's batches, not the start-up check's rows
+        time.sleep(2)
+    return forward(self, batch, states)
+
+
+LayerCapture.forward = slow
+from streamx.cli import main  # noqa: E402
+
+sys.argv[0] = "streamx"
+main()
+'''
+
+
+def test_a_rank_that_finished_does_not_stop_the_ones_still_computing(tiny_chat_model_dir, chat_jsonl, tmp_path,
+                                                                     torch_threads):
+    """The usual resume after a rank died: rank 0's share is done (here a job-array task ran it), rank 1 has all of
+    its rows left. Under torchrun with the collectives' timeout at 10 s (STREAMX_WAIT_MINUTES) and rank 1's work
+    taking longer than that, rank 0 ends at once without waiting for it (no barrier at the end to time out and have
+    torchrun stop the job), rank 1 finishes, says the whole summary, and the store equals one process's."""
+    torch_threads(1)
+    reference = tmp_path / "ref.zarr"
+    assert cli(*rank_args(tiny_chat_model_dir, chat_jsonl, reference)).returncode == 0
+    out = tmp_path / "s.zarr"
+    assert cli(*rank_args(tiny_chat_model_dir, chat_jsonl, out), "--rank", "0", "--world-size", "2").returncode == 0
+    left = open_store(str(reference)).row_ids().size - open_store(str(out)).row_ids().size
+    wrapper = tmp_path / "slow_streamx.py"
+    wrapper.write_text(SLOW_STREAMX)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(wrapper), *rank_args(tiny_chat_model_dir, chat_jsonl, out)],
+                            env={**ENV, "STREAMX_WAIT_MINUTES": str(10 / 60)}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert time.monotonic() - started > 12, "rank 1's work must outlast the collectives' timeout for this to show"
+    # rank 0 had nothing left; rank 1, the last to finish, finds the store complete and says the whole summary
+    assert "this run committed 0 samples" in result.stdout and f"this run committed {left} samples" in result.stdout
+    assert_same_samples(reference, out)

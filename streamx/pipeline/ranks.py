@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,16 @@ def _independent(rank: int | None, world_size: int | None, what: str) -> Rank:
     return Rank(rank, world_size)
 
 
+WAIT_MINUTES = 180  # the longest legitimate wait in a collective: rank 0 sizing the store from every row, a large
+# model's load (the run itself waits in none: each rank ends on its own)
+
+
+def collective_timeout() -> timedelta:
+    """How long a collective may wait: $STREAMX_WAIT_MINUTES, else WAIT_MINUTES (torch's own default, 10 minutes on
+    NCCL, is shorter than a large model's load or the sizing of a large dataset)."""
+    return timedelta(minutes=float(os.environ.get("STREAMX_WAIT_MINUTES", WAIT_MINUTES)))
+
+
 def _torchrun(tp: int) -> Rank:
     rank, local_rank, processes = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), \
         int(os.environ["WORLD_SIZE"])
@@ -115,7 +126,7 @@ def _torchrun(tp: int) -> Rank:
     if not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend="nccl" if cuda else "gloo")
+        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=collective_timeout())
     mesh = None if tp == 1 else init_device_mesh("cuda" if cuda else "cpu", (processes // tp, tp),
                                                  mesh_dim_names=("dp", "tp"))
     return Rank(rank // tp, processes // tp, local_rank, group=True, tp_rank=rank % tp, tp_size=tp, mesh=mesh)

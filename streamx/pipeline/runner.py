@@ -115,7 +115,7 @@ class RunSummary:
         if self.tp_rank:
             return [f"[rank {self.rank}, tensor-parallel {self.tp_rank}] ran its share of the group's forwards "
                     f"({self.real_tokens:,} tokens) in {self.seconds:.0f} s; the group's first process wrote them"]
-        if self.rank:
+        if self.rank and (self.incomplete or self.stopped_by):  # (the last rank to finish says it all)
             return [f"[rank {self.rank}] committed {self.samples:,} samples in {self.seconds:.0f} s ({self.pace()}), "
                     f"rejected {self.rejects:,} ({rejects})",
                     *(ending if self.stopped_by else [])]
@@ -320,17 +320,15 @@ def _run(plan: RunPlan, part: OwnedPart, started: tuple[float, float], progress:
     with Progress(pipeline.counts, total, desc, disable=not progress), \
             SignalStop(pipeline.signalled, log, enabled=signals) as signals_in:
         pipeline.run()
-    rank.barrier()  # the store is complete when every rank has closed its part
+    # no rank waits for another's work (a collective here would time out on a rank that finished long before the
+    # others, and torchrun would stop them all): each reads the whole store once its part is closed, and the last
+    # to find it complete closes the parts no rank of this world writes and says the whole summary
     written = writer.this_run()
-    if rank.is_main or rank.independent:  # the whole store, read once: its totals and what it still lacks
-        close_parts_of_no_rank(cfg.out, target, rank.world_size, log)
-        final = Store(cfg.out)  # (independent ranks: the others may still be running)
-        store_samples, store_tokens, incomplete = len(final), final.row_tokens, final.completeness().problems()
-        store_waiting = final.waiting_rows
-        shared = final.shared_kinds()
-    else:  # torchrun's other ranks say only their own line
-        store_samples, store_tokens = target.totals()
-        incomplete, shared, store_waiting = [], None, 0
+    close_parts_of_no_rank(cfg.out, target, rank.world_size, log)
+    final = Store(cfg.out)  # (the other ranks may still be running)
+    store_samples, store_tokens, incomplete = len(final), final.row_tokens, final.completeness().problems()
+    store_waiting = final.waiting_rows
+    shared = final.shared_kinds()
     return RunSummary(
         out=cfg.out, layer_ids=plan.layer_ids, num_layers=plan.info.num_layers, samples=written.samples,
         tokens=written.tokens, row_tokens=written.samples_tokens, trainable_tokens=written.trainable_tokens,
@@ -367,7 +365,6 @@ def follow(plan: RunPlan, started: tuple[float, float]) -> RunSummary:
         while group.receive(batch := next(stream, None)):
             capture.forward(batch, torch.empty((batch.num_tokens, K, H), dtype=torch.bfloat16, device=plan.device))
             tokens += batch.num_tokens
-    rank.barrier()  # the group's part is closed
     return RunSummary(out=cfg.out, layer_ids=plan.layer_ids, num_layers=plan.info.num_layers, samples=0, tokens=0,
                       trainable_tokens=0, duplicates=0, rejects=0, reject_counts={}, hidden_bytes=0,
                       real_tokens=tokens, padded_tokens=tokens, resumed_rows=len(target.done_rows),
