@@ -53,17 +53,16 @@ def length_split(config, max_length: int) -> LengthSplit | None:
     found = None
     for params in _rope_parameters(text):
         kind = str(params.get("rope_type", params.get("type", "")))
-        if kind == "longrope":
-            limit = params.get("original_max_position_embeddings") or getattr(
-                text, "original_max_position_embeddings", None)
-            split = LengthSplit(int(limit), False,
-                                f"longrope (long factors past {int(limit):,} positions in a forward)")
-        elif "dynamic" in kind:
-            limit = getattr(text, "max_position_embeddings", None)
-            split = LengthSplit(int(limit), True, f"dynamic NTK rope (rescaled past {int(limit):,} positions to the "
-                                                  "forward's longest row)")
-        else:
+        limit = (params.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings",
+                                                                             None)) if kind == "longrope" else \
+            getattr(text, "max_position_embeddings", None) if "dynamic" in kind else None
+        if not isinstance(limit, int) or limit < 1:  # no length-dependent rope (or none with a length to split at)
             continue
+        if kind == "longrope":
+            split = LengthSplit(limit, False, f"longrope (long factors past {limit:,} positions in a forward)")
+        else:
+            split = LengthSplit(limit, True, f"dynamic NTK rope (rescaled past {limit:,} positions to the forward's "
+                                             "longest row)")
         found = split if found is None else LengthSplit(min(found.limit, split.limit), found.alone or split.alone,
                                                         f"{found.why}; {split.why}")
     return found if found is not None and max_length > found.limit else None
