@@ -309,14 +309,14 @@ def test_producer_streams_with_bounded_read_ahead(tiny_chat_model_dir, tmp_path,
 
     def counting_source(*args, **kw):
         source = real_open(*args, **kw)
-        inner = source._rows
+        inner = source.rows
 
-        def rows_counted():
-            for row in inner():
+        def rows_counted(*args, **kw):
+            for row in inner(*args, **kw):
                 yielded[0] += 1
                 yield row
 
-        source._rows = rows_counted
+        source.rows = rows_counted
         return source
 
     real_forward = LayerCapture.forward
@@ -465,3 +465,42 @@ def test_a_ranks_progress_total_is_the_rows_of_its_windows_left_to_run():
     assert rows_to_run(100, done, 16, Rank(1, 3)) == 32 - 6
     assert rows_to_run(100, done, 16, Rank(0, 1)) == 100 - 23
     assert sum(rows_to_run(100, done, 16, Rank(r, 3)) for r in range(3)) == 100 - 23
+
+
+def test_a_resume_on_data_edited_in_the_middle_is_refused_before_it_computes_a_row(tiny_chat_model_dir, chat_jsonl,
+                                                                                    tmp_path):
+    """r22: an edit that keeps the file's size and its first and last MiB (the fingerprint) is seen as the resume
+    reads the rows again, in a window it skips unparsed too; nothing is committed from the edited data, and the
+    same command on the data the store was made from completes it as an uninterrupted run would."""
+    from streamx.data.provenance import DataChanged, fingerprint
+
+    junk = {"note": "x" * (1200 << 10)}  # a first and a last line of 1.2 MiB (rejected: no messages)
+    chats = [json.loads(line) for line in open(chat_jsonl)]
+    rows = [junk, *chats, junk]
+    v1 = write_jsonl(tmp_path / "v1.jsonl", rows)
+    edited = [dict(r) for r in rows]
+    for k in (5, 22, 30):  # rows of a window the first run commits whole (skipped unparsed on resume), of a window
+        # it commits in part, and one it never reads
+        text = edited[k]["messages"][0]["content"]
+        edited[k] = {"messages": [{**edited[k]["messages"][0], "content": text.swapcase()}, *edited[k]["messages"][1:]]}
+        assert text.swapcase() != text
+    v2 = write_jsonl(tmp_path / "v2.jsonl", edited)
+    assert fingerprint(v1) == fingerprint(v2)
+    reference, out = tmp_path / "ref.zarr", tmp_path / "s.zarr"
+    for store in (reference, out):  # windows of 16 rows: the first whole, the second part committed
+        run(small_config(tiny_chat_model_dir, v1, store, max_samples=24), progress=False)
+    committed = committed_samples(out)
+    for edit in (5, 22):
+        data = write_jsonl(tmp_path / f"v2-{edit}.jsonl", [*rows[:edit], edited[edit], *rows[edit + 1:]])
+        with pytest.raises(DataChanged, match=r"v2-.*changed since .*rows 0 to 23 differ"):
+            run(small_config(tiny_chat_model_dir, data, out, space_check=False), progress=False)
+        assert committed_samples(out) == committed
+    run(small_config(tiny_chat_model_dir, v1, out, space_check=False), progress=False)
+    run(small_config(tiny_chat_model_dir, v1, reference, space_check=False), progress=False)
+    assert_same_samples(reference, out)
+    # an edit in rows the store never read (past --max-samples) is the new data's to give
+    later = tmp_path / "later.zarr"
+    run(small_config(tiny_chat_model_dir, v1, later, max_samples=24), progress=False)
+    run(small_config(tiny_chat_model_dir, write_jsonl(tmp_path / "v3.jsonl", [*rows[:30], edited[30], *rows[31:]]),
+                     later, space_check=False), progress=False)
+    assert open_store(str(later)).sample(30).input_ids.tolist() != open_store(str(out)).sample(30).input_ids.tolist()

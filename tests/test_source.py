@@ -221,3 +221,76 @@ def test_rows_at_equals_the_rows_of_a_full_pass_in_every_format(tmp_path, monkey
         line.decode()))
     assert [r.row_id for r in open_source(str(tmp_path / "d.jsonl")).rows_at([3, 19])] == [3, 19]
     assert len(parsed) == 2
+
+
+# ---- the rows' digests: what a resume compares (data.provenance.RowDigests) ----
+
+def numbered_rows(n: int) -> list[dict]:
+    """Rows of one message each whose content has the same number of characters whatever the row."""
+    return [{"messages": [{"role": "user", "content": f"question {i:05d}"}]} for i in range(n)]
+
+
+def same_size_edit(rows: list[dict], row: int) -> list[dict]:
+    """The rows with one row's content changed in a character: the file keeps its size."""
+    edited = [dict(r) for r in rows]
+    edited[row] = {"messages": [{"role": "user", "content": rows[row]["messages"][0]["content"].replace("q", "Q")}]}
+    return edited
+
+
+def read_all(data: str, digests, skip=None, max_samples=None) -> list[int]:
+    return [r.row_id for r in digests.held(open_source(data, max_samples=max_samples).rows(skip, digests))]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_same_size_edit_anywhere_stops_a_resume_at_its_window_before_any_of_its_rows(tmp_path, suffix):
+    from streamx.data.provenance import DIGEST_ROWS, DataChanged, RowDigests
+
+    def write(name, rows):
+        path = tmp_path / (name + suffix)
+        if suffix == ".jsonl":
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        else:
+            datasets.Dataset.from_list(rows).to_parquet(str(path))
+        return str(path)
+
+    rows = numbered_rows(3 * DIGEST_ROWS - 100)
+    v1, v2 = write("v1", rows), write("v2", same_size_edit(rows, 2 * DIGEST_ROWS + 7))
+    if suffix == ".jsonl":
+        assert Path(v1).stat().st_size == Path(v2).stat().st_size
+    first = RowDigests()
+    assert read_all(v1, first) == list(range(len(rows)))
+    recorded = first.of(range(len(rows)))  # what the parts would record, every row committed
+    assert sorted(recorded) == ["0", "1024", "2048"] and recorded["2048"][0] == len(rows) - 2 * DIGEST_ROWS
+    assert read_all(v1, RowDigests([recorded])) == list(range(len(rows)))  # the same data: no word
+    seen, digests = [], RowDigests([recorded])
+    with pytest.raises(DataChanged, match=f"rows {2 * DIGEST_ROWS:,} to {len(rows) - 1:,} differ"):
+        for row in digests.held(open_source(v2).rows(None, digests)):
+            seen.append(row.row_id)
+    assert seen == list(range(2 * DIGEST_ROWS))  # every row before the changed window, none of it
+    if suffix == ".jsonl":  # windows a resume skips unparsed are digested all the same
+        with pytest.raises(DataChanged, match=f"rows {2 * DIGEST_ROWS:,}"):
+            read_all(v2, RowDigests([recorded]), skip=lambda row_id: True)
+
+
+def test_digests_compare_what_was_read_before_and_nothing_else(tmp_path):
+    """A store made with --max-samples records its last window part read: a resume with more rows compares that
+    part only; an edit past it, or in rows never committed, is the new data's to give."""
+    from streamx.data.provenance import DIGEST_ROWS, DataChanged, RowDigests
+
+    rows = numbered_rows(2 * DIGEST_ROWS)
+    v1, limit = tmp_path / "v1.jsonl", DIGEST_ROWS + 300
+    v1.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first = RowDigests(limit=limit)
+    assert read_all(str(v1), first, max_samples=limit) == list(range(limit))
+    recorded = first.of([5, DIGEST_ROWS + 5])
+    assert recorded == {"0": [DIGEST_ROWS, recorded["0"][1]], str(DIGEST_ROWS): [300, recorded[str(DIGEST_ROWS)][1]]}
+    later = tmp_path / "later.jsonl"
+    later.write_text("".join(json.dumps(r) + "\n" for r in same_size_edit(rows, limit + 10)))
+    assert read_all(str(later), RowDigests([recorded])) == list(range(2 * DIGEST_ROWS))
+    inside = tmp_path / "inside.jsonl"
+    inside.write_text("".join(json.dumps(r) + "\n" for r in same_size_edit(rows, limit - 1)))
+    with pytest.raises(DataChanged, match=f"rows {DIGEST_ROWS:,} to {limit - 1:,} differ"):
+        read_all(str(inside), RowDigests([recorded]))
+    # two parts' records of one window (a sorting window smaller than it: each rank committed its rows) both count
+    with pytest.raises(DataChanged):
+        read_all(str(inside), RowDigests([{"0": recorded["0"]}, {str(DIGEST_ROWS): recorded[str(DIGEST_ROWS)]}]))

@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import yaml
 
+from .provenance import RowDigests
+
 _CHATTERBOT_ROLES = ("user", "assistant")  # turns alternate, user first
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 _BATCH = 1024  # rows per Arrow record batch when streaming parquet
@@ -33,7 +35,7 @@ class Source:
 
     def __init__(self, name: str, rows: Callable[[], Iterator[Row]], count: Callable[[], int | None],
                  max_samples: int | None = None, pick: Callable[[Sequence[int]], Iterator[Row]] | None = None,
-                 skipping: Callable[[Callable[[int], bool]], Iterator[Row]] | None = None):
+                 skipping: Callable[[Callable[[int], bool], RowDigests | None], Iterator[Row]] | None = None):
         self.name = name
         self._rows, self._count, self.max_samples, self._pick = rows, count, max_samples, pick
         self._skipping = skipping
@@ -41,12 +43,13 @@ class Source:
     def __iter__(self) -> Iterator[Row]:
         return itertools.islice(self._rows(), self.max_samples)
 
-    def rows(self, skip: Callable[[int], bool]) -> Iterator[Row]:
+    def rows(self, skip: Callable[[int], bool] | None = None, digests: RowDigests | None = None) -> Iterator[Row]:
         """Every row but those `skip` is true of, which are neither parsed nor yielded where the format allows
-        (jsonl: a resume's done windows); other formats yield every row."""
+        (jsonl: a resume's done windows); other formats yield every row. With `digests`, every row read, skipped
+        or not, is digested as it is read (a jsonl line's bytes, else the record's canonical JSON)."""
         if self._skipping is None:
-            return iter(self)
-        rows = self._skipping(skip)
+            return iter(self) if digests is None else _digested(iter(self), digests)
+        rows = self._skipping(skip or (lambda row_id: False), digests)
         return rows if self.max_samples is None else itertools.takewhile(lambda r: r.row_id < self.max_samples, rows)
 
     def rows_at(self, row_ids: Sequence[int]) -> Iterator[Row]:
@@ -125,7 +128,8 @@ def _file_source(path: Path, max_samples: int | None) -> Source:
     suffix = path.suffix.lower()
     if suffix == ".jsonl" or (suffix == ".json" and _first_byte(path) != b"["):
         return Source(str(path), lambda: _jsonl_rows(path), lambda: _count_lines(path, max_samples), max_samples,
-                      lambda row_ids: _jsonl_rows(path, set(row_ids)), lambda skip: _jsonl_rows(path, skip=skip))
+                      lambda row_ids: _jsonl_rows(path, set(row_ids)),
+                      lambda skip, digests: _jsonl_rows(path, skip=skip, digests=digests))
     if suffix == ".json":  # a JSON array has to be parsed whole: use jsonl for large data
         with open(path, "rb") as fh:
             records = json.load(fh)
@@ -151,14 +155,17 @@ def _first_byte(path: Path) -> bytes:
     return b""
 
 
-def _jsonl_rows(path: Path, only: set[int] | None = None, skip: Callable[[int], bool] | None = None) -> Iterator[Row]:
+def _jsonl_rows(path: Path, only: set[int] | None = None, skip: Callable[[int], bool] | None = None,
+                digests: RowDigests | None = None) -> Iterator[Row]:
     """Every row, only the rows whose ids are in `only`, or all but those `skip` is true of (the others are
-    counted, not parsed)."""
+    counted, not parsed; `digests` takes every row's bytes)."""
     row_id, last = 0, None if only is None else max(only, default=-1)
     with open(path, "rb") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():  # blank lines are not rows
                 continue
+            if digests is not None:
+                digests.add(row_id, line)
             if (only is not None and row_id not in only) or (skip is not None and skip(row_id)):
                 if only is not None and row_id >= last:
                     return
@@ -217,6 +224,14 @@ def _hub_source(name: str, split: str, max_samples: int | None) -> Source:
         return splits[split].num_examples if split in splits else None
 
     return Source(f"{name}[{split}]", lambda: _record_rows(ds), count, max_samples)
+
+
+def _digested(rows: Iterator[Row], digests: RowDigests) -> Iterator[Row]:
+    """The rows, each digested as its record's canonical JSON (or its error) as it is read."""
+    for row in rows:
+        data = row.record if row.error is None else row.error
+        digests.add(row.row_id, json.dumps(data, sort_keys=True, ensure_ascii=False, default=str).encode())
+        yield row
 
 
 def _record_rows(records: Iterable[Any]) -> Iterator[Row]:

@@ -28,7 +28,7 @@ from .. import __version__
 from ..base.units import gb
 from ..config import RunConfig, resolve_layer_ids, untrainable_layers
 from ..data.batching import Batch, iter_batches, iter_windows, to_run
-from ..data.provenance import fingerprint, regenerated
+from ..data.provenance import RowDigests, fingerprint, regenerated
 from ..data.sharing import Sharing
 from ..data.source import Row, Source, open_source
 from ..data.tokenize import (
@@ -117,7 +117,7 @@ class RunPlan:
 
     def batch_stream(self, done: Collection[int] = frozenset(), packed: bool | None = None,
                      times: StageTimes | None = None, done_keys: DoneKeys | None = None,
-                     same_as: bool = True) -> Iterator[Batch | Reject | Duplicate]:
+                     same_as: bool = True, digests: RowDigests | None = None) -> Iterator[Batch | Reject | Duplicate]:
         """This rank's batches and rejects, in run order: the sorting windows of source rows it owns,
         tokenized and batched (packed as the run does, or as asked). Windows and batches whose rows are
         all in `done` are left out (`to_run`); a batch with some done rows comes whole (the writer drops those).
@@ -125,10 +125,14 @@ class RunPlan:
         resume agree on which rows repeat an earlier one; with `done_keys` (a resume's, from the store), the
         windows it holds whole are not even parsed where the source can skip rows (jsonl): their keys come
         from the store. With --sharing (and `same_as`: a store whose parts record it), a row whose content repeats
-        an earlier row's, anywhere in the data, is not computed: it comes as a Duplicate naming that row."""
+        an earlier row's, anywhere in the data, is not computed: it comes as a Duplicate naming that row. With
+        `digests` (a run's), every row read is digested, and a resume on data that changed stops at the first
+        window that did (data.provenance.RowDigests), before any row of it is batched."""
         times, sort_window, seen = times or StageTimes(), self.config.sort_window, Repeats()
-        rows = self.source if not done_keys else \
-            self.source.rows(skip=done_keys.in_whole_windows(sort_window, self.source.num_rows))
+        rows = self.source.rows(skip=done_keys.in_whole_windows(sort_window, self.source.num_rows)
+                                if done_keys else None, digests=digests)
+        if digests is not None:
+            rows = digests.held(rows)
         next_window = 0
         for window in iter_windows(rows, sort_window):
             w = window[0].row_id // sort_window

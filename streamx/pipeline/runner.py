@@ -30,6 +30,7 @@ from ..base.units import gb
 from ..config import RunConfig
 from ..data.batching import Batch
 from ..data.fanout import FanOut
+from ..data.provenance import RowDigests
 from ..data.tokenize import Duplicate, Reject
 from ..model.capture import LayerCapture, segment_is_finite
 from ..model.gather import select_gather_fn
@@ -190,7 +191,7 @@ class Pipeline:
         """Producer thread: this rank's batches (RunPlan.batch_stream), pinned on CUDA."""
         pin = self.plan.device.type == "cuda"  # pinned batches: host-to-device copies run async
         for item in self.plan.batch_stream(self.done, times=self.times, done_keys=self.done_keys,
-                                           same_as=self.same_as):
+                                           same_as=self.same_as, digests=self.writer.digests):
             if self.signalled.is_set():
                 self.rows_left.set()
                 break
@@ -310,7 +311,8 @@ def _run(plan: RunPlan, part: OwnedPart, started: tuple[float, float], progress:
     if target.done_rows and rank.is_main:
         log(f"resuming {cfg.out}: {len(target.done_rows)} rows already committed")
     space = SpaceGuard.for_layout(cfg.out, plan.layout)  # (--no-space-check skips only the start-up check)
-    writer = PartWriter(part.open(target, plan.layout), space)
+    digests = RowDigests(target.data_digests, cfg.max_samples, cfg.data)  # a resume stops where the data changed
+    writer = PartWriter(part.open(target, plan.layout), space, digests)
     plan.builder.fanout = FanOut(plan.tokenizer)  # this run's rows as tokenized (a fresh one: bench reuses plans)
     pipeline = Pipeline(plan, writer, target.done_rows, target.done_keys, target.same_as)
 

@@ -34,6 +34,7 @@ import zarr
 
 from ..base.threads import get
 from ..data.batching import Batch, Carry
+from ..data.provenance import RowDigests
 from ..data.sharing import Segment
 from ..data.tokenize import REJECT_REASONS, Duplicate, Reject, tokens_digest
 from ..model.transfer import HostBatch
@@ -136,10 +137,11 @@ class PartWriter:
     Fencing: each writer puts its own id in every commit record it writes, and reads the record afresh before
     it puts a shard in place and before it commits; if another writer has committed since (a double launch
     where the lock did not hold: Lustre's localflock, NFS without locks, an object store), it stops with one
-    line and what it committed stays."""
+    line and what it committed stays. With `digests`, each commit records the source windows its rows were read
+    from (data.provenance.RowDigests), for a resume to compare."""
 
-    def __init__(self, part: zarr.Group, space: SpaceGuard | None = None):
-        self.part, self.space = part, space
+    def __init__(self, part: zarr.Group, space: SpaceGuard | None = None, digests: RowDigests | None = None):
+        self.part, self.space, self.digests = part, space, digests
         self.writer = {"id": uuid.uuid4().hex[:16], "host": socket.gethostname(), "pid": os.getpid()}
         self.arrays = {name: arr for name, arr in part.arrays()}
         self.storage = part_storage(part)
@@ -377,6 +379,8 @@ class PartWriter:
             for r in rejects:
                 c.reject_counts[r.reason] = c.reject_counts.get(r.reason, 0) + 1
                 c.reject_examples.setdefault(r.reason, f"row {r.row_id}: {r.detail}")
+        if self.digests is not None:  # the source windows these rows were read from, as read (a resume compares)
+            c.data_digests.update(self.digests.of([r.row_id for r in samples] + [r.row_id for r in rejects]))
         c.updated = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.part.attrs["commit"] = c.to_json()  # the commit point: one atomic document replace
         self._last_writer = self.writer

@@ -367,6 +367,8 @@ class Commit:
     # that tokenized them found
     audit: dict[str, Any] | None = None  # the in-run audit's figures, summed over the runs of the part
     # (pipeline.audit.Audited)
+    data_digests: dict[str, list] = field(default_factory=dict)  # {first row: [rows, digest]} of the source windows
+    # whose rows the part holds, as read when it committed them (data.provenance.RowDigests: a resume's edit check)
 
     @property
     def samples_tokens(self) -> int:

@@ -205,6 +205,7 @@ class RunStore:
     done_rows: RowSet
     done_keys: DoneKeys | None  # the done rows' content keys (None: a part from before streamx recorded them)
     same_as: bool  # every committed part records the row a repeated row reads (format /4): repeats need no compute
+    data_digests: list[dict[str, list]]  # each part's record of the source windows it read (data.provenance)
 
     def totals(self) -> tuple[int, int]:
         """(samples, tokens) of the whole store as its commit records stand now (every part, read afresh)."""
@@ -220,7 +221,8 @@ def open_for_run(path: str, metadata: StoreMetadata, root: zarr.Group | None = N
         _check_compatible(root, path, metadata)
     store = Store(path, root)
     return RunStore(root, store.done_row_ids(), store.done_keys(),
-                    all(name in part for part in store.parts.values() for name in SAME_AS_ARRAYS))
+                    all(name in part for part in store.parts.values() for name in SAME_AS_ARRAYS),
+                    [c.data_digests for c in store.commits.values()])
 
 
 class OwnedPart:
