@@ -274,8 +274,17 @@ def convert(
                                 "converts as one."),
     out: str = typer.Option(..., "--out", metavar="DIR", help="Output directory, the `speculators train "
                             "--data-path`. Re-running resumes."),
-    fmt: Literal["speculators"] = typer.Option("speculators", "--format", help="Output format: speculators (Arrow "
-                                               "rows + hs_{i}.safetensors)."),
+    fmt: Literal["speculators", "specforge-eagle3", "specforge-dflash", "modelopt"] = typer.Option(
+        "speculators", "--format", help="Whose training data: speculators (Arrow rows + hs_{i}.safetensors); "
+        "specforge-eagle3 or specforge-dflash (SpecForge's offline .ckpt rows); modelopt (ModelOpt's offline .pt "
+        "rows, EAGLE-3 and DFlash). One store converts to each; docs/trainers.md."),
+    trainer_layers: Optional[str] = typer.Option(None, "--trainer-layers", metavar="IDS", help="The layers the "
+                                                 "trainer's draft reads, as it counts them (the output of block k = "
+                                                 "streamx id k+1), comma-separated. Default: the trainer's own "
+                                                 "(EAGLE-3: 1, L//2-1, L-4; DFlash: every layer the store holds)."),
+    model: Optional[str] = typer.Option(None, "--model", metavar="DIR", help="The target's checkpoint, where the "
+                                        "one the store records is not on this machine: SpecForge EAGLE-3 and "
+                                        "ModelOpt take the last state after its final norm, read from it."),
     seed: int = typer.Option(0, help="Row shuffle seed (speculators validates on the last rows)."),
     hidden_states: Optional[Literal[StorageName, "store"]] = typer.Option(
         None, "--hidden-states", help="store: no hs files, speculators reads the store itself through the streamx "
@@ -295,10 +304,24 @@ def convert(
                                            "once too. Off: every row stays a row, as the data has it."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
-    """Write a store as speculators training data and print the `speculators train` flags to use."""
+    """Write a store as a drafter trainer's training data (speculators by default) and print how to train on it."""
+    from .train.convert import ConvertError
     from .train.convert import convert as run_convert
+    from .train.export import export
 
     try:
+        if fmt != "speculators":
+            try:
+                ids = None if trainer_layers is None else [int(k) for k in trainer_layers.split(",") if k.strip()]
+            except ValueError:
+                raise ConvertError(f"--trainer-layers takes comma-separated integers; got {trainer_layers!r}") from None
+            summary = export(store, out, fmt, ids, model, overwrite=overwrite, workers=workers, progress=progress,
+                             log=_log, allow_partial=allow_partial, allow_random_weights=allow_random_weights)
+            typer.echo("\n".join(summary.lines(store)))
+            return
+        if trainer_layers is not None or model is not None:
+            raise ConvertError("--trainer-layers and --model are for the other trainers' formats: speculators takes "
+                               "every layer the store holds and the last state before the norm as stored")
         summary = run_convert(store, out, seed=seed, overwrite=overwrite, workers=workers, progress=progress,
                               log=_log, allow_random_weights=allow_random_weights, hidden_states=hidden_states,
                               allow_partial=allow_partial, merge_prefix_rows=merge_prefix_rows)

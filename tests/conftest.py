@@ -20,7 +20,7 @@ from streamx.model.load import EMBEDDED_MODEL, cache_dir, load_model, resolve_mo
 # Tests that load the embedded model (directly or through a fixture built on it), build the
 # speculators venv or start an S3 server are integration tests: `pytest -m "not integration"` runs
 # the rest (stages on plain Python objects and tiny in-memory models) in seconds.
-INTEGRATION_FIXTURES = {"smollm2_dir", "speculators_python", "s3_env", "chat_server"}
+INTEGRATION_FIXTURES = {"smollm2_dir", "speculators_python", "s3_env", "chat_server", "trainer_venv"}
 
 
 def pytest_configure(config):
@@ -148,6 +148,40 @@ def speculators_venv(speculators_python):
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONNOUSERSITE="1")
         return subprocess.run([speculators_python, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+    return run
+
+
+# The other trainers' own readers, each in a venv of its own that sees this environment's torch and transformers
+# (--system-site-packages) and holds the trainer's package alone: SpecForge 0.2.0 without its declared
+# dependencies (sglang 0.5.14 and torch 2.11: CUDA builds of gigabytes, which its offline reading never imports),
+# ModelOpt 0.47.0 with its own (light: pulp, omegaconf, nvidia-ml-py, ...).
+TRAINER_PACKAGES = {"specforge": ("--no-deps", "specforge==0.2.0"), "modelopt": ("nvidia-modelopt==0.47.0",)}
+
+
+@pytest.fixture(scope="session")
+def trainer_venv():
+    """`run(trainer, *args)`: a script run in that trainer's venv (built once per machine), offline."""
+
+    def python(trainer: str) -> str:
+        packages = TRAINER_PACKAGES[trainer]
+        root = cache_dir() / "venvs" / f"trainer-{trainer}"
+        py, ready, key = root / "bin" / "python", root / ".streamx-ready", f"{sys.version} {' '.join(packages)}"
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with open(root.parent / f"trainer-{trainer}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per machine
+            if not (ready.exists() and ready.read_text() == key and py.exists()):
+                shutil.rmtree(root, ignore_errors=True)
+                subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(root)], check=True)
+                subprocess.run([str(py), "-m", "pip", "--disable-pip-version-check", "--quiet", "install", *packages],
+                               check=True, timeout=1800)
+                ready.write_text(key)
+        return str(py)
+
+    def run(trainer: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONNOUSERSITE="1")
+        return subprocess.run([python(trainer), *args], env=env, capture_output=True, text=True, timeout=timeout)
 
     return run
 

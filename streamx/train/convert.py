@@ -300,7 +300,7 @@ def order_sha256(order: np.ndarray) -> str:
 # -- one block: read and validate in order, write hs files in parallel
 
 
-def _prefetch(pool: ThreadPoolExecutor, fn: Callable[[Any], Any], items: Iterable[Any], depth: int) -> Iterator[Any]:
+def prefetch(pool: ThreadPoolExecutor, fn: Callable[[Any], Any], items: Iterable[Any], depth: int) -> Iterator[Any]:
     """fn over items on the pool, results in order, at most `depth` in flight (bounded memory)."""
     pending: deque[Future] = deque()
     for item in items:
@@ -376,7 +376,7 @@ def _convert_block(store: Store, rows: np.ndarray, start: int, K: int, H: int, f
     writes: deque[Future] = deque()
     index, kept = start, 0
     read = lambda r: training_sample(store, K, H, files_as, int(r), folds)  # noqa: E731 - one line, used once
-    for row, s, problem in _prefetch(pool, read, rows, depth):
+    for row, s, problem in prefetch(pool, read, rows, depth):
         tick(1)
         if problem:
             skipped.append((row, problem))

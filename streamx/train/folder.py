@@ -48,7 +48,7 @@ def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool, hs_
             raise FileExistsError(f"{out} holds files that are not a streamx conversion; choose an empty or new --out")
         found = _read_record(record)
         if overwrite:
-            _clear(out)
+            clear(out)
             found = None
         elif found is None:
             raise FileExistsError(f"{out} holds a damaged conversion ({record.relative_to(out)} cannot be read); pass "
@@ -89,7 +89,7 @@ def _complete(out: Path, rows: int, hs_files: bool) -> bool:
         and all(p.exists() for p in states)
 
 
-def _clear(out: Path) -> None:
+def clear(out: Path) -> None:
     """--overwrite of a conversion: empty the folder, files put there since included (its lock lies beside it)."""
     for path in out.iterdir():
         if is_lock(path.name):

@@ -1,0 +1,203 @@
+"""`streamx convert --format specforge-eagle3|specforge-dflash|modelopt`, proven by each trainer's own reader in a venv
+of its own (trainer_check.py): every row as the trainer hands it to training equals the store (ids, masks, aux
+layers bit for bit) and an independent unbatched HF forward (the layers as the trainer counts them, the last state
+after the final norm: `output_hidden_states`' last entry)."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import small_config
+from transformers import AutoModelForCausalLM
+
+import streamx.train.export as export_module
+from streamx.config import resolve_layer_ids
+from streamx.pipeline.runner import run
+from streamx.store import open_store
+from streamx.train.convert import ConvertError
+from streamx.train.export import EXPORT, export
+
+CHECK = str(Path(__file__).with_name("trainer_check.py"))
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The worst token's error relative to its own norm."""
+    got, want = got.float(), want.float()
+    return float(((got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-30)).max())
+
+
+def row_of(name: str) -> int:
+    return int(name.split("_")[1].split(".")[0])
+
+
+def reference(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    with torch.no_grad():
+        return model(input_ids[None], output_hidden_states=True).hidden_states
+
+
+def check_rows(store, model, found: dict, eagle3: list[int], dflash: list[int] | None) -> dict[str, int]:
+    """Every row each trainer read against the store and the reference; returns the rows each read."""
+    L, held = store.metadata.num_layers, store.layer_ids
+    slots = lambda blocks: [held.index(k + 1) for k in blocks]  # noqa: E731 - the store's slot of block k's output
+    worst = {"aux": 0.0, "last": 0.0, "pre_norm_last": float("inf")}
+    for fmt, rows in found.items():
+        if fmt == "versions":
+            continue
+        for r in rows:
+            s = store.sample(row_of(r["file"]))
+            ref = reference(model, s.input_ids)
+            blocks = dflash if fmt == "specforge-dflash" else eagle3
+            want_aux = s.hidden_states[:, slots(blocks)].reshape(len(s.input_ids), -1)
+            if fmt == "modelopt":
+                ids, mask, aux, last = r["input_ids"], r["loss_mask"], r["aux_hidden_states"], \
+                    r["base_model_hidden_states"]
+                assert torch.equal(mask, s.loss_mask.long()) and not r["base_hidden_prenorm"]
+            else:
+                ids, mask = r["input_ids"][0], r["loss_mask"][0]
+                aux = r["hidden_state" if fmt == "specforge-eagle3" else "hidden_states"][0]
+                last = r["target"][0] if fmt == "specforge-eagle3" else None
+                assert torch.equal(mask[:-1], s.loss_mask[:-1].long()) and mask[-1] == 0  # its loader zeroes the last
+            assert torch.equal(ids, s.input_ids.long()), (fmt, r["file"])
+            assert aux.dtype == torch.bfloat16 and torch.equal(aux.view(torch.int16), want_aux.view(torch.int16))
+            want = torch.cat([ref[k + 1][0] for k in blocks], dim=-1)  # block k's output: HF's hidden_states[k+1]
+            worst["aux"] = max(worst["aux"], relative_error(aux.view(len(ids), len(blocks), -1),
+                                                            want.view(len(ids), len(blocks), -1)))
+            if last is not None:
+                worst["last"] = max(worst["last"], relative_error(last, ref[-1][0]))  # after the final norm
+                worst["pre_norm_last"] = min(worst["pre_norm_last"],
+                                             relative_error(s.hidden_states[:, held.index(L)], ref[-1][0]))
+    print(json.dumps(worst))  # shown with -s
+    assert worst["aux"] < 1e-2 and worst["last"] < 1e-2
+    assert worst["pre_norm_last"] > 0.1  # the check tells a state before the norm from one after it
+    return {fmt: len(rows) for fmt, rows in found.items() if fmt != "versions"}
+
+
+def convert_all(store: str, tmp_path, eagle3: list[int], dflash: list[int] | None) -> dict[str, str]:
+    folders = {}
+    for fmt, ids in (("specforge-eagle3", eagle3), ("modelopt", eagle3), ("specforge-dflash", dflash)):
+        if ids is None:
+            continue
+        folders[fmt] = str(tmp_path / fmt)
+        export(store, folders[fmt], fmt, ids, progress=False, log=lambda m: None)
+    return folders
+
+
+def read_by_trainers(trainer_venv, folders: dict[str, str], tmp_path) -> dict:
+    found = {"versions": {}}
+    for trainer in ("specforge", "modelopt"):
+        mine = [f"{fmt}={path}" for fmt, path in folders.items() if fmt.startswith(trainer)]
+        result = tmp_path / f"{trainer}.pt"
+        proc = trainer_venv(trainer, CHECK, str(result), *mine)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        got = torch.load(result, weights_only=False)
+        found["versions"].update(got.pop("versions"))
+        found.update(got)
+    return found
+
+
+def test_specforge_and_modelopt_read_the_embedded_models_store_as_an_independent_forward_has_it(
+        smollm2_dir, smollm2, trainer_venv, tmp_path):
+    """SmolLM2 on real chats that share their system prompt (stored once, --sharing): EAGLE-3 for SpecForge and
+    ModelOpt at their default layers, DFlash for SpecForge at the dflash preset's five."""
+    model, _ = smollm2
+    L = model.config.num_hidden_layers
+    layers = sorted(set(resolve_layer_ids("eagle3", L)) | set(resolve_layer_ids("dflash", L)))
+    store = str(tmp_path / "s.zarr")
+    run(small_config(smollm2_dir, "chatterbot:english", store, layers=",".join(map(str, layers)), max_samples=24,
+                     dtype="float32"), progress=False, log=lambda m: None)
+    s = open_store(store)
+    assert s.summary()["shared"]  # rows computed from shared prefixes: what the trainers read is still each row's
+    eagle3 = [1, L // 2 - 1, L - 4]  # SpecForge's and ModelOpt's default, as they count
+    dflash = [k - 1 for k in resolve_layer_ids("dflash", L) if k < L]
+    folders = convert_all(store, tmp_path, eagle3, dflash)
+    found = read_by_trainers(trainer_venv, folders, tmp_path)
+    assert found["versions"] == {"specforge": "0.2.0", "modelopt": "0.47.0"}
+    counts = check_rows(s, model, found, eagle3, dflash)
+    skipped = json.loads((Path(folders["specforge-dflash"]) / EXPORT).read_text())["skipped"]
+    assert counts["specforge-eagle3"] == counts["modelopt"] == len(np.unique(s.row_ids()))
+    assert counts["specforge-dflash"] + skipped.get("untrainable", 0) == len(np.unique(s.row_ids()))
+
+
+def test_a_hybrid_qwen3_5_checkpoint_converts_with_its_own_final_norm(smollm2_dir, trainer_venv, tmp_path):
+    """Qwen3.5 as released (decoder under model.language_model; Gated DeltaNet and gated attention; its norm
+    scales by 1 + weight): the last state through the checkpoint's own norm, read without loading the model."""
+    from zoo_models import zoo_model
+
+    from streamx.model.load import load_tokenizer
+
+    model = zoo_model("qwen3_5_multimodal")
+    with torch.no_grad():  # a norm weight away from its init, so that 1 + w and w differ visibly
+        model.model.language_model.norm.weight.uniform_(-0.5, 0.5)
+    checkpoint = tmp_path / "qwen3_5"
+    model.save_pretrained(checkpoint)
+    load_tokenizer(smollm2_dir).save_pretrained(checkpoint)
+    store = str(tmp_path / "s.zarr")
+    run(small_config(str(checkpoint), "chatterbot:english", store, layers="1,2,3,4", max_samples=12, dtype="float32"),
+        progress=False, log=lambda m: None)
+    folders = convert_all(store, tmp_path, [0, 1, 2], None)
+    found = read_by_trainers(trainer_venv, folders, tmp_path)
+    counts = check_rows(open_store(store), model.eval(), found, [0, 1, 2], None)
+    assert counts == {"specforge-eagle3": 12, "modelopt": 12}
+
+
+def test_a_convert_killed_part_way_is_resumed_with_every_row_once(tiny_chat_model_dir, chat_jsonl, tmp_path,
+                                                                    monkeypatch):
+    store = str(tmp_path / "s.zarr")
+    run(small_config(tiny_chat_model_dir, chat_jsonl, store, layers="1,2,3,4"), progress=False, log=lambda m: None)
+    rows = len(np.unique(open_store(store).row_ids()))
+    out = tmp_path / "modelopt"
+    real_write, written = export_module.durable.write_file, []
+
+    def dying(path, write, exclusive=False):
+        if path.name != EXPORT and len(written) == 10:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            (path.parent / f".{path.name}.tmp-torn").write_bytes(b"half")  # a write killed mid-way
+            raise KeyboardInterrupt
+        real_write(path, write, exclusive)
+        if path.name != EXPORT:
+            written.append(path)
+
+    monkeypatch.setattr(export_module.durable, "write_file", dying)
+    with pytest.raises(KeyboardInterrupt):
+        export(store, str(out), "modelopt", [0, 1], workers=1, progress=False, log=lambda m: None)
+    monkeypatch.setattr(export_module.durable, "write_file", real_write)
+    assert not json.loads((out / EXPORT).read_text()).get("complete")
+    summary = export(store, str(out), "modelopt", [0, 1], workers=3, progress=False, log=lambda m: None)
+    files = sorted(out.rglob("*.pt"))
+    assert summary.rows == rows == len(files) and summary.kept_files == 10
+    assert not list(out.rglob(".*tmp*"))  # the torn file is gone
+    assert sorted(row_of(f.name) for f in files) == sorted(np.unique(open_store(store).row_ids()).tolist())
+    messages = []
+    again = export(store, str(out), "modelopt", [0, 1], progress=False, log=messages.append)
+    assert again.rows == rows and "nothing to do" in messages[0]
+    with pytest.raises(ConvertError, match="another conversion"):
+        export(store, str(out), "modelopt", [0, 2], progress=False, log=lambda m: None)
+
+
+def test_layers_the_store_lacks_and_another_checkpoint_are_refused_in_one_line(
+        tiny_chat_model_dir, chat_jsonl, tmp_path, smollm2_dir):
+    store = str(tmp_path / "s.zarr")
+    run(small_config(tiny_chat_model_dir, chat_jsonl, store, layers="1,3,4", max_samples=8), progress=False,
+        log=lambda m: None)
+    with pytest.raises(ConvertError, match=r"lacks \[2\]: extract them with `streamx run --layers 1,2,3,4`"):
+        export(store, str(tmp_path / "a"), "specforge-eagle3", [0, 1, 2], progress=False, log=lambda m: None)
+    with pytest.raises(ConvertError, match="blocks 0..2"):
+        export(store, str(tmp_path / "b"), "modelopt", [0, 3], progress=False, log=lambda m: None)
+    with pytest.raises(ValueError, match="not the one the store was made with"):
+        export(store, str(tmp_path / "c"), "modelopt", [0, 2], model=smollm2_dir, progress=False, log=lambda m: None)
+    export(store, str(tmp_path / "d"), "specforge-dflash", [0, 2], progress=False, log=lambda m: None)  # no norm
+
+
+def test_the_final_norm_read_from_the_checkpoint_is_the_models_own(tiny_chat_model_dir):
+    """FinalNorm against the loaded model's norm module on states of the model's scale."""
+    from streamx.train.final_norm import FinalNorm
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir, dtype=torch.float32)
+    states = torch.randn(7, model.config.hidden_size) * 3
+    norm = FinalNorm.from_checkpoint(tiny_chat_model_dir)
+    assert norm.name == "model.norm"
+    assert torch.equal(norm(states), model.model.norm(states))
+    assert os.path.isdir(tiny_chat_model_dir)
