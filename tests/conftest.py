@@ -2,8 +2,10 @@ import fcntl
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
+from pathlib import Path
 
 # Tests never reach the HF hub: set before transformers / huggingface_hub are imported (they read it at import).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -153,7 +155,7 @@ def speculators_venv(speculators_python):
 
 
 # The other trainers' own readers, each in a venv of its own that sees this environment's torch and transformers
-# (--system-site-packages) and holds the trainer's package alone: SpecForge 0.2.0 without its declared
+# (a .pth file naming its site-packages) and holds the trainer's package alone: SpecForge 0.2.0 without its declared
 # dependencies (sglang 0.5.14 and torch 2.11: CUDA builds of gigabytes, which its offline reading never imports),
 # ModelOpt 0.47.0 with its own (light: pulp, omegaconf, nvidia-ml-py, ...).
 TRAINER_PACKAGES = {"specforge": ("--no-deps", "specforge==0.2.0"), "modelopt": ("nvidia-modelopt==0.47.0",)}
@@ -172,7 +174,11 @@ def trainer_venv():
             fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per machine
             if not (ready.exists() and ready.read_text() == key and py.exists()):
                 shutil.rmtree(root, ignore_errors=True)
-                subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(root)], check=True)
+                subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+                # this environment's packages after the venv's own, whether it is the system's or a venv itself
+                site_dir = subprocess.run([str(py), "-c", "import site; print(site.getsitepackages()[0])"],
+                                          check=True, capture_output=True, text=True).stdout.strip()
+                Path(site_dir, "streamx-parent.pth").write_text("\n".join(site.getsitepackages()) + "\n")
                 subprocess.run([str(py), "-m", "pip", "--disable-pip-version-check", "--quiet", "install", *packages],
                                check=True, timeout=1800)
                 ready.write_text(key)
