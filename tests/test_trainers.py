@@ -201,3 +201,24 @@ def test_the_final_norm_read_from_the_checkpoint_is_the_models_own(tiny_chat_mod
     assert norm.name == "model.norm"
     assert torch.equal(norm(states), model.model.norm(states))
     assert os.path.isdir(tiny_chat_model_dir)
+
+
+def test_the_cli_converts_for_a_trainer_and_says_how_to_train(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    from typer.testing import CliRunner
+
+    from streamx.cli import app
+
+    store = str(tmp_path / "s.zarr")
+    run(small_config(tiny_chat_model_dir, chat_jsonl, store, layers="1,2,4", max_samples=6), progress=False,
+        log=lambda m: None)
+    out = tmp_path / "sf"
+    result = CliRunner().invoke(app, ["convert", store, "--out", str(out), "--format", "specforge-eagle3",
+                                      "--trainer-layers", "0,1", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "6 rows" in result.output and f"data.hidden_states_path={out.resolve()}" in result.output
+    assert len(list(out.rglob("*.ckpt"))) == 6
+    bad = CliRunner().invoke(app, ["convert", store, "--out", str(tmp_path / "x"), "--format", "modelopt",
+                                   "--trainer-layers", "0,one"])
+    assert bad.exit_code == 1 and "--trainer-layers takes comma-separated integers" in bad.output
+    mixed = CliRunner().invoke(app, ["convert", store, "--out", str(tmp_path / "y"), "--trainer-layers", "0"])
+    assert mixed.exit_code == 1 and "for the other trainers' formats" in mixed.output
