@@ -84,7 +84,7 @@ def _export(store_path: str, out: Path, t: Trainer, layer_ids: list[int] | None,
     norm = FinalNorm.from_checkpoint(model or meta.model["path"], meta.model.get("weights_fingerprint")) \
         if t.last == "post_norm" else None
     rows = np.unique(store.row_ids())
-    states = _states_text(t, ids, store.metadata.num_layers, meta.hidden_states_dtype)
+    states = _states_text(t, ids, store.metadata.num_layers, meta.storage)
     identity = {"trainer": t.name, "follows": t.version, "store_created": meta.created,
                 "store_compat": asdict(meta.compat), "layer_ids": ids, "rows": int(rows.size)}
     found = _prepare(out, identity, overwrite)
@@ -146,12 +146,12 @@ def _layers(store: Store, t: Trainer, layer_ids: list[int] | None) -> tuple[list
     return ids, [held.index(k) for k in needed]
 
 
-def _states_text(t: Trainer, ids: list[int], L: int, dtype: str) -> str:
+def _states_text(t: Trainer, ids: list[int], L: int, storage: str) -> str:
     last = {"post_norm": f"the last state after the target's final norm (streamx id {L} through the model's own "
                          "norm, in float32)",
             "pre_norm": f"the last state before the final norm (streamx id {L})", None: "no last state"}[t.last]
     return (f"the outputs of blocks {ids} (streamx ids {[k + 1 for k in ids]}), concatenated in that order, and "
-            f"{last}; {dtype}")
+            f"{last}; bf16{' (the fp8 store dequantized)' if storage == 'fp8' else ''}")
 
 
 def _prepare(out: Path, identity: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
