@@ -185,6 +185,17 @@ def _open_source(store_path: str, out: str, hidden_states: str | None, allow_ran
                  allow_partial: bool, log: Callable[[str], None]) -> tuple[Store, list[int], Storage | None]:
     """The store, the --target-layer-ids it serves (all but L), and the hs files' storage (None: no files, the
     store is read in training); raises ConvertError for what convert refuses."""
+    store = open_store(check_location(store_path, out))
+    aux = check_store(store)
+    name = hidden_states or store.metadata.storage
+    if name not in (*STORAGES, FROM_STORE):
+        raise ConvertError(f"--hidden-states must be one of {', '.join((*STORAGES, FROM_STORE))}; got {name!r}")
+    check_usable(store, allow_random_weights, allow_partial, log)
+    return store, aux, None if name == FROM_STORE else STORAGES[name]
+
+
+def check_location(store_path: str, out: str) -> str:
+    """`store_path`, unless it is inside `out` or is itself a folder convert wrote (ConvertError)."""
     local = local_path(store_path)
     if local is not None and local.resolve().is_relative_to(Path(out).resolve()):
         raise ConvertError(f"--out {out} holds the store {store_path} itself; choose another folder")
@@ -192,24 +203,24 @@ def _open_source(store_path: str, out: str, hidden_states: str | None, allow_ran
         source = json.loads((local / META).read_text()).get("source", {}).get("store", "?")
         raise ConvertError(f"{store_path} is a folder `streamx convert` wrote (speculators training data), not a "
                            f"store; it was converted from {source}")
-    store = open_store(store_path)
-    aux = check_store(store)
-    name = hidden_states or store.metadata.storage
-    if name not in (*STORAGES, FROM_STORE):
-        raise ConvertError(f"--hidden-states must be one of {', '.join((*STORAGES, FROM_STORE))}; got {name!r}")
+    return store_path
+
+
+def check_usable(store: Store, allow_random_weights: bool, allow_partial: bool, log: Callable[[str], None]) -> None:
+    """Refuse (ConvertError) a store of random weights, an unfinished one (unless `allow_partial`: then said) and
+    an empty one."""
     if store.metadata.random_weights and not allow_random_weights:
-        raise ConvertError(f"{store_path} was made with --random-weights: its states train nothing; "
+        raise ConvertError(f"{store.path} was made with --random-weights: its states train nothing; "
                            "pass --allow-random-weights to convert it anyway")
     state = store.completeness()
     if not state.complete:
         problem = state.problems()[0]
         if not allow_partial:
-            raise ConvertError(f"{store_path} is unfinished: {problem}; re-run the same `streamx run` to finish it, "
+            raise ConvertError(f"{store.path} is unfinished: {problem}; re-run the same `streamx run` to finish it, "
                                f"or pass --allow-partial to convert the {len(store):,} samples it holds")
         log(f"converting an unfinished store (--allow-partial): {problem}")
     if not len(store):
-        raise ConvertError(f"{store_path} has no committed samples")
-    return store, aux, None if name == FROM_STORE else STORAGES[name]
+        raise ConvertError(f"{store.path} has no committed samples")
 
 
 def _write_blocks(store: Store, order: np.ndarray, out_dir: Path, files_as: Storage | None, workers: int,

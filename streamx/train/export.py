@@ -28,7 +28,7 @@ from ..base import durable
 from ..base.locks import Lock, is_lock, lock_file
 from ..base.units import gb
 from ..store import Store, open_store
-from .convert import ConvertError, prefetch, token_problem
+from .convert import ConvertError, check_location, check_usable, prefetch, token_problem
 from .final_norm import FinalNorm
 from .folder import clear
 from .trainers import TRAINERS, Trainer
@@ -78,7 +78,7 @@ def _export(store_path: str, out: Path, t: Trainer, layer_ids: list[int] | None,
             workers: int, progress: bool, log: Callable[[str], None], allow_partial: bool,
             allow_random_weights: bool) -> ExportSummary:
     started = time.perf_counter()
-    store = _open(store_path, allow_partial, allow_random_weights)
+    store = _open(store_path, out, allow_partial, allow_random_weights, log)
     ids, slots = _layers(store, t, layer_ids)
     meta = store.metadata
     norm = FinalNorm.from_checkpoint(model or meta.model["path"], meta.model.get("weights_fingerprint")) \
@@ -104,8 +104,9 @@ def _export(store_path: str, out: Path, t: Trainer, layer_ids: list[int] | None,
     return _summary(record, out, kept, time.perf_counter() - started)
 
 
-def _open(store_path: str, allow_partial: bool, allow_random_weights: bool) -> Store:
-    store = open_store(store_path)
+def _open(store_path: str, out: Path, allow_partial: bool, allow_random_weights: bool,
+          log: Callable[[str], None]) -> Store:
+    store = open_store(check_location(store_path, str(out)))
     meta = store.metadata
     if meta.layer_convention != "speculators" or not meta.last_id_is_pre_norm:
         raise ConvertError(f"{store_path} does not record streamx's layer convention; re-run `streamx run` with this "
@@ -113,15 +114,7 @@ def _open(store_path: str, allow_partial: bool, allow_random_weights: bool) -> S
     if meta.model.get("residual"):
         raise ConvertError(f"{store_path} holds a multi-stream residual ({meta.model['residual']}) at every id; no "
                            "trainer other than speculators' reads such states")
-    if meta.random_weights and not allow_random_weights:
-        raise ConvertError(f"{store_path} was made with --random-weights: its states train nothing; pass "
-                           "--allow-random-weights to convert it anyway")
-    state = store.completeness()
-    if not state.complete and not allow_partial:
-        raise ConvertError(f"{store_path} is unfinished: {state.problems()[0]}; re-run the same `streamx run` to "
-                           f"finish it, or pass --allow-partial to convert the {len(store):,} samples it holds")
-    if not len(store):
-        raise ConvertError(f"{store_path} has no committed samples")
+    check_usable(store, allow_random_weights, allow_partial, log)
     return store
 
 
