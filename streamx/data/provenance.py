@@ -54,13 +54,15 @@ class RowDigests:
             return
         first = row_id - row_id % DIGEST_ROWS
         with self._lock:
-            for earlier in [w for w in self._open if w != first]:  # read whole: keep its digest only
-                rows, h = self._open.pop(earlier)
-                self._read[earlier] = (rows, h.hexdigest())
-            rows, h = self._open.get(first) or (0, hashlib.blake2b(digest_size=8))
-            h.update(len(data).to_bytes(8, "little") + data)
+            if first not in self._open:  # a new window: those before it are read whole, keep their digests only
+                for earlier, (rows, h) in self._open.items():
+                    self._read[earlier] = (rows, h.hexdigest())
+                self._open = {first: (0, hashlib.blake2b(digest_size=8))}
+            rows, h = self._open[first]
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
             self._open[first] = (rows + 1, h)
-            digest = h.hexdigest() if rows + 1 in self.recorded.get(first, {}) else None
+            digest = h.hexdigest() if rows + 1 in self.recorded.get(first, ()) else None
         if digest is not None and digest != self.recorded[first][rows + 1]:
             raise DataChanged(
                 f"{self.name} changed since the store's rows were computed from it: rows {first:,} to {row_id:,} "
