@@ -274,17 +274,19 @@ def convert(
                                 "converts as one."),
     out: str = typer.Option(..., "--out", metavar="DIR", help="Output directory, the `speculators train "
                             "--data-path`. Re-running resumes."),
-    fmt: Literal["speculators", "specforge-eagle3", "specforge-dflash", "modelopt"] = typer.Option(
+    fmt: Literal["speculators", "specforge-eagle3", "specforge-dflash", "modelopt", "torchspec"] = typer.Option(
         "speculators", "--format", help="Whose training data: speculators (Arrow rows + hs_{i}.safetensors); "
         "specforge-eagle3 or specforge-dflash (SpecForge's offline .ckpt rows); modelopt (ModelOpt's offline .pt "
+        "rows, EAGLE-3 and DFlash); torchspec (TorchSpec's offline dataset: dataset.json, manifest.jsonl and .pt "
         "rows, EAGLE-3 and DFlash). One store converts to each; docs/trainers.md."),
     trainer_layers: Optional[str] = typer.Option(None, "--trainer-layers", metavar="IDS", help="The layers the "
                                                  "trainer's draft reads, as it counts them (the output of block k = "
                                                  "streamx id k+1), comma-separated. Default: the trainer's own "
                                                  "(EAGLE-3: 1, L//2-1, L-4; DFlash: every layer the store holds)."),
     model: Optional[str] = typer.Option(None, "--model", metavar="DIR", help="The target's checkpoint, where the "
-                                        "one the store records is not on this machine: SpecForge EAGLE-3 and "
-                                        "ModelOpt take the last state after its final norm, read from it."),
+                                        "one the store records is not on this machine: SpecForge EAGLE-3, "
+                                        "ModelOpt and TorchSpec take the last state after its final norm, read "
+                                        "from it."),
     seed: int = typer.Option(0, help="Row shuffle seed (speculators validates on the last rows)."),
     hidden_states: Optional[Literal[StorageName, "store"]] = typer.Option(
         None, "--hidden-states", help="store: no hs files, speculators reads the store itself through the streamx "

@@ -1,15 +1,18 @@
-"""`streamx convert --format specforge-eagle3|specforge-dflash|modelopt`, proven by each trainer's own reader in a venv
-of its own (trainer_check.py): every row as the trainer hands it to training equals the store (ids, masks, aux
-layers bit for bit) and an independent unbatched HF forward (the layers as the trainer counts them, the last state
-after the final norm: `output_hidden_states`' last entry)."""
+"""`streamx convert --format specforge-eagle3|specforge-dflash|modelopt|torchspec`, proven by each trainer's own
+reader in a venv of its own (trainer_check.py; TorchSpec's, which no package holds, as its published source reads):
+every row as the trainer hands it to training equals the store (ids, masks, aux layers bit for bit) and an
+independent unbatched HF forward (the layers as the trainer counts them, the last state after the final norm:
+`output_hidden_states`' last entry)."""
 
 import json
 import os
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 import numpy as np
 import pytest
 import torch
+import trainer_check
 from helpers import small_config
 from transformers import AutoModelForCausalLM
 
@@ -55,6 +58,10 @@ def check_rows(store, model, found: dict, eagle3: list[int], dflash: list[int] |
                 ids, mask, aux, last = r["input_ids"], r["loss_mask"], r["aux_hidden_states"], \
                     r["base_model_hidden_states"]
                 assert torch.equal(mask, s.loss_mask.long()) and not r["base_hidden_prenorm"]
+            elif fmt == "torchspec":
+                ids, mask, aux, last = r["input_ids"][0], r["loss_mask"], r["hidden_states"][0], \
+                    r["last_hidden_states"][0]
+                assert torch.equal(mask, s.loss_mask.long()) and not r["prenorm"] and r["seq_len"] == len(ids)
             else:
                 ids, mask = r["input_ids"][0], r["loss_mask"][0]
                 aux = r["hidden_state" if fmt == "specforge-eagle3" else "hidden_states"][0]
@@ -77,7 +84,8 @@ def check_rows(store, model, found: dict, eagle3: list[int], dflash: list[int] |
 
 def convert_all(store: str, tmp_path, eagle3: list[int], dflash: list[int] | None) -> dict[str, str]:
     folders = {}
-    for fmt, ids in (("specforge-eagle3", eagle3), ("modelopt", eagle3), ("specforge-dflash", dflash)):
+    for fmt, ids in (("specforge-eagle3", eagle3), ("modelopt", eagle3), ("torchspec", eagle3),
+                     ("specforge-dflash", dflash)):
         if ids is None:
             continue
         folders[fmt] = str(tmp_path / fmt)
@@ -95,6 +103,7 @@ def read_by_trainers(trainer_venv, folders: dict[str, str], tmp_path) -> dict:
         got = torch.load(result, weights_only=False)
         found["versions"].update(got.pop("versions"))
         found.update(got)
+    found["torchspec"] = trainer_check.torchspec(folders["torchspec"])  # no package: as its source reads (torch only)
     return found
 
 
@@ -117,7 +126,7 @@ def test_specforge_and_modelopt_read_the_embedded_models_store_as_an_independent
     assert found["versions"] == {"specforge": "0.2.0", "modelopt": "0.47.0"}
     counts = check_rows(s, model, found, eagle3, dflash)
     skipped = json.loads((Path(folders["specforge-dflash"]) / EXPORT).read_text())["skipped"]
-    assert counts["specforge-eagle3"] == counts["modelopt"] == len(np.unique(s.row_ids()))
+    assert counts["specforge-eagle3"] == counts["modelopt"] == counts["torchspec"] == len(np.unique(s.row_ids()))
     assert counts["specforge-dflash"] + skipped.get("untrainable", 0) == len(np.unique(s.row_ids()))
 
 
@@ -140,15 +149,16 @@ def test_a_hybrid_qwen3_5_checkpoint_converts_with_its_own_final_norm(smollm2_di
     folders = convert_all(store, tmp_path, [0, 1, 2], None)
     found = read_by_trainers(trainer_venv, folders, tmp_path)
     counts = check_rows(open_store(store), model.eval(), found, [0, 1, 2], None)
-    assert counts == {"specforge-eagle3": 12, "modelopt": 12}
+    assert counts == {"specforge-eagle3": 12, "modelopt": 12, "torchspec": 12}
 
 
+@pytest.mark.parametrize("fmt", ["modelopt", "torchspec"])
 def test_a_convert_killed_part_way_is_resumed_with_every_row_once(tiny_chat_model_dir, chat_jsonl, tmp_path,
-                                                                    monkeypatch):
+                                                                    monkeypatch, fmt):
     store = str(tmp_path / "s.zarr")
     run(small_config(tiny_chat_model_dir, chat_jsonl, store, layers="1,2,3,4"), progress=False, log=lambda m: None)
     rows = len(np.unique(open_store(store).row_ids()))
-    out = tmp_path / "modelopt"
+    out = tmp_path / fmt
     real_write, written = export_module.durable.write_file, []
 
     def dying(path, write, exclusive=False):
@@ -162,19 +172,23 @@ def test_a_convert_killed_part_way_is_resumed_with_every_row_once(tiny_chat_mode
 
     monkeypatch.setattr(export_module.durable, "write_file", dying)
     with pytest.raises(KeyboardInterrupt):
-        export(store, str(out), "modelopt", [0, 1], workers=1, progress=False, log=lambda m: None)
+        export(store, str(out), fmt, [0, 1], workers=1, progress=False, log=lambda m: None)
     monkeypatch.setattr(export_module.durable, "write_file", real_write)
     assert not json.loads((out / EXPORT).read_text()).get("complete")
-    summary = export(store, str(out), "modelopt", [0, 1], workers=3, progress=False, log=lambda m: None)
+    assert not (out / "dataset.json").exists()  # TorchSpec's reader opens no half conversion
+    summary = export(store, str(out), fmt, [0, 1], workers=3, progress=False, log=lambda m: None)
     files = sorted(out.rglob("*.pt"))
     assert summary.rows == rows == len(files) and summary.kept_files == 10
     assert not list(out.rglob(".*tmp*"))  # the torn file is gone
     assert sorted(row_of(f.name) for f in files) == sorted(np.unique(open_store(store).row_ids()).tolist())
+    if fmt == "torchspec":  # its manifest lists each row once, each file as it holds it
+        read = trainer_check.torchspec(str(out))
+        assert sorted(row_of(r["file"]) for r in read) == sorted(row_of(f.name) for f in files)
     messages = []
-    again = export(store, str(out), "modelopt", [0, 1], progress=False, log=messages.append)
+    again = export(store, str(out), fmt, [0, 1], progress=False, log=messages.append)
     assert again.rows == rows and "nothing to do" in messages[0]
     with pytest.raises(ConvertError, match="another conversion"):
-        export(store, str(out), "modelopt", [0, 2], progress=False, log=lambda m: None)
+        export(store, str(out), fmt, [0, 2], progress=False, log=lambda m: None)
 
 
 def test_layers_the_store_lacks_and_another_checkpoint_are_refused_in_one_line(
@@ -189,6 +203,17 @@ def test_layers_the_store_lacks_and_another_checkpoint_are_refused_in_one_line(
     with pytest.raises(ValueError, match="not the one the store was made with"):
         export(store, str(tmp_path / "c"), "modelopt", [0, 2], model=smollm2_dir, progress=False, log=lambda m: None)
     export(store, str(tmp_path / "d"), "specforge-dflash", [0, 2], progress=False, log=lambda m: None)  # no norm
+
+
+def test_torchspecs_packed_loss_mask_unpacks_to_the_mask():
+    from streamx.train.trainers import packed_loss_mask
+
+    assert packed_loss_mask(torch.tensor([0, 0, 1, 1, 1, 0, 0, 1, 1, 0])) == "2,3,2,2,1"  # its docstring's example
+    g = torch.Generator().manual_seed(0)
+    masks = [torch.tensor(m) for m in ([1, 1, 0], [1], [0], [0, 1], [1, 0, 1, 0])]
+    masks += [(torch.rand(n, generator=g) < 0.5).long() for n in (2, 7, 64, 300)]
+    for mask in masks:  # a mask that starts supervised too (its packing starts with an empty run of 0s)
+        assert torch.equal(trainer_check.unpack_loss_mask(packed_loss_mask(mask)), mask), mask
 
 
 def test_the_final_norm_read_from_the_checkpoint_is_the_models_own(tiny_chat_model_dir):
@@ -206,7 +231,9 @@ def test_the_final_norm_read_from_the_checkpoint_is_the_models_own(tiny_chat_mod
 def test_the_cli_converts_for_a_trainer_and_says_how_to_train(tiny_chat_model_dir, chat_jsonl, tmp_path):
     from typer.testing import CliRunner
 
+    import streamx.cli as cli_module
     from streamx.cli import app
+    from streamx.train.trainers import TRAINERS
 
     store = str(tmp_path / "s.zarr")
     run(small_config(tiny_chat_model_dir, chat_jsonl, store, layers="1,2,4", max_samples=6), progress=False,
@@ -222,3 +249,14 @@ def test_the_cli_converts_for_a_trainer_and_says_how_to_train(tiny_chat_model_di
     assert bad.exit_code == 1 and "--trainer-layers takes comma-separated integers" in bad.output
     mixed = CliRunner().invoke(app, ["convert", store, "--out", str(tmp_path / "y"), "--trainer-layers", "0"])
     assert mixed.exit_code == 1 and "for the other trainers' formats" in mixed.output
+    ts = tmp_path / "ts"
+    result = CliRunner().invoke(app, ["convert", store, "--out", str(ts), "--format", "torchspec", "--trainer-layers",
+                                      "1,0", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert f"inference.offline.data_path={ts.resolve()}" in result.output
+    assert "inference.aux_hidden_states_layers (DFlash: the draft config's target_layer_ids), in this order = [1, 0]" \
+        in result.output
+    H = open_store(store).metadata.hidden_size
+    assert [r["hidden_states"].shape[-1] for r in trainer_check.torchspec(str(ts))] == [2 * H] * 6
+    formats = get_args(get_type_hints(cli_module.convert)["fmt"])  # every trainer is offered, and only those
+    assert formats == ("speculators", *TRAINERS)

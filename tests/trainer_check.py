@@ -9,8 +9,14 @@ training does), load_feature_file opens each, and process_offline_eagle3_sample 
 normalise it for the loader. modelopt (nvidia-modelopt 0.47.0): the files its examples list (`rglob("*.pt")`
 under data.offline_data_path), read by OfflineSupervisedDataset with answer_only_loss, and collated by
 EagleOfflineDataCollator.
+
+torchspec: no package holds TorchSpec's offline reader (`torchspec` 0.0.1 on PyPI is empty), so `torchspec()` reads
+as its published source does at Dogacel/TorchSpec@0d74194 (written after it, not copied; it needs only torch and
+runs in the test's own interpreter): OfflineDataset (torchspec/offline/dataset.py) and configure_offline_args,
+the data fetcher's reshape (torchspec/training/data_fetcher.py) and resolve_loss_mask (torchspec/data/utils.py).
 """
 
+import json
 import sys
 from importlib.metadata import version
 from pathlib import Path
@@ -48,6 +54,41 @@ def modelopt(folder: str) -> list[dict]:
     return rows
 
 
+def unpack_loss_mask(packed: str) -> torch.Tensor:
+    """TorchSpec's unpack_loss_mask: comma-joined lengths of alternating runs of 0s and 1s, 0s first."""
+    runs = [int(x) for x in packed.split(",")] if packed else []
+    if not runs:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.full((n,), i % 2, dtype=torch.long) for i, n in enumerate(runs)])
+
+
+def torchspec(folder: str) -> list[dict]:
+    root = Path(folder).resolve()
+    meta = json.loads((root / "dataset.json").read_text())  # absent: "Offline dataset not found"
+    assert meta.get("version") == 1, meta
+    assert meta.get("last_hidden_states_prenorm") is not None  # configure_offline_args refuses an undeclared one
+    seen, rows = set(), []
+    for line in (root / "manifest.jsonl").read_text().splitlines():
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        assert entry["split"] in ("train", "eval") and str(entry["data_id"]) not in seen  # else it raises
+        seen.add(str(entry["data_id"]))
+        path = (root / entry["file"]).resolve()
+        assert root in path.parents and path.is_file(), path
+        record = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # OfflineDataset.load
+        assert isinstance(record, dict) and str(record.get("data_id")) == str(entry["data_id"])
+        assert all(isinstance(record.get(k), torch.Tensor) for k in ("input_ids", "hidden_states"))
+        ids = record["input_ids"]
+        mask = unpack_loss_mask(record["packed_loss_mask"])
+        mask = torch.nn.functional.pad(mask[:ids.shape[-1]], (0, max(0, ids.shape[-1] - mask.numel())))
+        batch = {k: record[k] for k in ("input_ids", "hidden_states", "last_hidden_states") if k in record}
+        batch = {k: v[None] for k, v in batch.items()}  # the fetcher: [T] -> [1, T], [T, D] -> [1, T, D]
+        rows.append({"file": path.name, "seq_len": entry["seq_len"], "loss_mask": mask,
+                     "prenorm": bool(meta["last_hidden_states_prenorm"]), **batch})
+    return rows
+
+
 def main() -> None:
     result, *folders = sys.argv[1:]
     out = {"versions": {}}
@@ -56,9 +97,11 @@ def main() -> None:
         if fmt.startswith("specforge"):
             out["versions"]["specforge"] = version("specforge")
             out[fmt] = specforge(folder, fmt.removeprefix("specforge-"))
-        else:
+        elif fmt == "modelopt":
             out["versions"]["modelopt"] = version("nvidia-modelopt")
             out[fmt] = modelopt(folder)
+        else:
+            out[fmt] = torchspec(folder)
     torch.save(out, result)
 
 

@@ -1,12 +1,13 @@
-"""`streamx convert --format specforge-eagle3|specforge-dflash|modelopt`: a store as the folder another drafter
-trainer reads, one file per row (streamx.train.trainers says what each holds).
+"""`streamx convert --format specforge-eagle3|specforge-dflash|modelopt|torchspec`: a store as the folder another
+drafter trainer reads, one file per row (streamx.train.trainers says what each holds).
 
 Layer ids are given as the trainer counts them (the output of block k) and mapped to the store's (k + 1); an id
 the store does not hold is refused in one line naming the --layers that would. Where the trainer takes the last
 state after the final norm, the target's own norm (streamx.train.final_norm, read from its checkpoint) is applied
 to the stored id L in float32, then cast to the stored dtype. Rows are written by several threads, each file
 under a temporary name and renamed into place, so that a file that is present is whole: a killed convert is
-resumed by the same command (each row once), and the record (EXPORT) is written last.
+resumed by the same command (each row once). The trainer's index files (where it has them) are written once every
+row is, and the record (EXPORT) last.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ..store import Store, open_store
 from .convert import ConvertError, check_location, check_usable, prefetch, token_problem
 from .final_norm import FinalNorm
 from .folder import clear
-from .trainers import TRAINERS, Trainer
+from .trainers import TRAINERS, Trainer, Written
 
 EXPORT = "streamx_export.json"  # the record: what the folder holds; `complete` once every row is written
 ROWS_PER_FOLDER = 2000  # row files per subfolder (a flat folder of a million files is slow on most filesystems)
@@ -95,9 +96,12 @@ def _export(store_path: str, out: Path, t: Trainer, layer_ids: list[int] | None,
     log(f"writing {rows.size:,} rows for {t.title} into {out}: about {gb(store.row_tokens * width)} "
         f"({len(ids)} layers{' and the last state' if t.last else ''} at {meta.hidden_size:,} wide, bf16)")
     written, kept, skipped = _write_rows(store, rows, out, t, slots, norm, workers, progress)
+    if t.index is not None:
+        t.index(out, written)
     record = {"identity": identity, "complete": True, "states": states, "model": meta.model, "store": store.path,
-              "rows": written[0], "tokens": written[1], "skipped": dict(Counter(why for _, why in skipped)),
-              "skipped_rows": skipped[:1000], "command": t.command, "layer_ids_setting": t.describe_ids(ids)}
+              "rows": len(written), "tokens": sum(n for _, _, n in written),
+              "skipped": dict(Counter(why for _, why in skipped)), "skipped_rows": skipped[:1000],
+              "command": t.command, "layer_ids_setting": t.describe_ids(ids)}
     durable.write_file(out / EXPORT, lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
     if skipped:
         log(f"skipped {len(skipped):,} rows: {', '.join(f'{k}: {v}' for k, v in record['skipped'].items())}")
@@ -178,9 +182,9 @@ def row_file(out: Path, t: Trainer, row: int) -> Path:
 
 
 def _write_rows(store: Store, rows: np.ndarray, out: Path, t: Trainer, slots: list[int], norm: FinalNorm | None,
-                workers: int, progress: bool) -> tuple[tuple[int, int], int, list[tuple[int, str]]]:
-    """Every row's file, read and written on `workers` threads with a bounded number in flight. Returns
-    (rows, tokens) written, how many were there already, and the rows left out with why."""
+                workers: int, progress: bool) -> tuple[Written, int, list[tuple[int, str]]]:
+    """Every row's file, read and written on `workers` threads with a bounded number in flight. Returns the rows
+    written (by row), how many were there already, and the rows left out with why."""
     aux, last = (slots[:-1], slots[-1]) if t.last else (slots, None)
 
     def one(row: int) -> tuple[int, int, str | None, bool]:
@@ -205,7 +209,7 @@ def _write_rows(store: Store, rows: np.ndarray, out: Path, t: Trainer, slots: li
         durable.write_file(path, lambda tmp: torch.save(content, tmp))
         return row, len(s.input_ids), None, False
 
-    written, tokens, kept, skipped = 0, 0, 0, []
+    written, kept, skipped = [], 0, []
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="export") as pool, \
             tqdm(total=rows.size, unit="row", desc=f"convert {t.name}", disable=not progress) as bar:
         for row, n, problem, was_there in prefetch(pool, one, rows.tolist(), 2 * max(1, workers)):
@@ -213,8 +217,9 @@ def _write_rows(store: Store, rows: np.ndarray, out: Path, t: Trainer, slots: li
             if problem:
                 skipped.append((row, problem))
                 continue
-            written, tokens, kept = written + 1, tokens + n, kept + was_there
-    return (written, tokens), kept, skipped
+            written.append((row, row_file(out, t, row).relative_to(out), n))
+            kept += was_there
+    return written, kept, skipped
 
 
 def _summary(record: dict[str, Any], out: Path, kept: int, seconds: float) -> ExportSummary:
