@@ -24,6 +24,7 @@ from streamx.train.convert import ConvertError
 from streamx.train.export import EXPORT, export
 
 CHECK = str(Path(__file__).with_name("trainer_check.py"))
+TRAIN = str(Path(__file__).with_name("trainer_train.py"))
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -128,6 +129,31 @@ def test_specforge_and_modelopt_read_the_embedded_models_store_as_an_independent
     skipped = json.loads((Path(folders["specforge-dflash"]) / EXPORT).read_text())["skipped"]
     assert counts["specforge-eagle3"] == counts["modelopt"] == counts["torchspec"] == len(np.unique(s.row_ids()))
     assert counts["specforge-dflash"] + skipped.get("untrainable", 0) == len(np.unique(s.row_ids()))
+    trained = train_by_trainers(trainer_venv, smollm2_dir, folders, eagle3, dflash, tmp_path)
+    for name, got in trained.items():  # every row read, each step a finite loss and gradient
+        print(name, json.dumps(got))
+        assert got["global_step"] == len(got["losses"]) == 2, (name, got)
+        assert all(0 < x < float("inf") for x in got["losses"] + got["grad_norms"]), (name, got)
+        assert got["rows_read"] == counts["specforge-dflash" if name == "specforge-dflash" else "modelopt"], name
+    assert trained["specforge-eagle3"]["draft_vocab"] == 32000  # its vocab mapping, built from the folder
+
+
+def train_by_trainers(trainer_venv, target: str, folders: dict[str, str], eagle3: list[int], dflash: list[int],
+                      tmp_path) -> dict[str, dict]:
+    """Two training steps of each trainer's own draft on the CPU from the converted folders (trainer_train.py)."""
+    ids = lambda blocks: ",".join(map(str, blocks))  # noqa: E731
+    runs = {"specforge": [f"eagle3={folders['specforge-eagle3']}:{ids(eagle3)}",
+                          f"dflash={folders['specforge-dflash']}:{ids(dflash)}"],
+            "modelopt": [f"eagle3={folders['modelopt']}:{ids(eagle3)}"]}
+    trained = {}
+    for trainer, folder_args in runs.items():
+        result = tmp_path / f"{trainer}-trained.json"
+        proc = trainer_venv(trainer, TRAIN, str(result), trainer, target, str(tmp_path / f"{trainer}-work"),
+                            *folder_args)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        for strategy, got in json.loads(result.read_text()).items():
+            trained[f"{trainer}-{strategy}" if trainer == "specforge" else trainer] = got
+    return trained
 
 
 def test_a_hybrid_qwen3_5_checkpoint_converts_with_its_own_final_norm(smollm2_dir, trainer_venv, tmp_path):
