@@ -231,6 +231,30 @@ def test_layers_the_store_lacks_and_another_checkpoint_are_refused_in_one_line(
     export(store, str(tmp_path / "d"), "specforge-dflash", [0, 2], progress=False, log=lambda m: None)  # no norm
 
 
+def test_an_fp8_store_converts_dequantized_to_bf16(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    """The fp8 store's own values (its scales applied), in bf16, as the trainer reads them: bit for bit the store's
+    dequantized slots, and within fp8's rounding of an independent float32 forward (0.035 here; the next layer is
+    0.98 away, the state before the norm 44)."""
+    store = str(tmp_path / "s.zarr")
+    run(small_config(tiny_chat_model_dir, chat_jsonl, store, layers="1,2,3,4", max_samples=6, storage="fp8"),
+        progress=False, log=lambda m: None)
+    s = open_store(store)
+    assert s.metadata.storage == "fp8"
+    export(store, str(tmp_path / "ts"), "torchspec", [0, 2], progress=False, log=lambda m: None)
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir, dtype=torch.float32).eval()
+    read = trainer_check.torchspec(str(tmp_path / "ts"))
+    assert len(read) == 6
+    for r in read:
+        x = s.sample(row_of(r["file"]))
+        T, held = len(x.input_ids), s.layer_ids
+        aux, last = r["hidden_states"][0], r["last_hidden_states"][0]
+        want = x.hidden_states[:, [held.index(1), held.index(3)]].reshape(T, -1)
+        assert aux.dtype == last.dtype == torch.bfloat16 and torch.equal(aux.view(torch.int16), want.view(torch.int16))
+        ref = reference(model, x.input_ids)
+        assert relative_error(aux.view(T, 2, -1), torch.stack([ref[1][0], ref[3][0]], dim=1)) < 0.1
+        assert relative_error(last, ref[-1][0]) < 0.1  # through the final norm
+
+
 def test_torchspecs_packed_loss_mask_unpacks_to_the_mask():
     from streamx.train.trainers import packed_loss_mask
 
