@@ -93,10 +93,14 @@ def _torchspec(r: dict[str, torch.Tensor]) -> Row:
 def _torchspec_index(out: Path, written: Written) -> None:
     """Its manifest (one line per row, all in the train split), then dataset.json, without which its reader opens
     nothing: a folder whose convert was killed is never read as a dataset."""
-    lines = "".join(json.dumps({"split": "train", "data_id": data_id(row), "file": path.as_posix(), "seq_len": n})
-                    + "\n" for row, path, n in written)
-    durable.write_file(out / "manifest.jsonl", lambda tmp: tmp.write_text(lines))
-    dataset = {"version": 1, "last_hidden_states_prenorm": False}  # we apply the target's own norm (see below)
+    def manifest(tmp: Path) -> None:  # line by line: a million rows' lines are not held at once
+        with open(tmp, "w") as f:
+            for row, path, n in written:
+                f.write(json.dumps({"split": "train", "data_id": data_id(row), "file": path.as_posix(),
+                                    "seq_len": n}) + "\n")
+
+    durable.write_file(out / "manifest.jsonl", manifest)
+    dataset = {"version": 1, "last_hidden_states_prenorm": False}  # we apply the norm (why: its TRAINERS entry)
     durable.write_file(out / "dataset.json", lambda tmp: tmp.write_text(json.dumps(dataset, indent=2) + "\n"))
 
 
