@@ -144,7 +144,7 @@ def train_by_trainers(trainer_venv, target: str, folders: dict[str, str], eagle3
     ids = lambda blocks: ",".join(map(str, blocks))  # noqa: E731
     runs = {"specforge": [f"eagle3={folders['specforge-eagle3']}:{ids(eagle3)}",
                           f"dflash={folders['specforge-dflash']}:{ids(dflash)}"],
-            "modelopt": [f"eagle3={folders['modelopt']}:{ids(eagle3)}"]}
+            "modelopt": [f"{strategy}={folders['modelopt']}:{ids(eagle3)}" for strategy in ("eagle3", "dflash")]}
     trained = {}
     for trainer, folder_args in runs.items():
         result = tmp_path / f"{trainer}-trained.json"
@@ -152,7 +152,7 @@ def train_by_trainers(trainer_venv, target: str, folders: dict[str, str], eagle3
                             *folder_args)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
         for strategy, got in json.loads(result.read_text()).items():
-            trained[f"{trainer}-{strategy}" if trainer == "specforge" else trainer] = got
+            trained[f"{trainer}-{strategy}"] = got
     return trained
 
 

@@ -2,7 +2,7 @@
 folders `streamx convert --format ...` wrote, and the losses it reports saved as JSON. Never imports streamx.
 
     python trainer_train.py RESULT.json specforge TARGET WORK eagle3=DIR:IDS [dflash=DIR:IDS]
-    python trainer_train.py RESULT.json modelopt TARGET WORK eagle3=DIR:IDS
+    python trainer_train.py RESULT.json modelopt TARGET WORK eagle3=DIR:IDS [dflash=DIR:IDS]
 
 specforge (0.2.0): its own command, `python -m specforge.cli train -c CONFIG.yaml`, in offline mode. On a CPU it
 needs `training.fsdp_sharding: NO_SHARD` (DDP over gloo: FSDP wants an accelerator) and TRITON_INTERPRET=1 (its
@@ -10,10 +10,12 @@ loss is a Triton kernel); its target head reads lm_head through a `*.index.json`
 one (in WORK, the checkpoint's files linked). The DFlash draft config is the one SpecForge generates for the
 target, with `dflash_config.target_layer_ids` set to the converted layers. Where the draft's vocabulary is smaller
 than the target's (EAGLE-3's 32,000), SpecForge builds its vocab mapping from the folder's ids and loss masks.
-modelopt (0.47.0): the target converted by `mtsp.convert` into its EAGLE-3 model with `eagle_offline=True` and the
-converted aux layers, fed batches of its OfflineSupervisedDataset and EagleOfflineDataCollator, its loss stepped
-by AdamW (its examples drive the same forward through the HF Trainer). TorchDynamo off: ModelOpt compiles parts of
-the draft, a minute of autotuning on a CPU for no difference to what is computed.
+modelopt (0.47.0): the target converted by `mtsp.convert` into its EAGLE-3 model (`eagle_offline=True`, the
+converted aux layers) or its DFlash model (`dflash_offline=True`, the converted layers as `target_layer_ids`, one
+draft layer each, token 0 as the mask token), fed batches of its OfflineSupervisedDataset and
+EagleOfflineDataCollator, its loss stepped by AdamW (its examples drive the same forward through the HF Trainer).
+TorchDynamo off: ModelOpt compiles parts of the draft, a minute of autotuning on a CPU for no difference to what is
+computed.
 """
 
 import ast
@@ -89,20 +91,26 @@ def specforge_steps(strategy: str, folder: str, ids: list[int], target: str, lm_
             "draft_vocab": None if mapping is None else int(mapping["t2d"].sum())}
 
 
-def modelopt_steps(folder: str, ids: list[int], target: str) -> dict:
+def modelopt_steps(strategy: str, folder: str, ids: list[int], target: str) -> dict:
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     import modelopt.torch.speculative as mtsp
     import torch
-    from modelopt.torch.speculative.config import EAGLE3_DEFAULT_CFG
+    from modelopt.torch.speculative.config import DFLASH_DEFAULT_CFG, EAGLE3_DEFAULT_CFG
     from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16)
-    config = {**EAGLE3_DEFAULT_CFG["config"], "eagle_offline": True}
-    config["eagle_architecture_config"] = {**config["eagle_architecture_config"],
-                                           "eagle_aux_hidden_state_layer_ids": ids}
-    mtsp.convert(model, [("eagle", config)])
+    if strategy == "eagle3":
+        config = {**EAGLE3_DEFAULT_CFG["config"], "eagle_offline": True}
+        config["eagle_architecture_config"] = {**config["eagle_architecture_config"],
+                                               "eagle_aux_hidden_state_layer_ids": ids}
+        mtsp.convert(model, [("eagle", config)])
+    else:  # ModelOpt wants one draft layer per target layer, and the target's layer count as its offline loader
+        model.config.num_orig_hidden_layers = model.config.num_hidden_layers
+        config = {**DFLASH_DEFAULT_CFG["config"], "dflash_offline": True, "dflash_mask_token_id": 0,
+                  "dflash_architecture_config": {"num_hidden_layers": len(ids), "target_layer_ids": ids}}
+        mtsp.convert(model, [("dflash", config)])
     files = sorted(str(f) for f in Path(folder).rglob("*.pt"))
     dataset = OfflineSupervisedDataset(files, answer_only_loss=True)
     collate = EagleOfflineDataCollator(train_len=128)
@@ -133,7 +141,7 @@ def main() -> None:
             checkpoint, key = specforge_target(target, work_dir)
             out[strategy] = specforge_steps(strategy, folder, layer_ids, checkpoint, key, work_dir)
         else:
-            out[strategy] = modelopt_steps(folder, layer_ids, target)
+            out[strategy] = modelopt_steps(strategy, folder, layer_ids, target)
     Path(result).write_text(json.dumps(out))
 
 
