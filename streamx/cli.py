@@ -185,12 +185,13 @@ def plan(
 
     from .measure.bench import calibrate as calibrate_rate
     from .pipeline.estimate import Forecast, estimate, gpu_footprints
-    from .pipeline.plan import preflight
+    from .pipeline.plan import check_parallel, preflight
 
     try:
         if sample_rows < 1:
             raise ValueError(f"--sample-rows must be >= 1; got {sample_rows}")
-        preflight(cfg, cfg.device, _log)  # what `streamx run` would refuse, refused here
+        check_parallel(cfg)  # what `streamx run` would refuse, refused here
+        preflight(cfg, cfg.device, _log)
         est = estimate(cfg, sample_rows=sample_rows, count_duplicates=True)
         rate, how = tokens_per_s, "given"
         if rate is None and calibrate:

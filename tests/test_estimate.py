@@ -215,18 +215,26 @@ def test_the_plan_sizes_the_store_on_what_the_support_table_says_the_family_shar
 
 def test_the_plan_sizes_each_gpu_at_each_tp(tiny_chat_model_dir, chat_jsonl, tmp_path):
     """The weights per GPU are the checkpoint's bytes at --tp 1 (its safetensors file, read independently of the
-    meta model), their decoder layers split N ways above; a --tp that does not divide the heads (2 key-value heads:
-    4 and 8) is not offered; the smallest --tp that fits the given GPUs is named, and none where none does."""
+    meta model), their decoder layers split N ways above; 4 query heads and 2 key-value heads: --tp 4 copies each
+    key-value head to two GPUs (its kept keys then split 2 ways, not 4), --tp 8 is refused with why; the smallest
+    --tp that fits the given GPUs is named, and none where none does."""
     import safetensors
 
-    from streamx.model.footprint import HEADROOM, fit_lines, footprints, meta_model
+    from streamx.model.footprint import HEADROOM, fit_lines, footprints
+    from streamx.model.load import meta_model
 
     model = meta_model(tiny_chat_model_dir, torch.float32)
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (4, 2)
     found = footprints(model, 512, 3)
-    assert [f.tp for f in found] == [1, 2]
+    assert [(f.tp, f.kv_copies, bool(f.refused)) for f in found] == [(1, 1, False), (2, 1, False), (4, 2, False),
+                                                                     (8, 1, True)]
+    assert "num_attention_heads 4" in found[3].refused and found[2].kept == found[1].kept
+    lines = fit_lines(found, 10**12, torch.float32, 512)
+    assert "(each key-value head on 2 GPUs)" in lines[3] and lines[4].startswith("  --tp 8      refused: does not")
     with safetensors.safe_open(str(Path(tiny_chat_model_dir) / "model.safetensors"), "pt") as f:
         stored = sum(f.get_tensor(name).numel() * f.get_tensor(name).element_size() for name in f.keys())
-    one, two = found
+    one, two = found[:2]
+    found = found[:2]
     assert one.weights == stored and one.weights > two.weights > one.weights / 2  # (embeddings whole on each GPU)
     assert two.kept == one.kept // 2 and two.activations < one.activations
     fits_two = int(two.total / HEADROOM) + 1  # fits --tp 2, not --tp 1
@@ -235,6 +243,15 @@ def test_the_plan_sizes_each_gpu_at_each_tp(tiny_chat_model_dir, chat_jsonl, tmp
     text = CliRunner().invoke(app, ["plan", "--model", tiny_chat_model_dir, "--data", chat_jsonl, "--out",
                                     str(tmp_path / "s.zarr"), "--gpu-memory", "1"])
     assert text.exit_code == 0 and "--tp 1 is the smallest that fits" in text.stdout, text.output
+    # `plan --tp 8` refuses what the run refuses before reading a weight, with its words and exit code
+    from streamx.model.load import check_tensor_parallel
+
+    with pytest.raises(ValueError) as refused:
+        check_tensor_parallel(tiny_chat_model_dir, 8)
+    refusal = CliRunner().invoke(app, ["plan", "--model", tiny_chat_model_dir, "--data", chat_jsonl, "--out",
+                                       str(tmp_path / "s.zarr"), "--tp", "8"])
+    assert refusal.exit_code == 1 and str(refused.value) in refusal.output, refusal.output
+    check_tensor_parallel(tiny_chat_model_dir, 4)  # the key-value heads copied
 
 
 def test_a_moes_experts_split_over_the_gpus_only_with_ep():
@@ -249,7 +266,7 @@ def test_a_moes_experts_split_over_the_gpus_only_with_ep():
 
         model = AutoModelForCausalLM.from_config(zoo_config("qwen3_moe"))
     experts = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".experts." in name)
-    plain, spread = footprints(model, 512, 3), footprints(model, 512, 3, ep=True)
+    plain, spread = footprints(model, 512, 3, sizes=(1, 2)), footprints(model, 512, 3, ep=True, sizes=(1, 2))
     assert experts > 0 and plain[0].weights == spread[0].weights  # --tp 1: all on one GPU either way
     assert plain[1].weights - spread[1].weights == experts - experts // 2 == plain[1].ep_saves
     assert spread[1].ep_saves == 0 and plain[0].ep_saves == 0

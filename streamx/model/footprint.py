@@ -9,7 +9,7 @@ whole on every GPU (the safe side: a plan may shard them). A forward's working m
 the residual stream and its norms, the attention projections and the MLP's widest intermediate (split N ways), and
 the captured states of the selected layers; about, not measured (bench/RESULTS.md has measured peaks). Kept keys
 are those of a shared prefix continued in later batches (streamx.model.carry), at most one chain of --token-budget
-tokens, split N ways.
+tokens, split N ways (split KV ways where N exceeds the KV heads, each copied N / KV times: streamx.model.kv_heads).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from .carry import kept_bytes_per_token
-from .load import head_counts
+from .kv_heads import kv_replicas
+from .load import heads_refusal
 
 TP_SIZES = (1, 2, 4, 8)
 HEADROOM = 0.9  # of a GPU's memory that a run may plan on: the CUDA context, the allocator's fragmentation
@@ -36,24 +36,20 @@ class Footprint:
     activations: int  # about
     kept: int
     ep_saves: int = 0  # what --ep would take off the weights (a MoE's experts, split N ways), where it is not on
+    kv_copies: int = 1  # processes holding each key-value head (streamx.model.kv_heads)
+    refused: str = ""  # why a run refuses this --tp (its sizes are then 0)
 
     @property
     def total(self) -> int:
         return self.weights + self.activations + self.kept
 
     def fits(self, gpu_bytes: int) -> bool:
-        return self.total <= HEADROOM * gpu_bytes
-
-
-def meta_model(path: str, dtype: torch.dtype) -> nn.Module:
-    """The model as transformers builds it from its config, on the meta device: shapes without memory."""
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+        return not self.refused and self.total <= HEADROOM * gpu_bytes
 
 
 def footprints(model: nn.Module, token_budget: int, num_slots: int, ep: bool = False,
                sizes: tuple[int, ...] = TP_SIZES) -> list[Footprint]:
-    """The footprint at each --tp of `sizes` that divides the model's heads (`ep`: with --ep)."""
+    """The footprint at each --tp of `sizes` (`ep`: with --ep); one whose heads it cannot split says why."""
     text = model.config.get_text_config()
     width = next(model.parameters()).element_size()
     params = {name: p.numel() * width for name, p in model.named_parameters()}
@@ -65,14 +61,15 @@ def footprints(model: nn.Module, token_budget: int, num_slots: int, ep: bool = F
     mlp = max(getattr(text, "intermediate_size", 0) or 0,
               (getattr(text, "moe_intermediate_size", 0) or 0) * (getattr(text, "num_experts_per_tok", 0) or 0))
     kept = token_budget * kept_bytes_per_token(model)
-    divisors = head_counts(text).values()
     out = []
     for tp in sizes:
-        if any(n % tp for n in divisors):
+        if why := heads_refusal(text, tp):
+            out.append(Footprint(tp, 0, 0, 0, refused=why))
             continue
+        copies = kv_replicas(text, tp)
         working = token_budget * (width * (6 * hidden + (3 * heads + 3 * mlp) // tp) + 2 * num_slots * hidden)
-        out.append(Footprint(tp, whole + layers // tp + (experts // tp if ep else experts), working, kept // tp,
-                             0 if ep else experts - experts // tp))
+        out.append(Footprint(tp, whole + layers // tp + (experts // tp if ep else experts), working,
+                             kept * copies // tp, 0 if ep else experts - experts // tp, kv_copies=copies))
     return out
 
 
@@ -85,11 +82,16 @@ def fit_lines(found: list[Footprint], gpu_bytes: int, dtype: torch.dtype, token_
     lines = [f"gpu memory   per GPU, {str(dtype).removeprefix('torch.')}, --token-budget {token_budget:,}: weights + "
              f"a forward's working memory (about) + kept keys, against {gb(gpu_bytes)} GPUs ({HEADROOM:.0%} planned)"]
     for f in found:
+        if f.refused:
+            lines.append(f"  --tp {f.tp:<6} refused: {f.refused.removeprefix(f'--tp {f.tp} ')}")
+            continue
+        copies = f" (each key-value head on {f.kv_copies} GPUs)" if f.kv_copies > 1 else ""
         lines.append(f"  --tp {f.tp:<6} {gb(f.weights)} + {gb(f.activations)} + {gb(f.kept)} = {gb(f.total)}   "
-                     + ("fits" if f.fits(gpu_bytes) else "does not fit"))
+                     + ("fits" if f.fits(gpu_bytes) else "does not fit") + copies)
     fitting = next((f.tp for f in found if f.fits(gpu_bytes)), None)
+    tried = [f.tp for f in found if not f.refused]
     lines.append("  " + (f"--tp {fitting} is the smallest that fits (docs/scaling.md); --gpu-memory GB for other GPUs"
-                         if fitting else f"no --tp of {[f.tp for f in found]} fits: a smaller --token-budget, more "
+                         if fitting else f"no --tp of {tried} fits: a smaller --token-budget, more "
                          "GPUs per group, or --device-map over one process's GPUs"))
     spread = next((f for f in found if f.total - f.ep_saves <= HEADROOM * gpu_bytes and f.ep_saves), None)
     if spread and (fitting is None or spread.tp < fitting):

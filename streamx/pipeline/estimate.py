@@ -24,8 +24,8 @@ from ..data.fanout import FanOut
 from ..data.sharing import Segment, covered_rows, pieces, share
 from ..data.source import Row, Source, open_source
 from ..data.tokenize import DIGEST_BYTES, Reject, Repeats, Sample, SampleBuilder
-from ..model.footprint import Footprint, fit_lines, footprints, meta_model
-from ..model.load import model_tokenizer, read_text_config, resolve_dtype, resolve_model_path
+from ..model.footprint import Footprint, fit_lines, footprints
+from ..model.load import meta_model, model_tokenizer, read_text_config, resolve_dtype, resolve_model_path
 from ..model.residual import config_layers, residual_of
 from ..model.support import support_of
 from ..store import STORAGES, Layout, free_bytes, make_layout

@@ -201,17 +201,22 @@ class RunPlan:
                                    metadata=dataclasses.replace(self.metadata, config=config.to_dict()))
 
 
-def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo] | None = None,
-              log: Callable[[str], None] = print, rank: Rank | None = None) -> RunPlan:
-    """Check and load everything a run needs; `loaded` reuses a model already loaded with these settings, `rank`
-    this process's rank where it is known (else from the environment)."""
-    rank = rank or init_from_env(config.rank, config.world_size, config.tp)
-    if config.tp > 1:  # before any weight is read
+def check_parallel(config: RunConfig) -> None:
+    """Refuse --tp and --ep settings the model cannot take, before any weight is read (`plan` refuses the same)."""
+    if config.tp > 1:
         if config.device_map:
             raise ValueError("--tp shards the model over processes, --device-map over one process's GPUs: choose one")
         check_tensor_parallel(config.model, config.tp, config.ep)
     elif config.ep:
         raise ValueError("--ep spreads a MoE's experts over a --tp group: give --tp N as well")
+
+
+def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo] | None = None,
+              log: Callable[[str], None] = print, rank: Rank | None = None) -> RunPlan:
+    """Check and load everything a run needs; `loaded` reuses a model already loaded with these settings, `rank`
+    this process's rank where it is known (else from the environment)."""
+    rank = rank or init_from_env(config.rank, config.world_size, config.tp)
+    check_parallel(config)
     if rank.independent and config.overwrite:
         raise ValueError("--overwrite with several processes and no torchrun would have each delete the others' "
                          "parts: delete the store first, then start them")
