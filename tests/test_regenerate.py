@@ -213,7 +213,7 @@ def test_the_client_retries_overload_and_refuses_bad_rows_with_the_servers_reaso
     server = ScriptedServer([(503, {"error": {"message": "overloaded"}}), (429, {"detail": "slow down"}),
                              (200, completion()), (400, {"error": {"message": "context too long"}})])
     try:
-        client = Endpoints([server.url], Sampling(max_tokens=8, temperature=0.0), timeout=5,
+        client = Endpoints([server.url], Sampling(max_tokens=8, temperature=0.0), timeout=60,
                            retries=3, model="m")
         assert client.complete(Request([{"role": "user", "content": "hi"}], seed=3)).content == "fine"
         assert len(server.bodies) == 3  # two refusals retried
@@ -236,7 +236,7 @@ def test_a_server_that_fails_on_a_row_or_refuses_everything_is_told_apart_from_o
                                         (404, ServerDown, "HTTP 404: boom .check --model", 1)]:
         server = ScriptedServer([(status, {"detail": "boom"})])
         try:
-            client = Endpoints([server.url], Sampling(max_tokens=8), timeout=5, retries=1, model="m")
+            client = Endpoints([server.url], Sampling(max_tokens=8), timeout=60, retries=1, model="m")
             with pytest.raises(error, match=match):
                 client.complete(ask)
         finally:
@@ -308,7 +308,7 @@ def test_skip_duplicates_leaves_out_rows_that_ask_what_an_earlier_row_asked(tmp_
 def test_a_kept_alive_connection_the_server_dropped_is_reopened_without_a_retry():
     server = ScriptedServer([(200, completion())], drop_idle_connections=True)
     try:
-        client = Endpoints([server.url], Sampling(max_tokens=8), timeout=5, retries=0, model="m")
+        client = Endpoints([server.url], Sampling(max_tokens=8), timeout=60, retries=0, model="m")
         for _ in range(3):  # with no retries allowed, a stale connection would be a ServerDown
             assert client.complete(Request([{"role": "user", "content": "hi"}], seed=0)).content == "fine"
     finally:
