@@ -368,7 +368,7 @@ def test_convert_offers_only_the_drafts_the_stores_ids_suit():
     text = "\n".join(ConvertSummary("/d", 1, 1, 1, {}, 0, 0.0, commands, {"path": "/m", "model": "m",
                                       "weights_fingerprint": "f" * 64}, unsuited=unsuited).lines("s.zarr"))
     assert "train an EAGLE-3 draft:" in text and "--target-layer-ids 2 15 27 --speculator-type eagle3" in text
-    assert "DFlash draft:" not in text and "no DFlash command: the store lacks a DFlash draft's ids" in text
+    assert "DFlash draft:" not in text and "no DFlash command: the store lacks the ids of DFlash drafts" in text
 
 
 @pytest.fixture(scope="module")

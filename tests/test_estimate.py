@@ -275,3 +275,9 @@ def test_a_moes_experts_split_over_the_gpus_only_with_ep():
     lines = fit_lines(plain, gpu, torch.float32, 512)
     assert "no --tp of [1, 2] fits" in lines[-2] and lines[-1].startswith("  --tp 2 --ep fits: ")
     assert not any("--ep fits" in line for line in fit_lines(spread, gpu, torch.float32, 512))
+
+
+def test_sizes_read_in_the_unit_that_fits_them():
+    from streamx.base.units import gb
+
+    assert [gb(n) for n in (5e7, 1.5e9, 87_198.75e9, 2.5e15)] == ["50.0 MB", "1.50 GB", "87.20 TB", "2,500.00 TB"]

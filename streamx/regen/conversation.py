@@ -42,7 +42,7 @@ def plan_turns(record: dict | None) -> tuple[list[dict | None], list | None]:
     turns = conversation_of(record)
     if turns is None:
         has = "input_ids" if record.get("input_ids") is not None else "text" if record.get("text") is not None else None
-        raise RowError("not_a_conversation", f"a {has} row has no turns to regenerate" if has else
+        raise RowError("not_a_conversation", f"this {has} row has no turns to regenerate" if has else
                        f"no messages/conversations field in {sorted(record)}")
     try:
         messages = normalize(turns, answers=False)

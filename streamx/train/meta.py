@@ -42,7 +42,7 @@ def draft_layer_ids(aux: list[int], num_layers: int, files: bool) -> tuple[dict[
         return {algo: aux for algo in ALGORITHMS}, {}
     union = ",".join(map(str, sorted({num_layers, *(i for ids in presets.values() for i in ids)})))
     suited = {algo: aux if files else presets[algo] for algo in held}
-    others = {algo: f"the store lacks a {NAMES[algo]} draft's ids {presets[algo]}: extract them with `streamx run "
+    others = {algo: f"the store lacks the ids of {NAMES[algo]} drafts, {presets[algo]}: extract them with `streamx run "
                     f"--layers {algo}` into another store, or once the union of both presets (--layers {union}) and "
                     "convert it with --hidden-states store, which gives each draft its own ids"
               for algo in ALGORITHMS if algo not in held}
