@@ -108,6 +108,8 @@ def test_tp_past_the_kv_heads_copies_them_and_equals_one_process(family, ep, che
     launch(model, chat_jsonl, tmp_path / "one.zarr")
     result = launch(model, chat_jsonl, tmp_path / "tp4.zarr", processes=4, tp=4, **({"ep": True} if ep else {}))
     assert "[rank 0, tensor-parallel 1] ran its share" in result.stdout
+    assert f"ranks   1 data-parallel groups of --tp 4{' --ep' if ep else ''}, each with its share of the rows: this " \
+           "is data-parallel rank 0, tensor-parallel rank 0 (process 0)" in result.stderr  # the banner
     assert_close_samples(tmp_path / "one.zarr", tmp_path / "tp4.zarr")
 
 

@@ -228,7 +228,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     if rank.is_main or rank.independent:  # torchrun's other ranks would race rank 0 creating the store
         output = preflight(config, rank.device(config.device), log if rank.is_main else lambda m: None)
         if loaded is None and rank.is_main:
-            announce(config, source, output, rank.device(config.device), log)
+            announce(config, source, output, rank.device(config.device), log, rank)
             if config.space_check:
                 sized = check_space(config, source, output, log)
     model, tokenizer, info = loaded or load_model(config.model, config.dtype, rank.device(config.device),
@@ -376,12 +376,17 @@ def check_vocabulary(data: str, record: dict | None, tokenizer: PreTrainedTokeni
                          "run it with that model, or its tokenizer (--tokenizer)")
 
 
-def announce(config: RunConfig, source: Source, output: Output, device: str, log: Callable[[str], None]) -> None:
+def announce(config: RunConfig, source: Source, output: Output, device: str, log: Callable[[str], None],
+             rank: Rank = Rank()) -> None:
     """Say what the run will do before the slow part (converting or loading the model), and check the
     layer ids against the model's config alone."""
     dtype = str(resolve_dtype(config.dtype, device)).removeprefix("torch.")
     log(f"streamx: {config.model} on {resolve_device(device)} in {dtype}"
         + (", random weights (a dry run, not training data)" if config.random_weights else ""))
+    if rank.world_size > 1 or rank.tp_size > 1:
+        group = f"groups of --tp {rank.tp_size}{' --ep' if config.ep else ''}" if rank.tp_size > 1 else "processes"
+        log(f"  ranks   {rank.world_size} data-parallel {group}, each with its share of the rows: this is "
+            f"data-parallel rank {rank.rank}, tensor-parallel rank {rank.tp_rank} (process {rank.process})")
     log(f"  data    {source.name}: " + ("rows streamed" if source.num_rows is None else f"{source.num_rows:,} rows"))
     log(f"  out     {config.out}: {output.state(config.overwrite)}")
     path = resolve_model_path(config.model, log)
