@@ -132,3 +132,17 @@ def test_every_decoder_path_is_found_and_run_by_capture_bench_and_verify(path):
     assert all(torch.equal(a, b) for a, b in zip(wrapped[0], unwrapped[0], strict=True))
     want = wrapped[0][4].to(torch.bfloat16).float()  # id 4: the last layer's output before the norm
     torch.testing.assert_close(states[5:, 1].float(), want, rtol=BF16_ULP, atol=1e-5 * want.abs().max().item())
+
+
+def test_the_final_norm_is_found_under_the_names_families_give_it():
+    """Jamba calls it `final_layernorm`, not `norm`: verify hooks it and convert applies it (it was None)."""
+    from transformers import AutoModelForCausalLM, JambaConfig
+
+    from streamx.model.capture import find_decoder
+
+    config = JambaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, num_experts=2, num_experts_per_tok=1,
+                         attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                         mamba_d_state=4, mamba_expand=2)
+    model = AutoModelForCausalLM.from_config(config)
+    assert find_decoder(model).norm is model.model.final_layernorm

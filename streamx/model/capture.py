@@ -32,6 +32,10 @@ LAYER_PATHS = (
 )
 
 
+FINAL_NORMS = ("norm", "final_layernorm", "final_norm", "norm_f", "ln_f")  # the decoder's final norm, by family
+# (Llama and most; Jamba, Phi; Falcon-H1; Mamba; GPT-2)
+
+
 class LayerDiscoveryError(ValueError):
     pass
 
@@ -57,7 +61,8 @@ def find_decoder(model: nn.Module) -> Decoder:
             module = getattr(module, part, None)
         layers = getattr(module, path.split(".")[-1], None) if module is not None else None
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
-            return Decoder(module, layers, getattr(module, "norm", None))
+            norm = next((n for name in FINAL_NORMS if isinstance(n := getattr(module, name, None), nn.Module)), None)
+            return Decoder(module, layers, norm)
     raise LayerDiscoveryError(
         f"cannot find the decoder layers of {type(model).__name__}: looked for {', '.join(LAYER_PATHS)}"
     )
