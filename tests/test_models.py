@@ -236,6 +236,11 @@ def test_random_weights_from_a_config_file_read_no_weights(tmp_path, smollm2_dir
     path.write_text(config.to_json_string())
     with pytest.raises(ValueError, match="needs --tokenizer"):
         load_model(str(path), dtype="float32", device="cpu", random_weights=True)
+    folder = tmp_path / "config-only"  # a folder of a config alone: no bare tokenizer made from its model type
+    folder.mkdir()
+    (folder / "config.json").write_text(config.to_json_string())
+    with pytest.raises(ValueError, match=r"config-only holds no tokenizer \(tokenizer.json, .*: pass --tokenizer"):
+        load_model(str(folder), dtype="float32", device="cpu", random_weights=True)
     lm, tok, info = load_model(str(path), dtype="float32", device="cpu", random_weights=True, tokenizer=smollm2_dir)
     assert info.random_weights and info.weights_fingerprint.startswith("random-init:") and info.num_layers == 3
     assert tok.eos_token == "<|im_end|>"

@@ -197,11 +197,20 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
         raise _not_found(path, e) from None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model",
+                   "tekken.json", "spiece.model", "merges.txt")
+
+
 def model_tokenizer(model_path: str, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
-    """The run's tokenizer: `tokenizer` when given, else the model's own."""
+    """The run's tokenizer: `tokenizer` when given, else the model's own (a folder of a config alone has none:
+    transformers would make a bare one from the model type, without the chat template)."""
     if tokenizer is None and model_path.endswith(".json"):
         raise ValueError(f"--random-weights from the config file {model_path} needs --tokenizer (a hub id or "
                          "directory)")
+    if tokenizer is None and os.path.isdir(model_path) and \
+            not any(os.path.exists(os.path.join(model_path, f)) for f in TOKENIZER_FILES):
+        raise ValueError(f"{model_path} holds no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, ...): pass --tokenizer "
+                         "with the model's own (a hub id or a folder)")
     return load_tokenizer(tokenizer or model_path)
 
 
