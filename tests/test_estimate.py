@@ -281,3 +281,38 @@ def test_sizes_read_in_the_unit_that_fits_them():
     from streamx.base.units import gb
 
     assert [gb(n) for n in (5e7, 1.5e9, 87_198.75e9, 2.5e15)] == ["50.0 MB", "1.50 GB", "87.20 TB", "2,500.00 TB"]
+
+
+def test_a_quantized_checkpoint_is_sized_as_it_stores_its_weights():
+    """From the config's quantization_config alone: gpt-oss's MXFP4 experts at 4.25 bits (4-bit values, an 8-bit
+    scale per 32), the rest in bf16; an FP8 checkpoint's decoder linear layers at 8 bits plus a float32 scale per
+    128 x 128 block, its embeddings and norms in bf16. Expected sizes from the configs' shapes, not the code's."""
+    import math
+
+    from transformers import AutoModelForCausalLM, GptOssConfig, LlamaConfig
+
+    from streamx.model.quantized import describe, weight_bytes
+
+    E, H, M, L = 4, 64, 32, 2  # experts, hidden, intermediate, layers
+    oss = GptOssConfig(hidden_size=H, intermediate_size=M, num_hidden_layers=L, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, num_local_experts=E, num_experts_per_tok=2, vocab_size=256,
+                       quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+                           "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(oss, dtype=torch.bfloat16)
+    total = sum(p.numel() for p in model.parameters())
+    experts = L * E * (H * 2 * M + M * H)  # gate_up_proj [E, H, 2I] and down_proj [E, M, H] per layer
+    assert sum(weight_bytes(model, 2).values()) == 2 * (total - experts) + experts * 17 // 32
+    assert describe(oss) == "MXFP4 experts at 4.25 bits as stored"
+
+    llama = LlamaConfig(hidden_size=H, intermediate_size=M, num_hidden_layers=L, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=256,
+                        quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(llama, dtype=torch.bfloat16)
+    total = sum(p.numel() for p in model.parameters())
+    shapes = [(H, H), (H // 2, H), (H // 2, H), (H, H), (M, H), (M, H), (H, M)]  # q k v o gate up down
+    linear = L * sum(a * b for a, b in shapes)
+    fp8 = L * sum(math.ceil(a * b * (8 + 32 / 128 ** 2) / 8) for a, b in shapes)
+    assert sum(weight_bytes(model, 2).values()) == 2 * (total - linear) + fp8
+    assert describe(LlamaConfig()) is None

@@ -22,6 +22,7 @@ from torch import nn
 from .carry import kept_bytes_per_token
 from .kv_heads import kv_replicas
 from .load import heads_refusal
+from .quantized import weight_bytes
 
 TP_SIZES = (1, 2, 4, 8)
 HEADROOM = 0.9  # of a GPU's memory that a run may plan on: the CUDA context, the allocator's fragmentation
@@ -52,7 +53,7 @@ def footprints(model: nn.Module, token_budget: int, num_slots: int, ep: bool = F
     """The footprint at each --tp of `sizes` (`ep`: with --ep); one whose heads it cannot split says why."""
     text = model.config.get_text_config()
     width = next(model.parameters()).element_size()
-    params = {name: p.numel() * width for name, p in model.named_parameters()}
+    params = weight_bytes(model, width)  # as the checkpoint stores them: a quantized one's quantized
     experts = sum(n for name, n in params.items() if ".experts." in name)
     layers = sum(n for name, n in params.items() if "layers." in name) - experts
     whole = sum(params.values()) - layers - experts
@@ -73,14 +74,18 @@ def footprints(model: nn.Module, token_budget: int, num_slots: int, ep: bool = F
     return out
 
 
-def fit_lines(found: list[Footprint], gpu_bytes: int, dtype: torch.dtype, token_budget: int) -> list[str]:
+def fit_lines(found: list[Footprint], gpu_bytes: int, dtype: torch.dtype, token_budget: int,
+              quantized: str | None = None) -> list[str]:
     """`streamx plan`'s lines: each --tp's bytes per GPU, whether it fits GPUs of `gpu_bytes`, the smallest that
-    does."""
+    does; `quantized`: what of the checkpoint is quantized (streamx.model.quantized.describe)."""
     def gb(n: int) -> str:
         return f"{n / 1e9:,.1f} GB"
 
     lines = [f"gpu memory   per GPU, {str(dtype).removeprefix('torch.')}, --token-budget {token_budget:,}: weights + "
              f"a forward's working memory (about) + kept keys, against {gb(gpu_bytes)} GPUs ({HEADROOM:.0%} planned)"]
+    if quantized:
+        lines.append(f"  weights: {quantized}, as transformers keeps them on GPUs it has kernels for (dequantized to "
+                     f"{str(dtype).removeprefix('torch.')} elsewhere, which these sizes do not count)")
     for f in found:
         if f.refused:
             lines.append(f"  --tp {f.tp:<6} refused: {f.refused.removeprefix(f'--tp {f.tp} ')}")

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
+from transformers import AutoConfig
 
 from ..base.units import gb
 from ..config import RunConfig, resolve_layer_ids
@@ -26,6 +27,7 @@ from ..data.source import Row, Source, open_source
 from ..data.tokenize import DIGEST_BYTES, Reject, Repeats, Sample, SampleBuilder
 from ..model.footprint import Footprint, fit_lines, footprints
 from ..model.load import meta_model, model_tokenizer, read_text_config, resolve_dtype, resolve_model_path
+from ..model.quantized import describe
 from ..model.residual import config_layers, residual_of
 from ..model.support import support_of
 from ..store import STORAGES, Layout, free_bytes, make_layout
@@ -367,7 +369,8 @@ class Forecast:
             lines.append("time         pass --tokens-per-s N (e.g. from streamx bench) or --calibrate")
         if self.footprints:
             lines += fit_lines(self.footprints, self.gpu_bytes, resolve_dtype(config.dtype, "cuda"),
-                               config.token_budget)
+                               config.token_budget, describe(AutoConfig.from_pretrained(resolve_model_path(
+                                   config.model))))
         return lines
 
 
