@@ -176,6 +176,12 @@ def plan(
                                    "pass on a few batches of the data, for the time estimate."),
     gpu_memory: Optional[float] = typer.Option(None, help="The GPUs' memory in GB, to say which --tp fits (default: "
                                                "this machine's first GPU, else 80)."),
+    gpus: int = typer.Option(1, help="GPUs the whole job runs on, for the time estimate where no rate is given or "
+                             "calibrated."),
+    mfu: float = typer.Option(0.4, help="The share of each GPU's peak the forward sustains, for that estimate (an "
+                              "assumption: --tokens-per-s from `streamx bench` replaces it)."),
+    gpu_tflops: float = typer.Option(989.0, help="Each GPU's dense bf16 peak in TFLOPS, for that estimate (989: "
+                                     "H100 and H200)."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
     """Say what `streamx run` with the same settings would write, before running it: rows, tokens, the
@@ -184,6 +190,8 @@ def plan(
     import torch
 
     from .measure.bench import calibrate as calibrate_rate
+    from .model.flops import assumed_rate, token_cost
+    from .model.load import meta_model, resolve_model_path
     from .pipeline.estimate import Forecast, estimate, gpu_footprints
     from .pipeline.plan import check_parallel, preflight
 
@@ -196,6 +204,12 @@ def plan(
         rate, how = tokens_per_s, "given"
         if rate is None and calibrate:
             rate, how = calibrate_rate(cfg, log=_log), "calibrated: forward pass alone"
+        if rate is None:
+            if gpus < 1 or not 0 < mfu <= 1 or gpu_tflops <= 0:
+                raise ValueError(f"--gpus must be >= 1, --mfu in (0, 1], --gpu-tflops > 0; got {gpus}, {mfu}, "
+                                 f"{gpu_tflops}")
+            rate, how = assumed_rate(token_cost(meta_model(resolve_model_path(cfg.model), torch.bfloat16),
+                                                est.tokens / max(1, est.samples) / 2), gpus, mfu, gpu_tflops)
         gpu_bytes = round(gpu_memory * 1e9) if gpu_memory else torch.cuda.get_device_properties(0).total_memory \
             if torch.cuda.is_available() else 80 * 10**9
         found = gpu_footprints(cfg, len(est.layer_ids))

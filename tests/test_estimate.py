@@ -316,3 +316,34 @@ def test_a_quantized_checkpoint_is_sized_as_it_stores_its_weights():
     fp8 = L * sum(math.ceil(a * b * (8 + 32 / 128 ** 2) / 8) for a, b in shapes)
     assert sum(weight_bytes(model, 2).values()) == 2 * (total - linear) + fp8
     assert describe(LlamaConfig()) is None
+
+
+def test_the_hours_without_a_measured_rate_come_from_the_models_flops_and_say_their_assumption(
+        tiny_chat_model_dir, chat_jsonl, tmp_path):
+    """2 FLOPs per decoder weight (a MoE's experts at top-k / E) and the attention's two matmuls over the context,
+    against sizes from the config's shapes; the plan prints the rate with what it assumed."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+
+    from streamx.model.flops import assumed_rate, token_cost
+
+    H, M, L = 64, 32, 2
+    with torch.device("meta"):
+        dense = AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=H, intermediate_size=M, num_hidden_layers=L,
+                                                             num_attention_heads=4, num_key_value_heads=2,
+                                                             vocab_size=256))
+        moe = AutoModelForCausalLM.from_config(Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=M,
+                                                              num_hidden_layers=L, num_attention_heads=4,
+                                                              num_key_value_heads=2, head_dim=16, num_experts=8,
+                                                              num_experts_per_tok=2, vocab_size=256))
+    attention = H * H + 2 * (H // 2) * H + H * H  # q, k, v (2 KV heads of 16), o
+    cost = token_cost(dense, 100.0)
+    assert cost.active_params == L * (attention + 3 * H * M + 2 * H)  # + MLP and two norms per layer
+    assert cost.attention == 4 * H * L * 100.0
+    experts_active = 2 * 3 * H * M  # 2 of 8 experts' gate, up and down
+    router, norms = 8 * H, 2 * H + 2 * 16  # + per-head q and k norms
+    assert token_cost(moe, 100.0).active_params == L * (attention + experts_active + router + norms)
+    rate, said = assumed_rate(cost, 8, 0.5, 1000.0)
+    assert rate == 8 * 0.5 * 1e15 / cost.flops and said.startswith("assumed: 8 GPUs at 50% of 1,000 TFLOPS")
+    text = CliRunner().invoke(app, ["plan", "--model", tiny_chat_model_dir, "--data", chat_jsonl, "--out",
+                                    str(tmp_path / "s.zarr"), "--gpus", "2"])
+    assert text.exit_code == 0 and "tokens/s (assumed: 2 GPUs at 40% of 989 TFLOPS" in text.stdout, text.output

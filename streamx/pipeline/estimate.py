@@ -363,7 +363,8 @@ class Forecast:
             lines.append(f"free         {gb(free)} at {config.out}: " + ("fits" if free >= needed else
                                                                          f"TOO SMALL for {gb(needed)}"))
         if tokens_per_s:
-            note = "" if how == "given" else "; streamx measured 0.99x of the forward pass on CPU (bench/RESULTS.md)"
+            note = "; streamx measured 0.99x of the forward pass on CPU (bench/RESULTS.md)" \
+                if how.startswith("calibrated") else ""
             lines.append(f"time         {duration(self.seconds)} at {tokens_per_s:,.0f} tokens/s ({how}{note})")
         else:
             lines.append("time         pass --tokens-per-s N (e.g. from streamx bench) or --calibrate")

@@ -1,0 +1,51 @@
+"""A forward's compute per token, for `plan`'s hours where no rate was measured: 2 FLOPs per active weight of the
+decoder (a MoE's experts at top-k / E; no embeddings, no LM head: streamx runs neither's matmul) and the attention's
+two matmuls over the tokens before it (a sliding window's at most its width), from the model built on the meta
+device (no weight read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+DEFAULT_MFU = 0.4  # of the GPU's peak a long batched forward sustains: an assumption, said wherever it is used
+H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 or H200 SXM
+
+
+@dataclass(frozen=True)
+class TokenCost:
+    active_params: int  # decoder weights a token passes through
+    attention: float  # FLOPs of its attention at the given context
+
+    @property
+    def flops(self) -> float:
+        return 2 * self.active_params + self.attention
+
+
+def token_cost(model: nn.Module, mean_context: float) -> TokenCost:
+    """The forward FLOPs of one token that attends to `mean_context` tokens on average."""
+    text = model.config.get_text_config()
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or \
+        getattr(text, "n_routed_experts", None)
+    top_k = getattr(text, "num_experts_per_tok", None) or getattr(text, "experts_per_token", None)
+    active = 0
+    for name, p in model.named_parameters():
+        if "layers." not in name:
+            continue
+        active += p.numel() * top_k // experts if experts and top_k and ".experts." in name else p.numel()
+    heads = text.num_attention_heads * (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+    window = getattr(text, "sliding_window", None) or mean_context
+    context = [min(mean_context, window) if t == "sliding_attention" else mean_context
+               for t in types if t.endswith("attention") and t != "linear_attention"]
+    return TokenCost(active, 4 * heads * sum(context))  # QK^T and AV: 2 FLOPs a multiply-add, each
+
+
+def assumed_rate(cost: TokenCost, gpus: int, mfu: float, tflops: float) -> tuple[float, str]:
+    """Tokens/s of `gpus` GPUs of `tflops` peak at `mfu` of it, and the assumption in words."""
+    rate = gpus * mfu * tflops * 1e12 / cost.flops
+    return rate, (f"assumed: {gpus} GPU{'s' if gpus > 1 else ''} at {mfu:.0%} of {tflops:,.0f} TFLOPS for "
+                  f"{cost.flops / 1e9:,.1f} GFLOPs a token ({cost.active_params / 1e9:,.1f} B active weights and "
+                  "attention); --tokens-per-s from streamx bench, or --calibrate, for a measured rate")
