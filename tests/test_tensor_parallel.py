@@ -113,6 +113,25 @@ def test_tp_past_the_kv_heads_copies_them_and_equals_one_process(family, ep, che
     assert_close_samples(tmp_path / "one.zarr", tmp_path / "tp4.zarr")
 
 
+def test_a_job_array_of_tp_groups_equals_one_process(checkpoints, long_data, tmp_path):
+    """Two array tasks, each a torchrun job of --tp 2 on its node, started together and sharing no process group:
+    task 0 by --rank/--world-size, task 1 by the Slurm array's variables; each job's first process prepares the store,
+    the tasks' groups are data-parallel ranks 0 and 1 of 2, and the store equals one process's."""
+    data, one = long_data
+    out = tmp_path / "array.zarr"
+    slurm = {"SLURM_ARRAY_TASK_ID": "8", "SLURM_ARRAY_TASK_MIN": "7", "SLURM_ARRAY_TASK_COUNT": "2"}
+    jobs = [subprocess.Popen(command(checkpoints["llama3"], data, out, processes=2, tp=2, rank=0, world_size=2),
+                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+            subprocess.Popen(command(checkpoints["llama3"], data, out, processes=2, tp=2),
+                             env={**ENV, **slurm}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    results = [job.communicate(timeout=600) for job in jobs]
+    assert all(job.returncode == 0 for job in jobs), [err[-3000:] for _, err in results]
+    store = open_store(str(out))
+    assert list(store.parts) == ["part-00000", "part-00001"] and store.completeness().complete
+    assert "[rank 1, tensor-parallel 1] ran its share" in results[1][0]
+    assert_close_samples(one, out)
+
+
 def test_tp_2_by_dp_2_and_a_kill_then_resume_equal_one_process(checkpoints, long_data, tmp_path):
     """Four processes in two groups of two write two parts; the second group's other process killed mid-run stops
     the whole job, and the same command resumes it."""

@@ -225,7 +225,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     check_regenerated(config, record, log if rank.is_main else lambda m: None)
     config = resume_unshared(config, log if rank.is_main else lambda m: None)
     sized = None
-    if rank.is_main or rank.independent:  # torchrun's other ranks would race rank 0 creating the store
+    if rank.prepares:  # a torchrun job's other processes would race its first creating the store
         output = preflight(config, rank.device(config.device), log if rank.is_main else lambda m: None)
         if loaded is None and rank.is_main:
             announce(config, source, output, rank.device(config.device), log, rank)

@@ -37,6 +37,8 @@ class Rank:
     tp_rank: int = 0  # within its tensor-parallel group: 0 captures and writes
     tp_size: int = 1
     mesh: DeviceMesh | None = field(default=None, compare=False)  # ("dp", "tp") under --tp
+    tasks: int = 1  # torchrun jobs the ranks are spread over (a job array's tasks), no process group between them
+    job_first: int = 0  # the first data-parallel rank of this process's torchrun job
 
     @property
     def leads(self) -> bool:
@@ -46,12 +48,18 @@ class Rank:
     @property
     def process(self) -> int:
         """Its rank in the torchrun job."""
-        return self.rank * self.tp_size + self.tp_rank
+        return (self.rank - self.job_first) * self.tp_size + self.tp_rank
 
     @property
     def independent(self) -> bool:
-        """One of several processes that share no process group: each prepares the store itself."""
-        return self.world_size > 1 and not self.group
+        """One of several processes, or torchrun jobs, that share no process group."""
+        return self.tasks > 1 or (self.world_size > 1 and not self.group)
+
+    @property
+    def prepares(self) -> bool:
+        """Creates (or checks) the store before the others open it: the first process of its torchrun job, or each
+        process where no process group joins it to others."""
+        return not self.group or (self.rank == self.job_first and self.leads)
 
     @property
     def is_main(self) -> bool:
@@ -78,35 +86,41 @@ class Rank:
 
 
 def init_from_env(rank: int | None = None, world_size: int | None = None, tp: int = 1) -> Rank:
-    """This process's rank: `rank` of `world_size` when given (--rank, --world-size); else torchrun's
-    WORLD_SIZE/RANK/LOCAL_RANK (joining its process group; with `tp` > 1, in groups of `tp` that shard the model);
-    else a Slurm job array's task; else rank 0 of 1."""
+    """This process's rank. The task: `rank` of `world_size` when given (--rank, --world-size), else a Slurm job
+    array's task, else none. Under torchrun (WORLD_SIZE/RANK/LOCAL_RANK; joining its process group; with `tp` > 1,
+    in groups of `tp` that shard the model) the job is that task of several such jobs, its groups the task's share
+    of the data-parallel ranks; without torchrun the process is the task; else rank 0 of 1."""
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     if tp < 1:
         raise ValueError(f"--tp must be 1 or more, got {tp}")
-    if tp > 1 and (rank is not None or world_size is not None or processes % tp):
+    if tp > 1 and (processes == 1 or processes % tp):
         raise ValueError(f"--tp {tp} shards the model over processes of one torchrun job: run it under torchrun with a "
-                         f"multiple of {tp} processes (torchrun --nproc-per-node {tp} ...), without --rank/--world-size"
+                         f"multiple of {tp} processes (torchrun --nproc-per-node {tp} ...; a job array of such jobs "
+                         "names each by --rank/--world-size or its Slurm variables)"
                          + (f"; this job has {processes}" if processes > 1 else ""))
-    if rank is not None or world_size is not None:
-        return _independent(rank, world_size, "--rank and --world-size")
+    task = _task(rank, world_size)
     if processes > 1:
-        return _torchrun(tp)
-    if "SLURM_ARRAY_TASK_ID" in os.environ and "SLURM_ARRAY_TASK_COUNT" in os.environ:
+        return _torchrun(tp, *(task or (0, 1)))
+    return Rank(*task) if task else Rank()
+
+
+def _task(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
+    """(task, tasks) from --rank/--world-size, else from a Slurm job array's variables, else None."""
+    if rank is not None or world_size is not None:
+        what = "--rank and --world-size"
+    elif "SLURM_ARRAY_TASK_ID" in os.environ and "SLURM_ARRAY_TASK_COUNT" in os.environ:
         task, first = int(os.environ["SLURM_ARRAY_TASK_ID"]), int(os.environ.get("SLURM_ARRAY_TASK_MIN", "0"))
         step = int(os.environ.get("SLURM_ARRAY_TASK_STEP", "1"))
-        return _independent((task - first) // step, int(os.environ["SLURM_ARRAY_TASK_COUNT"]),
-                            f"the Slurm array's task {task} (of {os.environ['SLURM_ARRAY_TASK_COUNT']} from {first} "
-                            f"by {step}; an array of listed ids needs --rank and --world-size)")
-    return Rank()
-
-
-def _independent(rank: int | None, world_size: int | None, what: str) -> Rank:
+        rank, world_size = (task - first) // step, int(os.environ["SLURM_ARRAY_TASK_COUNT"])
+        what = (f"the Slurm array's task {task} (of {world_size} from {first} by {step}; an array of listed ids needs "
+                "--rank and --world-size)")
+    else:
+        return None
     if rank is None or world_size is None:
         raise ValueError("--rank and --world-size go together: name both")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"{what}: rank {rank} of a world of {world_size} is not one of 0..{world_size - 1}")
-    return Rank(rank, world_size)
+    return rank, world_size
 
 
 WAIT_MINUTES = 180  # the longest legitimate wait in a collective: rank 0 sizing the store from every row, a large
@@ -119,7 +133,8 @@ def collective_timeout() -> timedelta:
     return timedelta(minutes=float(os.environ.get("STREAMX_WAIT_MINUTES", WAIT_MINUTES)))
 
 
-def _torchrun(tp: int) -> Rank:
+def _torchrun(tp: int, task: int, tasks: int) -> Rank:
+    """A process of torchrun job `task` of `tasks`: the job's groups are data-parallel ranks task * groups on."""
     rank, local_rank, processes = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), \
         int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()
@@ -129,4 +144,6 @@ def _torchrun(tp: int) -> Rank:
         dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=collective_timeout())
     mesh = None if tp == 1 else init_device_mesh("cuda" if cuda else "cpu", (processes // tp, tp),
                                                  mesh_dim_names=("dp", "tp"))
-    return Rank(rank // tp, processes // tp, local_rank, group=True, tp_rank=rank % tp, tp_size=tp, mesh=mesh)
+    groups = processes // tp
+    return Rank(task * groups + rank // tp, tasks * groups, local_rank, group=True, tp_rank=rank % tp, tp_size=tp,
+                mesh=mesh, tasks=tasks, job_first=task * groups)

@@ -303,8 +303,9 @@ def run(config: RunConfig | RunPlan, progress: bool = True, log: Callable[[str],
 def _run(plan: RunPlan, part: OwnedPart, started: tuple[float, float], progress: bool, log: Callable[[str], None],
          signals: bool) -> RunSummary:
     cfg, rank = plan.config, plan.rank
-    # rank 0 creates (or checks and reopens) the store before any other rank opens it; independent ranks each do
-    root = prepare(cfg.out, plan.metadata, cfg.overwrite) if rank.is_main or rank.independent else None
+    # a job's first process creates (or checks and reopens) the store before its others open it; independent ranks
+    # and jobs each do
+    root = prepare(cfg.out, plan.metadata, cfg.overwrite) if rank.prepares else None
     rank.barrier()
     target = open_for_run(cfg.out, plan.metadata, root)
     rank.barrier()  # every rank has read the same committed set before any rank creates its part or commits
