@@ -227,7 +227,7 @@ def test_the_plan_sizes_each_gpu_at_each_tp(tiny_chat_model_dir, chat_jsonl, tmp
     assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (4, 2)
     found = footprints(model, 512, 3)
     assert [(f.tp, f.kv_copies, bool(f.refused)) for f in found] == [(1, 1, False), (2, 1, False), (4, 2, False),
-                                                                     (8, 1, True)]
+                                                                     (8, 1, True), (16, 1, True)]
     assert "num_attention_heads 4" in found[3].refused and found[2].kept == found[1].kept
     lines = fit_lines(found, 10**12, torch.float32, 512)
     assert "(each key-value head on 2 GPUs)" in lines[3] and lines[4].startswith("  --tp 8      refused: does not")

@@ -24,7 +24,8 @@ from .kv_heads import kv_replicas
 from .load import heads_refusal
 from .quantized import weight_bytes
 
-TP_SIZES = (1, 2, 4, 8)
+TP_SIZES = (1, 2, 4, 8, 16)
+NODE_GPUS = 8  # a --tp above this spans nodes (torchrun --nnodes): slower collectives, for targets no node holds
 HEADROOM = 0.9  # of a GPU's memory that a run may plan on: the CUDA context, the allocator's fragmentation
 
 
@@ -90,9 +91,10 @@ def fit_lines(found: list[Footprint], gpu_bytes: int, dtype: torch.dtype, token_
         if f.refused:
             lines.append(f"  --tp {f.tp:<6} refused: {f.refused.removeprefix(f'--tp {f.tp} ')}")
             continue
-        copies = f" (each key-value head on {f.kv_copies} GPUs)" if f.kv_copies > 1 else ""
+        notes = [f"each key-value head on {f.kv_copies} GPUs"] * (f.kv_copies > 1) + \
+            [f"{f.tp // NODE_GPUS} nodes of {NODE_GPUS}: torchrun --nnodes {f.tp // NODE_GPUS}"] * (f.tp > NODE_GPUS)
         lines.append(f"  --tp {f.tp:<6} {gb(f.weights)} + {gb(f.activations)} + {gb(f.kept)} = {gb(f.total)}   "
-                     + ("fits" if f.fits(gpu_bytes) else "does not fit") + copies)
+                     + ("fits" if f.fits(gpu_bytes) else "does not fit") + "".join(f" ({n})" for n in notes))
     fitting = next((f.tp for f in found if f.fits(gpu_bytes)), None)
     tried = [f.tp for f in found if not f.refused]
     lines.append("  " + (f"--tp {fitting} is the smallest that fits (docs/scaling.md); --gpu-memory GB for other GPUs"
