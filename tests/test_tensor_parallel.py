@@ -110,7 +110,32 @@ def test_tp_past_the_kv_heads_copies_them_and_equals_one_process(family, ep, che
     assert "[rank 0, tensor-parallel 1] ran its share" in result.stdout
     assert f"ranks   1 data-parallel groups of --tp 4{' --ep' if ep else ''}, each with its share of the rows: this " \
            "is data-parallel rank 0, tensor-parallel rank 0 (process 0)" in result.stderr  # the banner
+    assert "  tp      this process holds " in result.stderr and "whole on every process" not in result.stderr
     assert_close_samples(tmp_path / "one.zarr", tmp_path / "tp4.zarr")
+
+
+def test_a_plan_that_leaves_the_attention_whole_is_said_by_plan_and_the_run(smollm2_dir, chat_jsonl, tmp_path):
+    """gpt-oss under transformers 5.25's tensor-parallel plan: only its embeddings and head split, its attention
+    whole on every process (its experts too, without --ep). The run measures what each process holds and says so,
+    and `plan` counts the attention whole and names it."""
+    from typer.testing import CliRunner
+
+    from streamx.cli import app
+    from streamx.model.footprint import footprints
+    from streamx.model.load import meta_model
+
+    model = tmp_path / "gpt_oss"
+    zoo_model("gpt_oss").save_pretrained(model)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(model)
+    result = launch(str(model), chat_jsonl, tmp_path / "tp2.zarr", processes=2, tp=2)
+    line = next(line for line in result.stderr.splitlines() if line.startswith("  tp      "))
+    held = float(line.split("(")[1].split("%")[0]) / 100  # measured: each parameter's local shard
+    assert line.endswith("transformers' plan leaves self_attn whole on every process")
+    plan = footprints(meta_model(str(model), torch.float32), 512, 3, sizes=(1, 2))  # from the plan's rules
+    assert abs(held - plan[1].weights / plan[0].weights) < 0.002, (held, plan[1].weights / plan[0].weights)
+    text = CliRunner().invoke(app, ["plan", "--model", str(model), "--data", chat_jsonl, "--out",
+                                    str(tmp_path / "p.zarr"), "--sample-rows", "16"])
+    assert "transformers' tensor-parallel plan leaves self_attn whole on every GPU under --tp" in text.stdout
 
 
 def test_a_job_array_of_tp_groups_equals_one_process(checkpoints, long_data, tmp_path):

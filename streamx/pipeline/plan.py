@@ -42,6 +42,7 @@ from ..data.tokenize import (
 )
 from ..model.carry import kept_bytes_per_token
 from ..model.check import check_continuation, check_prefix_rows
+from ..model.footprint import held_share
 from ..model.load import (
     ModelInfo,
     check_tensor_parallel,
@@ -245,6 +246,8 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
         family = family_note(model.config, packing.on, sharing.min_shared_tokens is not None, packing.alone,
                              sharing.on)
         log(f"  family  {family}")
+        if config.tp > 1:
+            log(f"  tp      {held_share(model, config.tp)}")
         log(f"  audit   {audit_note(config)}")
     check_vocabulary(config.data, record, tokenizer)
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation, config.train_turns)
