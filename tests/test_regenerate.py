@@ -664,28 +664,34 @@ def test_a_row_that_outlasts_the_timeout_is_that_rows_error_not_a_server_down():
 
 
 def test_rows_are_written_as_they_finish_so_a_slow_row_holds_back_only_its_own_slot(tmp_path):
-    """One conversation 100x slower than the others at the head of the data: the other slot goes on through
-    the rest of the rows meanwhile, each written as it finishes; every row once."""
-    server = SlowServer(lambda text: 3.0 if text == "r0.0" else 0.01)
+    """One conversation held back at the head of the data until 25 others have been asked for (an order of
+    events, not a time: a busy machine only takes longer): the other slot goes on through the rest of the rows
+    meanwhile, each written as it finishes; every row once."""
+    def held_back(text: str) -> float:
+        deadline = time.time() + 300  # (a bound far above any load)
+        while text == "r0.0" and len(server.arrived) < 26 and time.time() < deadline:
+            time.sleep(0.01)
+        return 0.0
+
+    server = SlowServer(held_back)
     try:
         out = tmp_path / "o.jsonl"
         summary = regenerate(settings(chats(tmp_path / "d.jsonl", [1] * 60), out, endpoint=[server.url],
                                       model="m", concurrency=2), progress=False, log=lambda m: None)
     finally:
         server.close()
-    started = server.arrived[0][0]
-    during = [text for when, text in server.arrived if started + 0.1 < when < started + 2.9]
     written = [r["source_row"] for r in read_rows(out)]
     assert summary.rows == 60 and sorted(written) == list(range(60))
     # rows went on being asked for and written while row 0 ran (in source order, row 0 was written first and
-    # the others waited for it once 32 were done); a busy machine still does dozens in 3 s
-    assert len(during) >= 20 and written.index(0) >= 20, (len(during), written.index(0))
+    # the others waited for it once 32 were done)
+    assert written.index(0) >= 20, written.index(0)
 
 
 def test_sigterm_stops_at_turn_boundaries_and_writes_every_finished_row(tmp_path):
     """SIGTERM while multi-turn conversations are in flight: the turns in flight come back, no further turn is
-    asked for, a conversation that ended with its turn is written, the others are left for the next run; exit
-    143 at once. The same command then gives every row once."""
+    asked for (the order of events, not a time: no request arrives after the signal), a conversation that ended
+    with its turn is written, the others are left for the next run; exit 143. The same command then gives every row
+    once."""
     server = SlowServer(lambda text: 0.8)
     out = tmp_path / "o.jsonl"
     args = ["--data", str(chats(tmp_path / "d.jsonl", [2, 3, 2, 2])), "--endpoint", server.url, "--model", "m",
@@ -697,10 +703,9 @@ def test_sigterm_stops_at_turn_boundaries_and_writes_every_finished_row(tmp_path
             time.sleep(0.01)
         sent = time.time()
         proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=60)
-        ended = time.time()
+        stdout, stderr = proc.communicate(timeout=600)  # (a bound far above any load, not a timing)
         assert proc.returncode == 143, stderr
-        assert "stopped by SIGTERM" in stdout and ended - sent < 5
+        assert "stopped by SIGTERM" in stdout
         # the next steps: the same command goes on; `streamx run` reads the rows so far only when told to
         assert [line for line in stdout.splitlines() if line.startswith("next:")] == [
             f"next: {shlex.join(['streamx', 'regenerate', '--no-progress', *args])}   (goes on)   |   to use the "
