@@ -114,6 +114,22 @@ def test_tp_past_the_kv_heads_copies_them_and_equals_one_process(family, ep, che
     assert_close_samples(tmp_path / "one.zarr", tmp_path / "tp4.zarr")
 
 
+def test_tp_8_with_4_kv_heads_equals_one_process(smollm2_dir, chat_jsonl, tmp_path):
+    """Qwen3-235B-A22B's shape in small: 4 KV heads of 8 query heads at --tp 8, each KV head on two processes (eight
+    processes on this machine's cores: slow, and the code path of a real 8-GPU node)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = tmp_path / "llama-8q-4kv"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                 num_attention_heads=8, num_key_value_heads=4, head_dim=8)).save_pretrained(model)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(model)
+    launch(str(model), chat_jsonl, tmp_path / "one.zarr", max_samples=12)
+    result = launch(str(model), chat_jsonl, tmp_path / "tp8.zarr", processes=8, tp=8, max_samples=12)
+    assert "[rank 0, tensor-parallel 7] ran its share" in result.stdout
+    assert_close_samples(tmp_path / "one.zarr", tmp_path / "tp8.zarr")
+
+
 def test_a_plan_that_leaves_the_attention_whole_is_said_by_plan_and_the_run(smollm2_dir, chat_jsonl, tmp_path):
     """gpt-oss under transformers 5.25's tensor-parallel plan: only its embeddings and head split, its attention
     whole on every process (its experts too, without --ep). The run measures what each process holds and says so,
