@@ -190,9 +190,7 @@ def plan(
     import torch
 
     from .measure.bench import calibrate as calibrate_rate
-    from .model.flops import assumed_rate, token_cost
-    from .model.load import meta_model, resolve_model_path
-    from .pipeline.estimate import Forecast, estimate, gpu_footprints
+    from .pipeline.estimate import estimate, gpu_forecast
     from .pipeline.plan import check_parallel, preflight
 
     try:
@@ -204,18 +202,11 @@ def plan(
         rate, how = tokens_per_s, "given"
         if rate is None and calibrate:
             rate, how = calibrate_rate(cfg, log=_log), "calibrated: forward pass alone"
-        if rate is None:
-            if gpus < 1 or not 0 < mfu <= 1 or gpu_tflops <= 0:
-                raise ValueError(f"--gpus must be >= 1, --mfu in (0, 1], --gpu-tflops > 0; got {gpus}, {mfu}, "
-                                 f"{gpu_tflops}")
-            rate, how = assumed_rate(token_cost(meta_model(resolve_model_path(cfg.model), torch.bfloat16),
-                                                est.tokens / max(1, est.samples) / 2), gpus, mfu, gpu_tflops)
         gpu_bytes = round(gpu_memory * 1e9) if gpu_memory else torch.cuda.get_device_properties(0).total_memory \
             if torch.cuda.is_available() else 80 * 10**9
-        found = gpu_footprints(cfg, len(est.layer_ids))
+        forecast = gpu_forecast(cfg, est, rate, how, gpu_bytes, gpus, mfu, gpu_tflops)
     except (Exception, Interrupted) as err:  # noqa: BLE001
         _fail(err)
-    forecast = Forecast(est, cfg, rate, how, gpu_bytes, found)
     typer.echo(json.dumps(forecast.to_json(), indent=2) if as_json else "\n".join(forecast.lines()))
 
 

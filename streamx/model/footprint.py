@@ -71,6 +71,7 @@ def footprints(model: nn.Module, token_budget: int, num_slots: int, ep: bool = F
     mlp = max(getattr(text, "intermediate_size", 0) or 0,
               (getattr(text, "moe_intermediate_size", 0) or 0) * (getattr(text, "num_experts_per_tok", 0) or 0))
     kept = token_budget * kept_bytes_per_token(model)
+    left_whole = tuple(whole_parts(model))
     out = []
     for tp in sizes:
         if why := heads_refusal(text, tp):
@@ -81,7 +82,7 @@ def footprints(model: nn.Module, token_budget: int, num_slots: int, ep: bool = F
         weights = whole + copied + (split - copied) // tp + (experts // tp if ep else experts)
         working = token_budget * (width * (6 * hidden + (3 * heads + 3 * mlp) // tp) + 2 * num_slots * hidden)
         out.append(Footprint(tp, weights, working, kept * copies // tp, 0 if ep else experts - experts // tp,
-                             kv_copies=copies, whole=whole_parts(model) if tp > 1 else ()))
+                             kv_copies=copies, whole=left_whole if tp > 1 else ()))
     return out
 
 

@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
-from transformers import AutoConfig
 
 from ..base.units import gb
 from ..config import RunConfig, resolve_layer_ids
@@ -25,6 +24,7 @@ from ..data.fanout import FanOut
 from ..data.sharing import Segment, covered_rows, pieces, share
 from ..data.source import Row, Source, open_source
 from ..data.tokenize import DIGEST_BYTES, Reject, Repeats, Sample, SampleBuilder
+from ..model.flops import DEFAULT_MFU, H100_BF16_TFLOPS, assumed_rate, token_cost
 from ..model.footprint import Footprint, fit_lines, footprints
 from ..model.load import meta_model, model_tokenizer, read_text_config, resolve_dtype, resolve_model_path
 from ..model.quantized import describe
@@ -310,6 +310,7 @@ class Forecast:
     how: str
     gpu_bytes: int = 80 * 10**9  # the GPUs the footprints are fitted to
     footprints: list[Footprint] = field(default_factory=list)  # per GPU at each --tp (streamx.model.footprint)
+    quantized: str | None = None  # what of the checkpoint is quantized (streamx.model.quantized.describe)
     free: int | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -370,15 +371,23 @@ class Forecast:
             lines.append("time         pass --tokens-per-s N (e.g. from streamx bench) or --calibrate")
         if self.footprints:
             lines += fit_lines(self.footprints, self.gpu_bytes, resolve_dtype(config.dtype, "cuda"),
-                               config.token_budget, describe(AutoConfig.from_pretrained(resolve_model_path(
-                                   config.model))))
+                               config.token_budget, self.quantized)
         return lines
 
 
-def gpu_footprints(config: RunConfig, num_slots: int) -> list[Footprint]:
-    """The run's bytes per GPU at each --tp, at the dtype it computes in on a GPU."""
-    return footprints(meta_model(resolve_model_path(config.model), resolve_dtype(config.dtype, "cuda")),
-                      config.token_budget, num_slots, config.ep)
+def gpu_forecast(config: RunConfig, est: Estimate, tokens_per_s: float | None, how: str, gpu_bytes: int,
+                 gpus: int = 1, mfu: float = DEFAULT_MFU, gpu_tflops: float = H100_BF16_TFLOPS) -> Forecast:
+    """`plan`'s forecast for GPUs, from the target built once on the meta device at the dtype it computes in there:
+    its bytes per GPU at each --tp and, where no rate was measured (`tokens_per_s` None), the time at a rate assumed
+    from its FLOPs per token (`gpus` GPUs at `mfu` of `gpu_tflops`), said with its assumption."""
+    target = meta_model(resolve_model_path(config.model), resolve_dtype(config.dtype, "cuda"))
+    if tokens_per_s is None:
+        if gpus < 1 or not 0 < mfu <= 1 or gpu_tflops <= 0:
+            raise ValueError(f"--gpus must be >= 1, --mfu in (0, 1], --gpu-tflops > 0; got {gpus}, {mfu}, {gpu_tflops}")
+        tokens_per_s, how = assumed_rate(token_cost(target, est.tokens / max(1, est.samples) / 2), gpus, mfu,
+                                         gpu_tflops)
+    found = footprints(target, config.token_budget, len(est.layer_ids), config.ep)
+    return Forecast(est, config, tokens_per_s, how, gpu_bytes, found, describe(target.config))
 
 
 

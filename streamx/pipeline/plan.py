@@ -219,8 +219,8 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     rank = rank or init_from_env(config.rank, config.world_size, config.tp)
     check_parallel(config)
     if rank.independent and config.overwrite:
-        raise ValueError("--overwrite with several processes and no torchrun would have each delete the others' "
-                         "parts: delete the store first, then start them")
+        raise ValueError("--overwrite with several processes or torchrun jobs that share no process group would have "
+                         "each delete the others' parts: delete the store first, then start them")
     source = open_source(config.data, config.split, config.max_samples)
     record = regenerated(config.data)
     check_regenerated(config, record, log if rank.is_main else lambda m: None)

@@ -26,12 +26,12 @@ import torch
 from tqdm import tqdm
 
 from ..base import durable
-from ..base.locks import Lock, is_lock, lock_file
+from ..base.locks import Lock, lock_file
 from ..base.units import gb
 from ..store import Store, open_store
 from .convert import ConvertError, check_location, check_usable, prefetch, token_problem
 from .final_norm import FinalNorm
-from .folder import clear
+from .folder import claim
 from .trainers import TRAINERS, Trainer, Written
 
 EXPORT = "streamx_export.json"  # the record: what the folder holds; `complete` once every row is written
@@ -153,25 +153,15 @@ def _states_text(t: Trainer, ids: list[int], L: int, storage: str) -> str:
 
 def _prepare(out: Path, identity: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
     """Make `out` ready: its record when it holds this conversion (complete or begun); refused when it holds
-    another one (unless `overwrite`, which empties it) or files that are not a conversion."""
-    record = out / EXPORT
-    found = None
-    if out.exists() and any(not is_lock(p.name) for p in out.iterdir()):
-        if not record.exists():
-            raise ConvertError(f"{out} holds files that are not a streamx conversion; choose an empty or new --out")
-        try:
-            found = json.loads(record.read_text())
-        except (OSError, ValueError):
-            found = {}
-        if overwrite:
-            clear(out)
-            found = None
-        elif found.get("identity") != identity:
-            raise ConvertError(f"{out} holds another conversion (another store, trainer, layers or row set); pass "
-                               "--overwrite to replace it or choose another --out")
+    another one (unless `overwrite`, which empties it) or files that are not a conversion (folder.claim)."""
+    try:
+        found = claim(out, out / EXPORT, identity, overwrite, "another conversion (another store, trainer, layers or "
+                                                              "row set)")
+    except FileExistsError as err:
+        raise ConvertError(str(err)) from None
     if found is None:
-        durable.write_file(record, lambda tmp: tmp.write_text(json.dumps({"identity": identity}, indent=2) + "\n"))
         found = {"identity": identity}
+        durable.write_file(out / EXPORT, lambda tmp: tmp.write_text(json.dumps(found, indent=2) + "\n"))
     durable.remove_temporaries(out)  # left by a killed convert (we hold the folder's lock)
     return found
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig
 
-from ..model.capture import find_decoder
+from ..model.capture import FINAL_NORMS, find_decoder
 from ..model.load import causal_lm, fingerprint_weights
 
 
@@ -43,7 +43,8 @@ class FinalNorm:
             model = causal_lm(lambda auto: auto.from_config(config))
         norm = find_decoder(model).norm
         if norm is None:
-            raise FinalNormError(f"{type(model).__name__} has no final norm streamx can find (decoder.norm)")
+            raise FinalNormError(f"{type(model).__name__} has no final norm streamx can find (the decoder's "
+                                 f"{', '.join(FINAL_NORMS)})")
         name = next(n for n, m in model.named_modules() if m is norm)
         norm.to_empty(device="cpu")
         tensors = _checkpoint_tensors(folder, name, [p for p, _ in norm.named_parameters()])
@@ -73,8 +74,13 @@ def _checkpoint_tensors(folder: Path, name: str, params: list[str]) -> dict[str,
     the decoder otherwise (a multimodal one saved before transformers moved its language model), the one key that
     ends as it does outside the layers and any vision tower."""
     index = folder / "model.safetensors.index.json"
-    files = {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()} if index.is_file() else \
-        {k: f for f in sorted(folder.glob("*.safetensors")) for k in safe_open(str(f), "pt").keys()}
+    if index.is_file():
+        files = {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    else:
+        files = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(path), "pt") as f:
+                files.update(dict.fromkeys(f.keys(), path))
     found = {}
     for p in params:
         key = f"{name}.{p}"

@@ -41,21 +41,8 @@ def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool, hs_
     empties it) or files that are not a conversion (always: --overwrite never empties a folder streamx did
     not make, such as a home folder). `hs_files`: the conversion writes one per row (else store_rows.npy)."""
     meta_path, plan = out / META, out / WORK / "plan.json"
-    found = None
-    if out.exists() and any(not is_lock(p.name) for p in out.iterdir()):
-        record = meta_path if meta_path.exists() else plan
-        if not record.exists():
-            raise FileExistsError(f"{out} holds files that are not a streamx conversion; choose an empty or new --out")
-        found = _read_record(record)
-        if overwrite:
-            clear(out)
-            found = None
-        elif found is None:
-            raise FileExistsError(f"{out} holds a damaged conversion ({record.relative_to(out)} cannot be read); pass "
-                                  "--overwrite to convert it again, or choose another --out")
-        elif found["identity"] != identity:
-            raise FileExistsError(f"{out} holds a conversion of another store, seed, row set or hidden-state dtype; "
-                                  "pass --overwrite to replace it or choose another --out")
+    found = claim(out, meta_path if meta_path.exists() else plan, identity, overwrite,
+                  "a conversion of another store, seed, row set or hidden-state dtype")
     durable.make_dirs(out / HS_DIR if hs_files else out)
     durable.remove_temporaries(out)  # left by a killed convert (we hold the folder's lock)
     if found is not None and meta_path.exists():
@@ -67,6 +54,27 @@ def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool, hs_
     if not plan.exists():
         durable.write_file(plan, lambda tmp: tmp.write_text(json.dumps({"identity": identity}, indent=2) + "\n"))
     return None
+
+
+def claim(out: Path, record: Path, identity: dict[str, Any], overwrite: bool, other: str) -> dict[str, Any] | None:
+    """The record (at `record`) of the conversion `out` holds, where it is this one (`identity`); None where `out` is
+    empty, or emptied by `overwrite`. Raises FileExistsError where `out` holds files that are not a conversion
+    (always: --overwrite never empties a folder streamx did not make), a damaged record, or `other` (another
+    conversion), unless `overwrite`."""
+    if not out.exists() or all(is_lock(p.name) for p in out.iterdir()):
+        return None
+    if not record.exists():
+        raise FileExistsError(f"{out} holds files that are not a streamx conversion; choose an empty or new --out")
+    found = _read_record(record)
+    if overwrite:
+        clear(out)
+        return None
+    if found is None:
+        raise FileExistsError(f"{out} holds a damaged conversion ({record.relative_to(out)} cannot be read); pass "
+                              "--overwrite to convert it again, or choose another --out")
+    if found["identity"] != identity:
+        raise FileExistsError(f"{out} holds {other}; pass --overwrite to replace it or choose another --out")
+    return found
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
