@@ -73,6 +73,9 @@ class RunConfig:
     dtype: str = setting("auto", "Compute dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, "
                          "float16.")
     device: str = setting("auto", "auto (CUDA when present; this process's GPU under torchrun), cpu, cuda, cuda:N.")
+    dequantize: bool = setting(False, "Load a quantized checkpoint (FP8, MXFP4) dequantized to --dtype on a GPU too "
+                               "(2-4x its weights' memory; the states then are those of its dequantized weights). On "
+                               "the CPU it always is; on a GPU transformers keeps it as stored where it has kernels.")
     device_map: str | None = setting(None, "Split a model larger than one GPU over the visible GPUs, e.g. auto or "
                                      "balanced (accelerate).")
     tp: int = setting(1, "Tensor parallel: the model's linear layers sharded over N processes of a torchrun job "

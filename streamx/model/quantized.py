@@ -4,18 +4,27 @@
 float32 scale per 128 x 128 block); everything else (embeddings, head, norms, routers, the modules the config
 leaves out) at the compute dtype. transformers keeps them so on the GPUs it has kernels for and dequantizes them to
 the compute dtype elsewhere (then the plain sizes hold).
+
+Loading: on the CPU, or with --dequantize, streamx asks transformers for the dequantized weights (it has no FP8 kernels
+there, and would fetch MXFP4's from the hub); on a GPU transformers decides. An FP8 checkpoint whose blocks
+transformers would dequantize wrong is refused (`check_dequantizable`). What was loaded is read back from the
+model (`loaded`) and said in the log and the store. The states are always the loaded model's own forward: the start-up
+check and the audit run on it.
 """
 
 from __future__ import annotations
 
 import math
 from fnmatch import fnmatch
+from pathlib import Path
 
+from safetensors import safe_open
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import FineGrainedFP8Config, Mxfp4Config, PretrainedConfig
 
 BITS = {"mxfp4": 4.25, "fp8": 8 + 32 / (128 * 128)}  # bits a stored weight takes, its scales included
 NAMES = {"mxfp4": "MXFP4 experts", "fp8": "FP8 linear layers"}
+KERNEL_MODULES = ("transformers.integrations.finegrained_fp8", "transformers.integrations.mxfp4")  # kept quantized
 
 
 def quantization(config: PretrainedConfig) -> dict | None:
@@ -40,6 +49,59 @@ def weight_bytes(model: nn.Module, width: int) -> dict[str, int]:
 def describe(config: PretrainedConfig) -> str | None:
     q = quantization(config)
     return None if q is None else f"{NAMES[q['quant_method']]} at {BITS[q['quant_method']]:.2f} bits as stored"
+
+
+def load_options(config: PretrainedConfig, device: str, dequantize: bool) -> dict:
+    """from_pretrained's quantization_config: the checkpoint's own, dequantized on the CPU and where asked."""
+    q = quantization(config)
+    if q is None or not (dequantize or device.startswith("cpu")):
+        return {}
+    kind = Mxfp4Config if q["quant_method"] == "mxfp4" else FineGrainedFP8Config
+    return {"quantization_config": kind.from_dict({**q, "dequantize": True})}
+
+
+def check_dequantizable(config: PretrainedConfig, folder: Path) -> None:
+    """Refuse an FP8 checkpoint that transformers would dequantize wrong, from its files' headers (no weight read):
+    it takes a weight's block size from its scales' grid, which is wrong where the last block is partial (DeepSeek-V3's
+    kv_a_proj_with_mqa, 576 rows in blocks of 128): the scales then land on the wrong rows, or it raises."""
+    q = quantization(config)
+    if q is None or q["quant_method"] != "fp8" or not q.get("weight_block_size"):
+        return
+    block = q["weight_block_size"]
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            names = set(f.keys())
+            for scales in sorted(n for n in names if n.endswith(".weight_scale_inv")):
+                weight = scales.removesuffix("_scale_inv")
+                if weight not in names:
+                    continue
+                shape, grid = f.get_slice(weight).get_shape()[-2:], f.get_slice(scales).get_shape()[-2:]
+                if any(n > 1 and size % b for size, n, b in zip(shape, grid, block, strict=False)):
+                    raise ValueError(
+                        f"transformers dequantizes FP8 blocks by the scales' grid, wrong for {weight} ({shape[0]} x "
+                        f"{shape[1]} in blocks of {block[0]} x {block[1]}, the last one partial): streamx will not "
+                        "store states of misplaced scales; run it on a GPU with FP8 kernels (compute capability 8.9+, "
+                        "without --dequantize)")
+
+
+def loaded(model: nn.Module, config: PretrainedConfig, dequantize: bool) -> str | None:
+    """What a quantized checkpoint's weights were loaded as (`config`: its own, read before loading), from the model's
+    modules: transformers' quantized ones, or plain ones holding the dequantized weights."""
+    q = quantization(config)
+    if q is None:
+        return None
+    name = NAMES[q["quant_method"]]
+    if kept_quantized(model):
+        return f"{name} kept as stored ({BITS[q['quant_method']]:.2f} bits, transformers' kernels)"
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    why = "as asked (--dequantize)" if dequantize else \
+        "on the CPU" if next(model.parameters()).device.type == "cpu" else "transformers has no kernels for them here"
+    return f"{name} dequantized to {dtype} on load ({why}): the states are those of the checkpoint's values"
+
+
+def kept_quantized(model: nn.Module) -> bool:
+    """Whether transformers kept quantized weights (its FP8 or MXFP4 modules) rather than plain dequantized ones."""
+    return any(type(m).__module__.startswith(KERNEL_MODULES) for m in model.modules())
 
 
 def _quantized(method: str, name: str, ndim: int) -> bool:

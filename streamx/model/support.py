@@ -120,9 +120,30 @@ SUPPORT: tuple[Support, ...] = (
 TP_TESTED = ("llama", "qwen3_moe", "qwen3_5_text")
 
 
+# what a TP 2 run of the family showed transformers' plan does, where it is not what --tp is for
+TP_MEASURED = {"gpt_oss": "TP 2 runs, but transformers' plan splits only its embeddings and head: its attention (and "
+                          "experts, without --ep) whole on every process (measured; the run's `tp` line says so)"}
+
+# quantized checkpoints of the family made in the format of its releases, run on the CPU (dequantized), every stored
+# state compared with transformers' own forward of the checkpoint (tests/test_quantized.py)
+QUANTIZED_TESTED = {
+    "qwen3_moe": "FP8 blocks (Qwen3 FP8): the states of its stored values (tested)",
+    "gpt_oss": "MXFP4 experts: the states of its stored values (tested)",
+    "deepseek_v3": "FP8 blocks: refused where dequantized (kv_a_proj_with_mqa's partial block, which transformers "
+                   "misplaces); kept as FP8 on a GPU: not tested here",
+}
+
+
 def tensor_parallel(support: Support) -> str:
     """Its --tp column."""
+    if support.model_type in TP_MEASURED:
+        return TP_MEASURED[support.model_type]
     return "TP 2 = one process (tested)" if support.model_type in TP_TESTED else "transformers' plan; not tested here"
+
+
+def quantized(support: Support) -> str:
+    """Its quantized column."""
+    return QUANTIZED_TESTED.get(support.model_type, "as transformers loads it; not tested here")
 
 
 def support_of(config) -> Support | None:
@@ -149,7 +170,8 @@ def note(config, packed: bool, continued: bool, alone: bool = False, prefix_rows
 
 def markdown() -> str:
     """The table as docs/support.md holds it."""
-    lines = ["| family | model_type | default path | --tp | what its layers ask, and how |",
-             "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {s.family} | `{s.model_type}` | {s.path} | {tensor_parallel(s)} | {s.how} |" for s in SUPPORT]
+    lines = ["| family | model_type | default path | --tp | quantized checkpoints | what its layers ask, and how |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {s.family} | `{s.model_type}` | {s.path} | {tensor_parallel(s)} | {quantized(s)} | {s.how} |"
+              for s in SUPPORT]
     return "\n".join(lines) + "\n"

@@ -381,6 +381,8 @@ def gpu_forecast(config: RunConfig, est: Estimate, tokens_per_s: float | None, h
     its bytes per GPU at each --tp and, where no rate was measured (`tokens_per_s` None), the time at a rate assumed
     from its FLOPs per token (`gpus` GPUs at `mfu` of `gpu_tflops`), said with its assumption."""
     target = meta_model(resolve_model_path(config.model), resolve_dtype(config.dtype, "cuda"))
+    if config.dequantize:  # its weights at the compute dtype, as loaded
+        target.config.quantization_config = None
     if tokens_per_s is None:
         if gpus < 1 or not 0 < mfu <= 1 or gpu_tflops <= 0:
             raise ValueError(f"--gpus must be >= 1, --mfu in (0, 1], --gpu-tflops > 0; got {gpus}, {mfu}, {gpu_tflops}")

@@ -234,13 +234,16 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
                 sized = check_space(config, source, output, log)
     model, tokenizer, info = loaded or load_model(config.model, config.dtype, rank.device(config.device),
                                                   config.attn_implementation, config.device_map,
-                                                  config.random_weights, config.tokenizer, config.tp, config.ep)
+                                                  config.random_weights, config.tokenizer, config.tp, config.ep,
+                                                  config.dequantize)
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     check_trainable(config, layer_ids, info.num_layers)
     packing = configure_packing(model, config.packing, config.max_length, config.max_batch_size,
                                 config.token_budget)
     sharing = decide_sharing(config, packing, model)
     if rank.is_main and loaded is None:
+        if info.weights:
+            log(f"  weights {info.weights}")
         log(f"  packing {packing.note()}")
         log(f"  sharing {sharing.note()}")
         family = family_note(model.config, packing.on, sharing.min_shared_tokens is not None, packing.alone,

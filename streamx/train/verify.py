@@ -680,11 +680,14 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
         if meta.random_weights:
             raise StoreError(f"{path} was made with --random-weights: there are no weights to check it against; "
                              "use --no-model")
-        model, _, info = load_model(meta.model["path"], meta.compat.compute_dtype, device)
+        model, _, info = load_model(meta.model["path"], meta.compat.compute_dtype, device,
+                                    dequantize=bool(meta.config.get("dequantize")))
         keep_rope_fresh(model)  # each sample's forward as the run's was (dynamic NTK rope: from its original scale)
         same = info.weights_fingerprint == meta.compat.model
+        loaded = "" if info.weights == meta.model.get("weights") else \
+            f"; loaded here as {info.weights}, by the run as {meta.model.get('weights')}"  # e.g. FP8 kernels on a GPU
         checks.append(Check("weights", same, f"{meta.model['path']}: " + ("the weights the store was made with" if same
-                            else "NOT the weights the store was made with"),
+                            else "NOT the weights the store was made with") + loaded,
                             [] if same else [f"fingerprint {info.weights_fingerprint[:12]}, the store's "
                                              f"{meta.compat.model[:12]}"]))
         checks.append(check_model(store, model, pick_samples(store, samples, seed), tolerance_for(store), log))
