@@ -157,3 +157,23 @@ def test_plan_sizes_a_quantized_checkpoint_as_stored_and_dequantize_as_loaded(ch
                            for extra in ([], ["--dequantize"]))
     experts = sum(p.numel() for name, p in zoo_model("gpt_oss").named_parameters() if name.endswith("_proj"))
     assert abs((dequantized - stored) - experts * (16 - 4.25) / 8) < 16, (dequantized - stored, experts)
+
+
+def test_kernels_that_cannot_be_fetched_fail_in_one_line_that_names_dequantize(smollm2_dir, tmp_path, monkeypatch):
+    """On a GPU transformers keeps MXFP4 as stored, with kernels it fetches from the hub: a node that cannot reach it
+    (here: the CPU taken for such a GPU, the fetch failing) gets the reason and the way out, --dequantize."""
+    import streamx.model.load as load
+    from streamx.model.load import load_model
+
+    def unreachable(*args, **kwargs):
+        raise ValueError("Kernel repository 'kernels-community/gpt-oss-triton-kernels' could not be fetched.\nmore")
+
+    checkpoint = quantized_checkpoint("gpt_oss", "mxfp4", smollm2_dir, tmp_path / "gpt_oss")
+    monkeypatch.setattr(load, "load_options", lambda config, device, dequantize: {})  # as on a GPU: transformers' call
+    monkeypatch.setattr("transformers.integrations.hub_kernels.get_kernel", unreachable)
+    with pytest.raises(ValueError) as refused:
+        load_model(str(checkpoint), device="cpu")
+    assert str(refused.value) == (
+        "transformers could not load the MXFP4 experts as stored (Kernel repository 'kernels-community/gpt-oss-triton-"
+        "kernels' could not be fetched): --dequantize loads them dequantized, in 2-4x the memory (plan --dequantize "
+        "sizes it)")

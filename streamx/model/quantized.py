@@ -99,6 +99,17 @@ def loaded(model: nn.Module, config: PretrainedConfig, dequantize: bool) -> str 
     return f"{name} dequantized to {dtype} on load ({why}): the states are those of the checkpoint's values"
 
 
+def without_kernels(err: Exception, config: PretrainedConfig | None, options: dict) -> Exception:
+    """A load's error, with the way out where transformers failed to fetch or run a quantized checkpoint's kernels
+    (MXFP4's come from the hub, which a cluster's nodes often cannot reach)."""
+    q = quantization(config)
+    if q is None or options or "kernel" not in str(err).lower():
+        return err
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return ValueError(f"transformers could not load the {NAMES[q['quant_method']]} as stored ({first.rstrip('.')}): "
+                      "--dequantize loads them dequantized, in 2-4x the memory (plan --dequantize sizes it)")
+
+
 def kept_quantized(model: nn.Module) -> bool:
     """Whether transformers kept quantized weights (its FP8 or MXFP4 modules) rather than plain dequantized ones."""
     return any(type(m).__module__.startswith(KERNEL_MODULES) for m in model.modules())
