@@ -19,7 +19,8 @@ class Clock:
 def test_eta_is_the_tokens_left_to_compute_at_the_recent_rate_and_ends_at_zero(capsys):
     """With --sharing a row that repeats an earlier one computes nothing: the ETA counts the tokens left to compute
     (extrapolated from the rows tokenized, exact once all are) over the rate of the last RATE_WINDOW seconds,
-    which holds between batches; it reaches zero when the last row is through, and the rows reach the total."""
+    which holds between batches while the ETA counts down (a batch slower than that: "overdue", and for how long no
+    batch came through); it reaches zero when the last row is through, and the rows reach the total."""
     clock = Clock(100.0)
     counts = Throughput(clock=clock)
     with Progress(counts, total_rows=10, desc="t", disable=False, interval=3600, terminal=False, clock=clock) as bar:
@@ -36,11 +37,14 @@ def test_eta_is_the_tokens_left_to_compute_at_the_recent_rate_and_ends_at_zero(c
         # 5 rows tokenized hold 2,000 tokens to compute: 10 rows, 4,000; 2,000 to go at 200 tokens/s
         assert counts.eta_seconds(10, elapsed=65.0) == 10.0
         bar.draw()
-        clock.now = 170.0  # no batch since: the rate and the ETA hold
+        clock.now = 170.0  # no batch since: the rate holds, the ETA counts down
         bar.draw()
+        clock.now = 181.0  # still none, past the ETA: said so, with the time the forward in flight has taken
+        bar.draw()
+        clock.now = 170.0
         assert counts.eta_seconds(None, elapsed=70.0) is None  # a streamed source: no total
         counts.tokens_to_go = 3000  # as planned (--sharing off: the rows' tokens are computed)
-        assert counts.eta_seconds(None, elapsed=70.0) == 1000 / 200
+        assert counts.eta_seconds(None, elapsed=70.0) == 1000 / 200 - 5
         for _ in range(3):
             counts.tokenized(rows=1, tokens=0)
         counts.tokenized(rows=2, tokens=1000)  # every row tokenized: 1,000 tokens left, exactly
@@ -53,7 +57,8 @@ def test_eta_is_the_tokens_left_to_compute_at_the_recent_rate_and_ends_at_zero(c
         assert counts.eta_seconds(10, elapsed=100.0) == 0.0
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["t: 5/10 rows [01:05, 200 tok/s, pad eff 100.0%, ETA 00:10]",
-                     "t: 5/10 rows [01:10, 200 tok/s, pad eff 100.0%, ETA 00:10]",
+                     "t: 5/10 rows [01:10, 200 tok/s, pad eff 100.0%, ETA 00:05]",
+                     "t: 5/10 rows [01:21, 200 tok/s, pad eff 100.0%, ETA overdue (no batch through for 00:16)]",
                      "t: 10/10 rows [01:40, 29 tok/s, pad eff 100.0%, ETA 00:00]"]
 
 

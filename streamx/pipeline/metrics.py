@@ -112,18 +112,23 @@ class Throughput:
         if self.padded_tokens:
             parts.append(f"pad eff {self.real_tokens / self.padded_tokens:.1%}")
         eta = self.eta_seconds(total_rows, elapsed)
-        if eta is not None:
+        if eta == 0 and self.tokens_left(total_rows):  # a forward slower than the rate said: say what runs
+            parts.append(f"ETA overdue (no batch through for {tqdm.format_interval(self.clock() - self.marks[-1][0])})")
+        elif eta is not None:
             parts.append(f"ETA {tqdm.format_interval(eta)}")
         return ", ".join(parts)
 
     def eta_seconds(self, total_rows: int | None, elapsed: float) -> float | None:
         """Seconds left: the tokens still to compute at the recent rate (a row costs what it computes, not its
-        length: a repeat costs nothing)."""
+        length: a repeat costs nothing), as of the last batch through, counting down since (down to 0)."""
         left = self.tokens_left(total_rows)
         if not left:
             return left  # None: not known; 0: none left
         rate = self.tokens_per_s(elapsed)
-        return left / rate if rate > 0 else None
+        if rate <= 0:
+            return None
+        since = self.clock() - self.marks[-1][0] if self.marks else 0.0
+        return max(0.0, left / rate - since)
 
     def tokens_left(self, total_rows: int | None) -> float | None:
         """Tokens still to compute: exact once every row is tokenized; before, as planned, else extrapolated from
