@@ -4,6 +4,7 @@ reduce in another order: the stored bf16 states agree within their rounding, the
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -96,22 +97,31 @@ def test_tp_2_equals_one_process(family, ep, checkpoints, chat_jsonl, tmp_path):
     assert_close_samples(tmp_path / "one.zarr", tmp_path / "tp2.zarr")
 
 
-@pytest.mark.parametrize("family, ep", [("qwen3_moe", True)], ids=["qwen3_moe-ep"])
-def test_tp_past_the_kv_heads_copies_them_and_equals_one_process(family, ep, checkpoints, chat_jsonl, tmp_path):
+def test_tp_4_over_two_nodes_past_the_kv_heads_copies_them_and_equals_one_process(checkpoints, chat_jsonl, tmp_path):
     """2 KV heads at --tp 4: each is copied to the two processes whose query heads read it, as vLLM and SGLang serve
-    Qwen3-235B-A22B's 4 at TP 8 with its experts spread (its per-head query and key norms too; a dense model at
-    --tp 8: the next test)."""
+    Qwen3-235B-A22B's 4 at TP 8 with its experts spread (--ep; its per-head query and key norms too; a dense model at
+    --tp 8: the next test). The group spans two torchrun agents of 2 processes each, as on two nodes (--nnodes 2,
+    rendezvous at the first): the second's local ranks 0 and 1 are ranks 2 and 3 of the group."""
     from streamx.model.load import read_text_config
 
-    model = checkpoints[family]
+    model = checkpoints["qwen3_moe"]
     config = read_text_config(model)
     assert config.num_key_value_heads == 2 and config.num_attention_heads == 4
     launch(model, chat_jsonl, tmp_path / "one.zarr")
-    result = launch(model, chat_jsonl, tmp_path / "tp4.zarr", processes=4, tp=4, **({"ep": True} if ep else {}))
-    assert "[rank 0, tensor-parallel 1] ran its share" in result.stdout
-    assert f"ranks   1 data-parallel groups of --tp 4{' --ep' if ep else ''}, each with its share of the rows: this " \
-           "is data-parallel rank 0, tensor-parallel rank 0 (process 0)" in result.stderr  # the banner
-    assert "  tp      this process holds " in result.stderr and "whole on every process" not in result.stderr
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank",
+         str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "streamx",
+         *flags(model, chat_jsonl, tmp_path / "tp4.zarr", tp=4, ep=True)],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    (out, err), (second, _) = [node.communicate(timeout=600) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), err[-3000:]
+    assert "[rank 0, tensor-parallel 1] ran its share" in out and "[rank 0, tensor-parallel 3] ran its share" in second
+    assert "ranks   1 data-parallel groups of --tp 4 --ep, each with its share of the rows: this is data-parallel " \
+           "rank 0, tensor-parallel rank 0 (process 0)" in err  # the banner
+    assert "  tp      this process holds " in err and "whole on every process" not in err
     assert_close_samples(tmp_path / "one.zarr", tmp_path / "tp4.zarr")
 
 
