@@ -19,8 +19,8 @@ class Clock:
 def test_eta_is_the_tokens_left_to_compute_at_the_recent_rate_and_ends_at_zero(capsys):
     """With --sharing a row that repeats an earlier one computes nothing: the ETA counts the tokens left to compute
     (extrapolated from the rows tokenized, exact once all are) over the rate of the last RATE_WINDOW seconds,
-    which holds between batches while the ETA counts down (a batch slower than that: "overdue", and for how long no
-    batch came through); it reaches zero when the last row is through, and the rows reach the total."""
+    which holds between batches while the ETA counts down; it reaches zero when the last row is through, and the rows
+    reach the total."""
     clock = Clock(100.0)
     counts = Throughput(clock=clock)
     with Progress(counts, total_rows=10, desc="t", disable=False, interval=3600, terminal=False, clock=clock) as bar:
@@ -39,9 +39,6 @@ def test_eta_is_the_tokens_left_to_compute_at_the_recent_rate_and_ends_at_zero(c
         bar.draw()
         clock.now = 170.0  # no batch since: the rate holds, the ETA counts down
         bar.draw()
-        clock.now = 181.0  # still none, past the ETA: said so, with the time the forward in flight has taken
-        bar.draw()
-        clock.now = 170.0
         assert counts.eta_seconds(None, elapsed=70.0) is None  # a streamed source: no total
         counts.tokens_to_go = 3000  # as planned (--sharing off: the rows' tokens are computed)
         assert counts.eta_seconds(None, elapsed=70.0) == 1000 / 200 - 5
@@ -58,8 +55,21 @@ def test_eta_is_the_tokens_left_to_compute_at_the_recent_rate_and_ends_at_zero(c
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["t: 5/10 rows [01:05, 200 tok/s, pad eff 100.0%, ETA 00:10]",
                      "t: 5/10 rows [01:10, 200 tok/s, pad eff 100.0%, ETA 00:05]",
-                     "t: 5/10 rows [01:21, 200 tok/s, pad eff 100.0%, ETA overdue (no batch through for 00:16)]",
                      "t: 10/10 rows [01:40, 29 tok/s, pad eff 100.0%, ETA 00:00]"]
+
+
+def test_an_eta_passed_with_tokens_left_says_overdue_and_for_how_long_no_batch_came_through():
+    """A batch slower than the recent rate said: not a frozen "ETA 00:00" but the time since the last batch through."""
+    clock = Clock(100.0)
+    counts = Throughput(tokens_to_go=2000, clock=clock)
+    counts.tokenized(rows=2, tokens=1000)
+    for now in (110.0, 115.0):
+        clock.now = now
+        counts.forwarded(1, 500, 500)  # 500 tokens in 5 s: 100 tokens/s, 1,000 tokens left: 10 s
+    clock.now = 124.0
+    assert counts.status(4, elapsed=24.0) == "100 tok/s, pad eff 100.0%, ETA 00:01"
+    clock.now = 131.0
+    assert counts.status(4, elapsed=31.0) == "100 tok/s, pad eff 100.0%, ETA overdue (no batch through for 00:16)"
 
 
 def test_queue_fill_is_the_mean_occupancy_its_consumer_sees():

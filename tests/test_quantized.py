@@ -12,6 +12,7 @@ import torch
 from helpers import reference_states
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Mxfp4Config
+from transformers.utils import is_triton_available
 from zoo_models import zoo_config, zoo_model
 
 from streamx.config import RunConfig
@@ -100,7 +101,7 @@ def test_a_quantized_checkpoint_gives_the_states_of_the_weights_it_stores(family
     checkpoint = quantized_checkpoint(family, method, smollm2_dir, tmp_path / family)
     lines: list[str] = []
     run(RunConfig(model=str(checkpoint), data=chat_jsonl, out=str(tmp_path / "s.zarr"), layers="0,1,2,3,4",
-                  max_samples=12, max_length=256), progress=False, log=lines.append)
+                  max_samples=12, max_length=256, device="cpu"), progress=False, log=lines.append)
     store = open_store(str(tmp_path / "s.zarr"))
     assert f"  weights {loaded}: the states are those of the checkpoint's values" in lines
     assert store.metadata.model["weights"].startswith(loaded)
@@ -133,7 +134,8 @@ def test_an_fp8_checkpoint_with_partial_blocks_is_refused_where_transformers_wou
     with pytest.raises(ValueError, match=r"^transformers dequantizes FP8 blocks by the scales' grid, wrong for "
                                          r"model\.layers\.0\.self_attn\.kv_a_proj_with_mqa\.weight \(40 x 64 in blocks "
                                          r"of 32 x 32, the last one partial\)"):
-        run(RunConfig(model=str(checkpoint), data=chat_jsonl, out=str(tmp_path / "s.zarr"), max_samples=4),
+        run(RunConfig(model=str(checkpoint), data=chat_jsonl, out=str(tmp_path / "s.zarr"), max_samples=4,
+                      device="cpu"),
             progress=False, log=lambda message: None)
 
 
@@ -155,10 +157,31 @@ def test_plan_sizes_a_quantized_checkpoint_as_stored_and_dequantize_as_loaded(ch
     args = ["plan", "--model", str(checkpoint), "--data", chat_jsonl, "--out", str(tmp_path / "p.zarr"), "--json"]
     stored, dequantized = (json.loads(CliRunner().invoke(app, args + extra).stdout)["footprints"][0]["weights"]
                            for extra in ([], ["--dequantize"]))
+    said = CliRunner().invoke(app, args[:-1] + ["--dequantize"]).stdout
+    assert "  weights: MXFP4 experts dequantized to the compute dtype (--dequantize), sized so" in said
     experts = sum(p.numel() for name, p in zoo_model("gpt_oss").named_parameters() if name.endswith("_proj"))
     assert abs((dequantized - stored) - experts * (16 - 4.25) / 8) < 16, (dequantized - stored, experts)
 
 
+def test_the_partial_block_is_found_where_a_weight_and_its_scales_lie_in_different_shards(tmp_path):
+    """A sharded checkpoint may store a weight in one file and its scales in the next: the headers of all are read."""
+    from transformers import DeepseekV3Config
+
+    from streamx.model.quantized import check_dequantizable
+
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    values, scales = fp8_blocks(torch.randn(40, 64))
+    save_file({name: values}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({f"{name}_scale_inv": scales, "model.norm.weight": torch.ones(64)},
+              tmp_path / "model-00002-of-00002.safetensors")
+    config = DeepseekV3Config(quantization_config={"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK]})
+    with pytest.raises(ValueError, match=rf"wrong for {name} \(40 x 64 in blocks of 32 x 32"):
+        check_dequantizable(config, tmp_path)
+    config.quantization_config["weight_block_size"] = [8, 8]  # (the same grid, read as 8 x 8 blocks: no partial one)
+    check_dequantizable(config, tmp_path)
+
+
+@pytest.mark.skipif(not is_triton_available("3.5.0"), reason="transformers needs Triton 3.5+ to try MXFP4's kernels")
 def test_kernels_that_cannot_be_fetched_fail_in_one_line_that_names_dequantize(smollm2_dir, tmp_path, monkeypatch):
     """On a GPU transformers keeps MXFP4 as stored, with kernels it fetches from the hub: a node that cannot reach it
     (here: the CPU taken for such a GPU, the fetch failing) gets the reason and the way out, --dequantize."""
@@ -175,5 +198,5 @@ def test_kernels_that_cannot_be_fetched_fail_in_one_line_that_names_dequantize(s
         load_model(str(checkpoint), device="cpu")
     assert str(refused.value) == (
         "transformers could not load the MXFP4 experts as stored (Kernel repository 'kernels-community/gpt-oss-triton-"
-        "kernels' could not be fetched): --dequantize loads them dequantized, in 2-4x the memory (plan --dequantize "
-        "sizes it)")
+        "kernels' could not be fetched): streamx run --dequantize loads them dequantized, in 2-4x the memory (plan "
+        "--dequantize sizes it)")

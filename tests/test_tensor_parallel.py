@@ -111,13 +111,22 @@ def test_tp_4_over_two_nodes_past_the_kv_heads_copies_them_and_equals_one_proces
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
+    logs = [(open(tmp_path / f"node{node}.out", "w"), open(tmp_path / f"node{node}.err", "w")) for node in (0, 1)]
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank",
          str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "streamx",
          *flags(model, chat_jsonl, tmp_path / "tp4.zarr", tp=4, ep=True)],
-        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
-    (out, err), (second, _) = [node.communicate(timeout=600) for node in nodes]
-    assert all(node.returncode == 0 for node in nodes), err[-3000:]
+        env=ENV, stdout=out, stderr=err, text=True) for node, (out, err) in enumerate(logs)]  # files: no pipe fills
+    try:
+        codes = [node.wait(timeout=600) for node in nodes]
+    finally:
+        for node, files in zip(nodes, logs, strict=True):
+            node.kill()
+            for file in files:
+                file.close()
+    out, err, second, second_err = ((tmp_path / f"node{node}.{kind}").read_text() for node in (0, 1)
+                                    for kind in ("out", "err"))
+    assert codes == [0, 0], (err[-3000:], second_err[-3000:])
     assert "[rank 0, tensor-parallel 1] ran its share" in out and "[rank 0, tensor-parallel 3] ran its share" in second
     assert "ranks   1 data-parallel groups of --tp 4 --ep, each with its share of the rows: this is data-parallel " \
            "rank 0, tensor-parallel rank 0 (process 0)" in err  # the banner

@@ -127,8 +127,7 @@ def fit_lines(found: list[Footprint], gpu_bytes: int, dtype: torch.dtype, token_
         lines.append(f"  transformers' tensor-parallel plan leaves {', '.join(whole)} whole on every GPU under --tp "
                      "(counted so)")
     if quantized:
-        lines.append(f"  weights: {quantized}, as transformers keeps them on GPUs it has kernels for (dequantized to "
-                     f"{str(dtype).removeprefix('torch.')} elsewhere: plan --dequantize sizes them so)")
+        lines.append(f"  weights: {quantized}")
     for f in found:
         if f.refused:
             lines.append(f"  --tp {f.tp:<6} refused: {f.refused.removeprefix(f'--tp {f.tp} ')}")

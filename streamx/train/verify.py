@@ -39,6 +39,7 @@ from ..data.tokenize import Reject, Sample, SampleBuilder
 from ..model.capture import find_decoder
 from ..model.lengths import keep_rope_fresh
 from ..model.load import load_model, model_tokenizer, read_text_config
+from ..model.quantized import kept
 from ..model.residual import residual_of
 from ..store import BF16, STORAGES, Store, StoreError, open_store
 from .folder import FROM_STORE, HS_DIR, META, STORE_ROWS
@@ -680,12 +681,14 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
         if meta.random_weights:
             raise StoreError(f"{path} was made with --random-weights: there are no weights to check it against; "
                              "use --no-model")
+        ran = kept(meta.model.get("weights"))  # a quantized checkpoint: loaded as the run loaded it where it can be
         model, _, info = load_model(meta.model["path"], meta.compat.compute_dtype, device,
-                                    dequantize=bool(meta.config.get("dequantize")))
+                                    dequantize=bool(meta.config.get("dequantize")) or ran is False)
         keep_rope_fresh(model)  # each sample's forward as the run's was (dynamic NTK rope: from its original scale)
         same = info.weights_fingerprint == meta.compat.model
-        loaded = "" if info.weights == meta.model.get("weights") else \
-            f"; loaded here as {info.weights}, by the run as {meta.model.get('weights')}"  # e.g. FP8 kernels on a GPU
+        loaded = "" if ran is None or ran == kept(info.weights) else \
+            ("; the run kept them quantized (transformers' kernels), this check dequantized them: the kernels' own "
+             "arithmetic (FP8's quantizes activations too) can move states past bf16's rounding")
         checks.append(Check("weights", same, f"{meta.model['path']}: " + ("the weights the store was made with" if same
                             else "NOT the weights the store was made with") + loaded,
                             [] if same else [f"fingerprint {info.weights_fingerprint[:12]}, the store's "
