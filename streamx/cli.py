@@ -249,7 +249,8 @@ def inspect(
 
 @app.command()
 def verify(
-    store: str = typer.Argument(..., metavar="STORE|DIR", help="Store path, or a folder `streamx convert` wrote."),
+    store: str = typer.Argument(..., metavar="STORE|DIR", help="Store path, or a folder `streamx convert` wrote (any "
+                                "--format)."),
     samples: int = typer.Option(32, help="Samples recomputed alone with the model, spread over the lengths (the "
                                 "longest always among them)."),
     seed: int = typer.Option(0, help="Seed of that choice."),

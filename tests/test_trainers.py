@@ -310,3 +310,41 @@ def test_the_cli_converts_for_a_trainer_and_says_how_to_train(tiny_chat_model_di
     assert [r["hidden_states"].shape[-1] for r in trainer_check.torchspec(str(ts))] == [2 * H] * 6
     formats = get_args(get_type_hints(cli_module.convert)["fmt"])  # every trainer is offered, and only those
     assert formats == ("speculators", *TRAINERS)
+
+
+def test_verify_checks_a_trainer_folder_file_by_file_against_its_store(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    """`streamx verify FOLDER` on a trainer's folder: every row's file as convert writes it (TorchSpec's: the last
+    state through the final norm), then the store; a file missing, torn or with one value changed is named, and a
+    convert that did not finish is said."""
+    from typer.testing import CliRunner
+
+    from streamx.cli import app
+    from streamx.train.verify import verify
+
+    store = str(tmp_path / "s.zarr")
+    run(small_config(tiny_chat_model_dir, chat_jsonl, store, layers="1,2,3,4", max_samples=8), progress=False,
+        log=lambda m: None)
+    out = tmp_path / "ts"
+    export(store, str(out), "torchspec", [0, 1], progress=False, log=lambda m: None)
+    report = verify(str(out), use_model=False, log=lambda m: None)
+    assert report.passed and report.checks[0].name == "files", report.lines()
+    assert report.checks[0].summary == "8 rows' files for TorchSpec (EAGLE-3, DFlash) as convert writes them from " \
+        "the store", report.checks[0].summary
+
+    files = sorted(out.rglob("row_*.pt"))
+    files[0].unlink()
+    files[1].write_bytes(files[1].read_bytes()[:100])
+    changed = torch.load(files[2], weights_only=True)
+    changed["last_hidden_states"][3, 5] += 1
+    torch.save(changed, files[2])
+    result = CliRunner().invoke(app, ["verify", str(out), "--no-model"])
+    assert result.exit_code == 1
+    for file, why in zip(files, ["missing", "cannot be read (", f"differs from what convert writes for row "
+                                 f"{row_of(files[2].name)} of the store"], strict=False):
+        assert f"{file.relative_to(out).as_posix()}: {why}" in result.output, result.output
+
+    record = json.loads((out / EXPORT).read_text())
+    (out / EXPORT).write_text(json.dumps({**record, "complete": False}))
+    unfinished = verify(str(out), use_model=False, log=lambda m: None)
+    assert not unfinished.passed and unfinished.checks[0].summary == "TorchSpec (EAGLE-3, DFlash): the convert did " \
+        "not finish"

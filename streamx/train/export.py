@@ -32,7 +32,7 @@ from ..store import Store, open_store
 from .convert import ConvertError, check_location, check_usable, prefetch, token_problem
 from .final_norm import FinalNorm
 from .folder import claim
-from .trainers import TRAINERS, Trainer, Written
+from .trainers import TRAINERS, Row, Trainer, Written
 
 EXPORT = "streamx_export.json"  # the record: what the folder holds; `complete` once every row is written
 ROWS_PER_FOLDER = 2000  # row files per subfolder (a flat folder of a million files is slow on most filesystems)
@@ -59,7 +59,8 @@ class ExportSummary:
                 f"states: {self.record['states']}",
                 f"train: {t.command.replace('DIR', str(Path(self.out).resolve()))}",
                 f"with {t.describe_ids(self.layer_ids)}, and the target {self.record['model']['path']}",
-                f"before a long training run, check the store against the model: streamx verify {store}"]
+                f"before a long training run, check these files and the store against the model: streamx verify "
+                f"{self.out}"]
 
 
 def export(store_path: str, out: str, trainer: str, layer_ids: list[int] | None = None, model: str | None = None,
@@ -80,7 +81,7 @@ def _export(store_path: str, out: Path, t: Trainer, layer_ids: list[int] | None,
             allow_random_weights: bool) -> ExportSummary:
     started = time.perf_counter()
     store = _open(store_path, out, allow_partial, allow_random_weights, log)
-    ids, slots = _layers(store, t, layer_ids)
+    ids, slots = layers(store, t, layer_ids)
     meta = store.metadata
     norm = FinalNorm.from_checkpoint(model or meta.model["path"], meta.model.get("weights_fingerprint")) \
         if t.last == "post_norm" else None
@@ -122,7 +123,7 @@ def _open(store_path: str, out: Path, allow_partial: bool, allow_random_weights:
     return store
 
 
-def _layers(store: Store, t: Trainer, layer_ids: list[int] | None) -> tuple[list[int], list[int]]:
+def layers(store: Store, t: Trainer, layer_ids: list[int] | None) -> tuple[list[int], list[int]]:
     """The trainer's ids (its counting) and the store slots that hold them, the last one (id L) appended where the
     trainer reads the last state."""
     L, held = store.metadata.num_layers, store.layer_ids
@@ -171,33 +172,39 @@ def row_file(out: Path, t: Trainer, row: int) -> Path:
     return out / f"rows_{first:09d}-{first + ROWS_PER_FOLDER - 1:09d}" / f"row_{row:09d}{t.suffix}"
 
 
+def row_content(store: Store, row: int, t: Trainer, slots: list[int], norm: FinalNorm | None) -> Row | str:
+    """What the row's file holds for `t` (`slots`: the store's, as `layers` found them), or why the row is left
+    out."""
+    s = store.sample(row)
+    problem = token_problem(s.input_ids, s.loss_mask)
+    if problem is None and not bool(torch.isfinite(s.hidden_states.float()).all()):
+        problem = "non_finite"
+    if problem:
+        return problem
+    aux, last = (slots[:-1], slots[-1]) if t.last else (slots, None)
+    hs = s.hidden_states  # [T, K, H] in the stored dtype (an fp8 store's dequantized)
+    parts = {"row": torch.tensor(row), "input_ids": s.input_ids.to(torch.int64),
+             "loss_mask": s.loss_mask.to(torch.int64), "aux": hs[:, aux].reshape(hs.shape[0], -1).contiguous()}
+    if last is not None:
+        state = hs[:, last]
+        parts["last"] = (norm(state) if norm is not None else state.float()).to(hs.dtype).contiguous()
+    content = t.row(parts)
+    return "untrainable" if content is None else content
+
+
 def _write_rows(store: Store, rows: np.ndarray, out: Path, t: Trainer, slots: list[int], norm: FinalNorm | None,
                 workers: int, progress: bool) -> tuple[Written, int, list[tuple[int, str]]]:
     """Every row's file, read and written on `workers` threads with a bounded number in flight. Returns the rows
     written (by row), how many were there already, and the rows left out with why."""
-    aux, last = (slots[:-1], slots[-1]) if t.last else (slots, None)
-
     def one(row: int) -> tuple[int, int, str | None, bool]:
         path = row_file(out, t, row)
         if path.exists():  # written whole by an interrupted convert (renamed into place)
             return row, len(store.tokens_at(store.position(row))[0]), None, True
-        s = store.sample(row)
-        problem = token_problem(s.input_ids, s.loss_mask)
-        if problem is None and not bool(torch.isfinite(s.hidden_states.float()).all()):
-            problem = "non_finite"
-        if problem:
-            return row, 0, problem, False
-        hs = s.hidden_states  # [T, K, H] in the stored dtype (an fp8 store's dequantized)
-        parts = {"row": torch.tensor(row), "input_ids": s.input_ids.to(torch.int64),
-                 "loss_mask": s.loss_mask.to(torch.int64), "aux": hs[:, aux].reshape(hs.shape[0], -1).contiguous()}
-        if last is not None:
-            state = hs[:, last]
-            parts["last"] = (norm(state) if norm is not None else state.float()).to(hs.dtype).contiguous()
-        content = t.row(parts)
-        if content is None:
-            return row, 0, "untrainable", False
+        content = row_content(store, row, t, slots, norm)
+        if isinstance(content, str):
+            return row, 0, content, False
         durable.write_file(path, lambda tmp: torch.save(content, tmp))
-        return row, len(s.input_ids), None, False
+        return row, len(content["input_ids"]), None, False
 
     written, kept, skipped = [], 0, []
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="export") as pool, \

@@ -583,6 +583,53 @@ def _same_states(f: dict[str, torch.Tensor], s: Any) -> bool:
     return same
 
 
+def check_export(folder: Path, store: Store) -> Check:
+    """A trainer's folder (`streamx convert --format`): its convert finished, and every row's file holds, bit for bit,
+    what convert writes for that row of the store (the last state through the target's final norm, read from its
+    checkpoint, where the trainer takes it so); a row convert leaves out has no file."""
+    from .export import EXPORT, layers, row_content, row_file
+    from .final_norm import FinalNorm
+    from .trainers import TRAINERS
+
+    record = json.loads((folder / EXPORT).read_text())
+    t, ids = TRAINERS[record["identity"]["trainer"]], record["identity"]["layer_ids"]
+    if not record.get("complete"):
+        return Check("files", False, f"{t.title}: the convert did not finish", [
+            f"run the same `streamx convert --format {t.name}` again: it resumes"])
+    _, slots = layers(store, t, ids)
+    norm = FinalNorm.from_checkpoint(store.metadata.model["path"], store.metadata.model.get("weights_fingerprint")) \
+        if t.last == "post_norm" else None
+    rows, problems = np.unique(store.row_ids()).tolist(), []
+    for row in tqdm(rows, unit="row", desc="verify files", disable=not sys.stderr.isatty()):
+        want, path = row_content(store, row, t, slots, norm), row_file(folder, t, row)
+        name = path.relative_to(folder).as_posix()
+        if isinstance(want, str):
+            if path.exists():
+                problems.append(f"{name}: convert leaves this row out ({want}), yet the file is there")
+        elif not path.exists():
+            problems.append(f"{name}: missing")
+        else:
+            try:
+                got = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as err:  # noqa: BLE001 - damaged: say which and go on
+                problems.append(f"{name}: cannot be read ({type(err).__name__})")
+                continue
+            if not _same_row(got, want):
+                problems.append(f"{name}: differs from what convert writes for row {row} of the store")
+    return _check("files", problems, f"{len(rows):,} rows' files for {t.title} as convert writes them from the store",
+                  len(rows), "rows")
+
+
+def _same_row(got: Any, want: Any) -> bool:
+    """Equal files: the same keys, tensors bit for bit (dtype and shape too), other values equal."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(_same_row(got[k], want[k]) for k in want)
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape and \
+            torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    return got == want
+
+
 def check_speculators(folder: Path) -> Check:
     """speculators' own start of training, in this environment, on the CPU: for each draft the folder's commands
     name, with that command's arguments, the draft built and its train and val loaders made as `speculators train`
@@ -659,14 +706,21 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
     """Check the store at `path`, or a folder `streamx convert` wrote: its files against the store it came
     from (`speculators`: and speculators' own loaders reading it, where speculators is installed), then that
     store (docs/verify.md says what each failure means)."""
-    if (Path(path) / META).exists():
-        source = json.loads((Path(path) / META).read_text())["source"]["store"]
+    from .export import EXPORT
+
+    for record, store_of in ((META, lambda r: r["source"]["store"]), (EXPORT, lambda r: r["store"])):
+        if not (Path(path) / record).exists():
+            continue
+        source = store_of(json.loads((Path(path) / record).read_text()))
         local = local_path(source)
         if local is not None and not local.exists():
             raise StoreError(f"{path} was converted from {source}, which is not there: verify needs that store")
+        if speculators and record == EXPORT:
+            raise StoreError(f"{path} is a folder for another trainer: --speculators checks a speculators folder")
         store_report = verify(source, samples, seed, device, use_model, log)
         loaders = [check_speculators(Path(path))] if speculators else []
-        return Report(path, [check_files(Path(path), open_store(source)), *loaders, *store_report.checks])
+        files = check_files if record == META else check_export
+        return Report(path, [files(Path(path), open_store(source)), *loaders, *store_report.checks])
     if speculators:
         raise StoreError(f"{path} is a store: --speculators checks a folder `streamx convert` wrote")
     store = open_store(path)
