@@ -85,7 +85,8 @@ class ConvertSummary:
             *([f"note: every slot holds the verifier's whole multi-stream residual ({v['residual']}); speculators "
                "builds its drafter at the verifier's hidden_size and reads states of that width, so it does not train "
                "on these as they are"] if v.get("residual") else []),
-            f"before a long training run, check the store against the model: streamx verify {store}",
+            f"before a long training run, check these files and the store against the model: streamx verify "
+            f"{self.out}",
         ]
 
 
