@@ -314,8 +314,8 @@ def test_the_cli_converts_for_a_trainer_and_says_how_to_train(tiny_chat_model_di
 
 def test_verify_checks_a_trainer_folder_file_by_file_against_its_store(tiny_chat_model_dir, chat_jsonl, tmp_path):
     """`streamx verify FOLDER` on a trainer's folder: every row's file as convert writes it (TorchSpec's: the last
-    state through the final norm), then the store; a file missing, torn or with one value changed is named, and a
-    convert that did not finish is said."""
+    state through the final norm, within one bf16 step), then the store; a file missing, torn or with one value
+    changed is named, and a convert that did not finish is said (its record as a killed convert leaves it)."""
     from typer.testing import CliRunner
 
     from streamx.cli import app
@@ -328,8 +328,8 @@ def test_verify_checks_a_trainer_folder_file_by_file_against_its_store(tiny_chat
     export(store, str(out), "torchspec", [0, 1], progress=False, log=lambda m: None)
     report = verify(str(out), use_model=False, log=lambda m: None)
     assert report.passed and report.checks[0].name == "files", report.lines()
-    assert report.checks[0].summary == "8 rows' files for TorchSpec (EAGLE-3, DFlash) as convert writes them from " \
-        "the store", report.checks[0].summary
+    assert report.checks[0].summary == "8 rows as convert writes them for TorchSpec (EAGLE-3, DFlash), from the " \
+        "store", report.checks[0].summary
 
     files = sorted(out.rglob("row_*.pt"))
     files[0].unlink()
@@ -344,7 +344,12 @@ def test_verify_checks_a_trainer_folder_file_by_file_against_its_store(tiny_chat
         assert f"{file.relative_to(out).as_posix()}: {why}" in result.output, result.output
 
     record = json.loads((out / EXPORT).read_text())
-    (out / EXPORT).write_text(json.dumps({**record, "complete": False}))
+    assert record["final_norm_from"] == tiny_chat_model_dir  # the checkpoint the convert normed with (or --model)
+    (out / EXPORT).write_text(json.dumps({**record, "final_norm_from": str(tmp_path / "moved")}))
+    gone = verify(str(out), use_model=False, log=lambda m: None).checks[0]
+    assert not gone.passed and gone.summary == "TorchSpec (EAGLE-3, DFlash): cannot rebuild what convert wrote"
+    assert "is not on this machine" in gone.problems[0]
+    (out / EXPORT).write_text(json.dumps({"identity": record["identity"]}))  # as a killed convert leaves it
     unfinished = verify(str(out), use_model=False, log=lambda m: None)
-    assert not unfinished.passed and unfinished.checks[0].summary == "TorchSpec (EAGLE-3, DFlash): the convert did " \
-        "not finish"
+    assert not unfinished.passed and [c.summary for c in unfinished.checks] == [
+        "TorchSpec (EAGLE-3, DFlash): the convert did not finish"]

@@ -83,7 +83,8 @@ def _export(store_path: str, out: Path, t: Trainer, layer_ids: list[int] | None,
     store = _open(store_path, out, allow_partial, allow_random_weights, log)
     ids, slots = layers(store, t, layer_ids)
     meta = store.metadata
-    norm = FinalNorm.from_checkpoint(model or meta.model["path"], meta.model.get("weights_fingerprint")) \
+    norm_from = model or meta.model["path"]
+    norm = FinalNorm.from_checkpoint(norm_from, meta.model.get("weights_fingerprint")) \
         if t.last == "post_norm" else None
     rows = np.unique(store.row_ids())
     states = _states_text(t, ids, store.metadata.num_layers, meta.storage)
@@ -100,6 +101,7 @@ def _export(store_path: str, out: Path, t: Trainer, layer_ids: list[int] | None,
     if t.index is not None:
         t.index(out, written)
     record = {"identity": identity, "complete": True, "states": states, "model": meta.model, "store": store.path,
+              "final_norm_from": norm_from if norm is not None else None,
               "rows": len(written), "tokens": sum(n for _, _, n in written),
               "skipped": dict(Counter(why for _, why in skipped)), "skipped_rows": skipped[:1000],
               "command": t.command, "layer_ids_setting": t.describe_ids(ids)}

@@ -23,6 +23,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -583,50 +584,57 @@ def _same_states(f: dict[str, torch.Tensor], s: Any) -> bool:
     return same
 
 
-def check_export(folder: Path, store: Store) -> Check:
-    """A trainer's folder (`streamx convert --format`): its convert finished, and every row's file holds, bit for bit,
-    what convert writes for that row of the store (the last state through the target's final norm, read from its
-    checkpoint, where the trainer takes it so); a row convert leaves out has no file."""
-    from .export import EXPORT, layers, row_content, row_file
-    from .final_norm import FinalNorm
+def check_export(folder: Path, store: Store, record: dict[str, Any]) -> Check:
+    """A finished trainer's folder (`streamx convert --format`; `record`: its EXPORT): every row's file holds what
+    convert writes for that row of the store, ids, masks and names exactly, states within one bf16 step (the last
+    state is normed again here, in float32, from the checkpoint the convert read, where the trainer takes it so: another
+    CPU may round it differently); a row convert leaves out has no file."""
+    from .convert import ConvertError, prefetch
+    from .export import layers, row_content, row_file
+    from .final_norm import FinalNorm, FinalNormError
     from .trainers import TRAINERS
 
-    record = json.loads((folder / EXPORT).read_text())
-    t, ids = TRAINERS[record["identity"]["trainer"]], record["identity"]["layer_ids"]
-    if not record.get("complete"):
-        return Check("files", False, f"{t.title}: the convert did not finish", [
-            f"run the same `streamx convert --format {t.name}` again: it resumes"])
-    _, slots = layers(store, t, ids)
-    norm = FinalNorm.from_checkpoint(store.metadata.model["path"], store.metadata.model.get("weights_fingerprint")) \
-        if t.last == "post_norm" else None
-    rows, problems = np.unique(store.row_ids()).tolist(), []
-    for row in tqdm(rows, unit="row", desc="verify files", disable=not sys.stderr.isatty()):
+    t = TRAINERS[record["identity"]["trainer"]]
+    try:
+        _, slots = layers(store, t, record["identity"]["layer_ids"])
+        norm = FinalNorm.from_checkpoint(record.get("final_norm_from") or store.metadata.model["path"],
+                                         store.metadata.model.get("weights_fingerprint")) \
+            if t.last == "post_norm" else None
+    except (FinalNormError, ConvertError) as err:  # the checkpoint is not here, the store lost the layers
+        return Check("files", False, f"{t.title}: cannot rebuild what convert wrote", [str(err)])
+
+    def problem(row: int) -> str | None:
         want, path = row_content(store, row, t, slots, norm), row_file(folder, t, row)
         name = path.relative_to(folder).as_posix()
         if isinstance(want, str):
-            if path.exists():
-                problems.append(f"{name}: convert leaves this row out ({want}), yet the file is there")
-        elif not path.exists():
-            problems.append(f"{name}: missing")
-        else:
-            try:
-                got = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as err:  # noqa: BLE001 - damaged: say which and go on
-                problems.append(f"{name}: cannot be read ({type(err).__name__})")
-                continue
-            if not _same_row(got, want):
-                problems.append(f"{name}: differs from what convert writes for row {row} of the store")
-    return _check("files", problems, f"{len(rows):,} rows' files for {t.title} as convert writes them from the store",
+            return f"{name}: convert leaves this row out ({want}), yet the file is there" if path.exists() else None
+        if not path.exists():
+            return f"{name}: missing"
+        try:
+            got = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - damaged: say which and go on
+            return f"{name}: cannot be read ({type(err).__name__})"
+        return None if _same_row(got, want) else f"{name}: differs from what convert writes for row {row} of the store"
+
+    rows = np.unique(store.row_ids()).tolist()
+    with ThreadPoolExecutor(4, thread_name_prefix="verify") as pool:
+        found = tqdm(prefetch(pool, problem, rows, 8), total=len(rows), unit="row", desc="verify files",
+                     disable=not sys.stderr.isatty())
+        problems = [p for p in found if p]
+    return _check("files", problems, f"{len(rows):,} rows as convert writes them for {t.title}, from the store",
                   len(rows), "rows")
 
 
 def _same_row(got: Any, want: Any) -> bool:
-    """Equal files: the same keys, tensors bit for bit (dtype and shape too), other values equal."""
+    """The same keys; integer tensors and other values equal, float tensors (the states) within one bf16 step."""
     if isinstance(want, dict):
         return isinstance(got, dict) and got.keys() == want.keys() and all(_same_row(got[k], want[k]) for k in want)
     if isinstance(want, torch.Tensor):
-        return isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape and \
-            torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.shape != want.shape:
+            return False
+        if not want.is_floating_point():
+            return torch.equal(got, want)
+        return torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=0)
     return got == want
 
 
@@ -707,20 +715,24 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
     from (`speculators`: and speculators' own loaders reading it, where speculators is installed), then that
     store (docs/verify.md says what each failure means)."""
     from .export import EXPORT
+    from .trainers import TRAINERS
 
-    for record, store_of in ((META, lambda r: r["source"]["store"]), (EXPORT, lambda r: r["store"])):
-        if not (Path(path) / record).exists():
-            continue
-        source = store_of(json.loads((Path(path) / record).read_text()))
+    exported = json.loads((Path(path) / EXPORT).read_text()) if (Path(path) / EXPORT).exists() else None
+    if exported is not None and speculators:
+        raise StoreError(f"{path} is a folder for another trainer: --speculators checks a speculators folder")
+    if exported is not None and not exported.get("complete"):
+        t = TRAINERS[exported["identity"]["trainer"]]
+        return Report(path, [Check("files", False, f"{t.title}: the convert did not finish", [
+            f"run the same `streamx convert --format {t.name}` again: it resumes"])])
+    if exported is not None or (Path(path) / META).exists():
+        source = exported["store"] if exported else json.loads((Path(path) / META).read_text())["source"]["store"]
         local = local_path(source)
         if local is not None and not local.exists():
             raise StoreError(f"{path} was converted from {source}, which is not there: verify needs that store")
-        if speculators and record == EXPORT:
-            raise StoreError(f"{path} is a folder for another trainer: --speculators checks a speculators folder")
-        store_report = verify(source, samples, seed, device, use_model, log)
+        files = check_export(Path(path), open_store(source), exported) if exported else \
+            check_files(Path(path), open_store(source))  # first: a folder's own problem is said before the store's
         loaders = [check_speculators(Path(path))] if speculators else []
-        files = check_files if record == META else check_export
-        return Report(path, [files(Path(path), open_store(source)), *loaders, *store_report.checks])
+        return Report(path, [files, *loaders, *verify(source, samples, seed, device, use_model, log).checks])
     if speculators:
         raise StoreError(f"{path} is a store: --speculators checks a folder `streamx convert` wrote")
     store = open_store(path)
