@@ -261,6 +261,9 @@ def verify(
                                      "that trains: speculators builds each draft as the printed train command "
                                      "does and its own loaders read a batch of each, on the CPU."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    checkpoint: str | None = typer.Option(None, "--checkpoint", metavar="DIR", help="The target's checkpoint folder, "
+                                          "where the path the store records is not on this machine: the model check "
+                                          "loads it, a trainer folder's check reads its final norm."),
 ) -> None:
     """Check a finished store before training on it: its structure over every sample, and a few samples
     recomputed with the model. Exit code 0 only when every check passes (docs/verify.md)."""
@@ -268,7 +271,7 @@ def verify(
 
     try:
         report = run_verify(store, samples=samples, seed=seed, device=device, use_model=model,
-                            log=_quiet if as_json else _log, speculators=speculators)
+                            log=_quiet if as_json else _log, speculators=speculators, checkpoint=checkpoint)
     except (Exception, Interrupted) as err:  # noqa: BLE001
         _fail(err)
     typer.echo(json.dumps(report.to_json(), indent=2) if as_json else "\n".join(report.lines()))

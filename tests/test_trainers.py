@@ -348,7 +348,9 @@ def test_verify_checks_a_trainer_folder_file_by_file_against_its_store(tiny_chat
     (out / EXPORT).write_text(json.dumps({**record, "final_norm_from": str(tmp_path / "moved")}))
     gone = verify(str(out), use_model=False, log=lambda m: None).checks[0]
     assert not gone.passed and gone.summary == "TorchSpec (EAGLE-3, DFlash): cannot rebuild what convert wrote"
-    assert "is not on this machine" in gone.problems[0]
+    assert "is not on this machine" in gone.problems[0] and "verify --checkpoint DIR" in gone.problems[0]
+    given = verify(str(out), use_model=False, log=lambda m: None, checkpoint=tiny_chat_model_dir).checks[0]
+    assert given.summary == "3 of 8 rows", given  # rebuilt from the folder given: the three files above again
     (out / EXPORT).write_text(json.dumps({"identity": record["identity"]}))  # as a killed convert leaves it
     unfinished = verify(str(out), use_model=False, log=lambda m: None)
     assert not unfinished.passed and [c.summary for c in unfinished.checks] == [

@@ -37,7 +37,8 @@ class FinalNorm:
         folder = _local_folder(path)
         if fingerprint and not fingerprint.startswith("random-init:") and fingerprint_weights(folder) != fingerprint:
             raise FinalNormError(f"the checkpoint at {folder} is not the one the store was made with (its weights "
-                                 "fingerprint differs); pass --model with the very weights the store was computed from")
+                                 "fingerprint differs); give the very weights the store was computed from (convert "
+                                 "--model DIR, verify --checkpoint DIR)")
         config = AutoConfig.from_pretrained(folder)
         with torch.device("meta"):
             model = causal_lm(lambda auto: auto.from_config(config))
@@ -65,8 +66,9 @@ def _local_folder(path: str) -> Path:
 
         return Path(snapshot_download(path, local_files_only=True))
     except Exception:  # noqa: BLE001 - any failure is "not here"
-        raise FinalNormError(f"the target's checkpoint {path} is not on this machine; pass --model DIR (the folder of "
-                             "the weights the store was made with: its final norm is read from it)") from None
+        raise FinalNormError(f"the target's checkpoint {path} is not on this machine; give the folder of the weights "
+                             "the store was made with (convert --model DIR, verify --checkpoint DIR): its final norm "
+                             "is read from it") from None
 
 
 def _checkpoint_tensors(folder: Path, name: str, params: list[str]) -> dict[str, torch.Tensor]:

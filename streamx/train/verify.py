@@ -584,7 +584,7 @@ def _same_states(f: dict[str, torch.Tensor], s: Any) -> bool:
     return same
 
 
-def check_export(folder: Path, store: Store, record: dict[str, Any]) -> Check:
+def check_export(folder: Path, store: Store, record: dict[str, Any], checkpoint: str | None = None) -> Check:
     """A finished trainer's folder (`streamx convert --format`; `record`: its EXPORT): every row's file holds what
     convert writes for that row of the store, ids, masks and names exactly, states within one bf16 step (the last
     state is normed again here, in float32, from the checkpoint the convert read, where the trainer takes it so: another
@@ -597,7 +597,7 @@ def check_export(folder: Path, store: Store, record: dict[str, Any]) -> Check:
     t = TRAINERS[record["identity"]["trainer"]]
     try:
         _, slots = layers(store, t, record["identity"]["layer_ids"])
-        norm = FinalNorm.from_checkpoint(record.get("final_norm_from") or store.metadata.model["path"],
+        norm = FinalNorm.from_checkpoint(checkpoint or record.get("final_norm_from") or store.metadata.model["path"],
                                          store.metadata.model.get("weights_fingerprint")) \
             if t.last == "post_norm" else None
     except (FinalNormError, ConvertError) as err:  # the checkpoint is not here, the store lost the layers
@@ -710,10 +710,11 @@ def _speculators_failure(err: Exception, verifier: str) -> str:
 
 
 def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", use_model: bool = True,
-           log: Callable[[str], None] = print, speculators: bool = False) -> Report:
+           log: Callable[[str], None] = print, speculators: bool = False, checkpoint: str | None = None) -> Report:
     """Check the store at `path`, or a folder `streamx convert` wrote: its files against the store it came
     from (`speculators`: and speculators' own loaders reading it, where speculators is installed), then that
-    store (docs/verify.md says what each failure means)."""
+    store (docs/verify.md says what each failure means). `checkpoint`: the target's folder, where the one the store
+    (or the convert) records is not on this machine."""
     from .export import EXPORT
     from .trainers import TRAINERS
 
@@ -729,10 +730,11 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
         local = local_path(source)
         if local is not None and not local.exists():
             raise StoreError(f"{path} was converted from {source}, which is not there: verify needs that store")
-        files = check_export(Path(path), open_store(source), exported) if exported else \
+        files = check_export(Path(path), open_store(source), exported, checkpoint) if exported else \
             check_files(Path(path), open_store(source))  # first: a folder's own problem is said before the store's
         loaders = [check_speculators(Path(path))] if speculators else []
-        return Report(path, [files, *loaders, *verify(source, samples, seed, device, use_model, log).checks])
+        store_checks = verify(source, samples, seed, device, use_model, log, checkpoint=checkpoint).checks
+        return Report(path, [files, *loaders, *store_checks])
     if speculators:
         raise StoreError(f"{path} is a store: --speculators checks a folder `streamx convert` wrote")
     store = open_store(path)
@@ -748,7 +750,7 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
             raise StoreError(f"{path} was made with --random-weights: there are no weights to check it against; "
                              "use --no-model")
         ran = kept(meta.model.get("weights"))  # a quantized checkpoint: loaded as the run loaded it where it can be
-        model, _, info = load_model(meta.model["path"], meta.compat.compute_dtype, device,
+        model, _, info = load_model(checkpoint or meta.model["path"], meta.compat.compute_dtype, device,
                                     dequantize=bool(meta.config.get("dequantize")) or ran is False)
         keep_rope_fresh(model)  # each sample's forward as the run's was (dynamic NTK rope: from its original scale)
         same = info.weights_fingerprint == meta.compat.model
