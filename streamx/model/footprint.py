@@ -118,11 +118,11 @@ def fit_lines(found: list[Footprint], gpu_bytes: int, dtype: torch.dtype, token_
               quantized: str | None = None) -> list[str]:
     """`streamx plan`'s lines: each --tp's bytes per GPU, whether it fits GPUs of `gpu_bytes`, the smallest that
     does; `quantized`: what of the checkpoint is quantized (streamx.model.quantized.describe)."""
-    def gb(n: int) -> str:
+    def size(n: int) -> str:  # one decimal in GB at every size: the lines' figures line up
         return f"{n / 1e9:,.1f} GB"
 
     lines = [f"gpu memory   per GPU, {str(dtype).removeprefix('torch.')}, --token-budget {token_budget:,}: weights + "
-             f"a forward's working memory (about) + kept keys, against {gb(gpu_bytes)} GPUs ({HEADROOM:.0%} planned)"]
+             f"a forward's working memory (about) + kept keys, against {size(gpu_bytes)} GPUs ({HEADROOM:.0%} planned)"]
     if whole := next((f.whole for f in found if f.whole), ()):
         lines.append(f"  transformers' tensor-parallel plan leaves {', '.join(whole)} whole on every GPU under --tp "
                      "(counted so)")
@@ -134,7 +134,7 @@ def fit_lines(found: list[Footprint], gpu_bytes: int, dtype: torch.dtype, token_
             continue
         notes = [f"each key-value head on {f.kv_copies} GPUs"] * (f.kv_copies > 1) + \
             [f"{f.tp // NODE_GPUS} nodes of {NODE_GPUS}: torchrun --nnodes {f.tp // NODE_GPUS}"] * (f.tp > NODE_GPUS)
-        lines.append(f"  --tp {f.tp:<6} {gb(f.weights)} + {gb(f.activations)} + {gb(f.kept)} = {gb(f.total)}   "
+        lines.append(f"  --tp {f.tp:<6} {size(f.weights)} + {size(f.activations)} + {size(f.kept)} = {size(f.total)}   "
                      + ("fits" if f.fits(gpu_bytes) else "does not fit") + "".join(f" ({n})" for n in notes))
     fitting = next((f.tp for f in found if f.fits(gpu_bytes)), None)
     tried = [f.tp for f in found if not f.refused]
@@ -143,8 +143,8 @@ def fit_lines(found: list[Footprint], gpu_bytes: int, dtype: torch.dtype, token_
                          "GPUs per group, or --device-map over one process's GPUs"))
     spread = next((f for f in found if f.total - f.ep_saves <= HEADROOM * gpu_bytes and f.ep_saves), None)
     if spread and (fitting is None or spread.tp < fitting):
-        lines.append(f"  --tp {spread.tp} --ep fits: {gb(spread.total - spread.ep_saves)} per GPU with the experts "
-                     f"spread over the group, {gb(spread.ep_saves)} less (docs/scaling.md)")
+        lines.append(f"  --tp {spread.tp} --ep fits: {size(spread.total - spread.ep_saves)} per GPU with the experts "
+                     f"spread over the group, {size(spread.ep_saves)} less (docs/scaling.md)")
     return lines
 
 

