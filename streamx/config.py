@@ -141,10 +141,17 @@ class RunConfig:
                                    "float32 scale per token, speculators' fp8 format: half the bytes, quantised on "
                                    "the model's device).")
     # safety
-    audit_every: int = setting(512, "The in-run audit: the first row of each way the run computes rows (packed, "
-                               "continued from a shared prefix, padded, ...) and then one row in N are computed again "
-                               "alone through the model's own forward and compared token by token; a row that differs "
-                               "stops the run, naming it and the setting that avoids its way. 0: no audit.")
+    audit_every: int = setting(512, "The in-run audit: rows of each way the run computes them (packed, continued "
+                               "from a shared prefix, padded, ...), each at least twice as long as that way's longest "
+                               "audited so far, the first past each length limit the model declares, and the row ids "
+                               "that are multiples of N are computed again alone through the model's own forward and "
+                               "compared token by token. A way found wrong is dropped for the rest of the run, the "
+                               "batch computed again, and the rows committed that way computed again before the run "
+                               "ends. 0: no audit.")
+    audit_share: float = setting(0.01, "The in-run audit's forwards stay within this share of the run's forward time "
+                                 "(plus a small start allowance); rows past it wait, and the run's summary, the store "
+                                 "and verify say which ways and lengths went unaudited. 0: audit every row picked, "
+                                 "whatever it costs.")
     space_check: bool = setting(True, "Refuse to start when the output filesystem has less free space than the "
                                 "estimated store (off: start anyway; the run still stops cleanly, everything "
                                 "committed, when the filesystem nearly fills up).")
@@ -163,6 +170,8 @@ class RunConfig:
         for name in ("chunk_tokens", "shard_tokens", "audit_every"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
+        if not 0.0 <= self.audit_share < 1.0:
+            raise ValueError(f"audit_share must be in [0, 1); got {self.audit_share}")
         if self.max_samples is not None and self.max_samples < 0:
             raise ValueError(f"max_samples must be >= 0; got {self.max_samples}")
         if not 0.0 < self.max_reject_fraction <= 1.0:

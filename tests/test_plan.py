@@ -155,7 +155,8 @@ def test_banner_comes_before_the_weights(tmp_path, config_only_model, monkeypatc
     assert after[1].startswith("  sharing on: rows that repeat an earlier row, or are prefixes of others")
     assert after[2] == ("  family  Llama 3 (llama): packed and shared in the support table (docs/support.md), as the "
                         "start-up check found on this model")
-    assert after[3].startswith("  audit   the first row of each way of computing rows") and "one row in 512" in after[3]
+    assert after[3].startswith("  audit   rows of each way of computing rows") and "one row id in 512" in after[3]
+    assert "within 1% of the forward time" in after[3]
 
 
 def test_hybrid_without_flash_linear_attention_is_named_on_cuda(tmp_path, monkeypatch):

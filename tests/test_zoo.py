@@ -25,7 +25,6 @@ from streamx.model.attention import LayerAttention
 from streamx.model.load import causal_lm, load_tokenizer
 from streamx.model.support import SUPPORT, markdown, support_of
 from streamx.pipeline import plan
-from streamx.pipeline.audit import AuditError
 from streamx.pipeline.estimate import Forecast, estimate
 from streamx.pipeline.runner import run
 from streamx.store import open_store
@@ -171,8 +170,8 @@ def test_a_packed_path_that_drops_the_window_or_the_chunk_is_caught(family, feat
                                                                     monkeypatch):
     """Packed attention that forgets the layer's window (Gemma 3) or chunk (Llama 4): the start-up check finds it
     against the model's own forward, and the run falls back to padded batches, which are right, and says why; with
-    the check silenced, the in-run audit stops the run at the first row computed so, naming the setting that avoids
-    it; with the audit off too, the zoo's comparison fails."""
+    the check silenced, the in-run audit finds the first row computed so, and the run drops the packed way and ends
+    right; with the audit off too, the zoo's comparison fails."""
     model = zoo_model(family)
     found = LayerAttention.of
     monkeypatch.setattr(LayerAttention, "of", classmethod(
@@ -184,9 +183,9 @@ def test_a_packed_path_that_drops_the_window_or_the_chunk_is_caught(family, feat
 
     monkeypatch.setattr(packing, "check_packing", lambda model, probes: None)
     monkeypatch.setattr(plan, "check_continuation", lambda model, probes: None)
-    caught = r"the in-run audit found row \d+ \(packed .* with --(sharing rows|packing off)"
-    with pytest.raises(AuditError, match=caught):
-        run_family(family, model, zoo_rows, smollm2_dir, tmp_path, out="audited.zarr")
+    store, lines = run_family(family, model, zoo_rows, smollm2_dir, tmp_path, out="audited.zarr")
+    assert any(line.startswith("audit: row") and "(packed" in line for line in lines), "\n".join(lines)
+    assert store.audit().found and largest_difference(store, model)[0] <= TOLERANCE
     store, _ = run_family(family, model, zoo_rows, smollm2_dir, tmp_path, out="unchecked.zarr", audit_every=0)
     assert store.metadata.packing == "on" and largest_difference(store, model)[0] > 20 * TOLERANCE
 

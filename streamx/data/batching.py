@@ -296,6 +296,12 @@ def iter_batches(items: list[Sample | Reject | Duplicate], token_budget: int, ma
     yield from duplicates
 
 
+def rebatch(samples: list[Sample], token_budget: int, max_batch_size: int, pad_token_id: int,
+            packed: bool) -> list[Batch]:
+    """`samples` batched whole, nothing shared: packed, or padded (longest first, under the budget)."""
+    return list(_batches(samples, token_budget, max_batch_size, pad_token_id, packed, False, None))
+
+
 def _batches(samples: list[Sample], token_budget: int, max_batch_size: int, pad_token_id: int, packed: bool,
              sharing: bool, min_shared_tokens: int | None) -> Iterator[Batch]:
     units = pieces(share(samples, min_shared_tokens if packed else None), token_budget) if sharing \

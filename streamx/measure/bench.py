@@ -345,6 +345,10 @@ def report(work: Workload, modes: tuple[str, ...], totals: dict[str, dict[str, A
     s["bottleneck"] = bottleneck(busy, state_bytes, ceiling, plan.device.type == "cuda")
     out["ratios"] = {f"streamx_vs_{m}": out["streamx"]["tokens_per_s"] / out[m]["tokens_per_s"]
                      for m in modes if m != "streamx"}
+    # each round's ratio (the modes of a round run back to back): how far one round's figure may swing
+    mine = totals["streamx"]["rounds"]
+    out["ratios_by_round"] = {f"streamx_vs_{m}": [a / b for a, b in zip(totals[m]["rounds"], mine, strict=True)]
+                              for m in modes if m != "streamx"}
     if "streamx_unshared" in out:
         out["ratios"]["bytes_shared_vs_unshared"] = (out["streamx"]["bytes_written_per_token"]
                                                      / out["streamx_unshared"]["bytes_written_per_token"])
@@ -402,8 +406,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{mode:<18}{m['samples_per_s']:>11.2f}{m['tokens_per_s']:>12,.0f}{m['padding_efficiency']:>9.1%}"
                      f"{m['peak_rss_bytes'] / 2**30:>9.2f}GB{m['peak_device_bytes'] / 2**30:>8.2f}GB"
                      f"{m['bytes_written_per_token']:>10,.0f}")
-    lines.append(", ".join(f"streamx / {k.removeprefix('streamx_vs_')} = {v:.3f}x" for k, v in report["ratios"].items()
-                           if k.startswith("streamx_vs_")))
+    by_round = report.get("ratios_by_round", {})
+    lines.append(", ".join(f"streamx / {k.removeprefix('streamx_vs_')} = {v:.3f}x"
+                           + (f" (rounds {min(by_round[k]):.2f}-{max(by_round[k]):.2f}x)"
+                              if len(by_round.get(k, [])) > 1 else "")
+                           for k, v in report["ratios"].items() if k.startswith("streamx_vs_")))
     if "bytes_shared_vs_unshared" in report["ratios"]:
         lines.append(f"sharing ({w['sharing']}): {w['computed_tokens']:,} of {w['tokens']:,} row tokens computed and "
                      f"stored ({w['computed_tokens'] / w['tokens']:.1%}"
@@ -414,8 +421,10 @@ def format_report(report: dict[str, Any]) -> str:
     if "streamx_vs_streamx_unaudited" in report["ratios"]:
         audit = report["streamx"].get("audit") or {}
         ratio = report["ratios"]["streamx_vs_streamx_unaudited"]
+        share = audit["seconds"] / audit["forward_seconds"] if audit.get("forward_seconds") else 0.0
         lines.append(f"in-run audit: {audit.get('rows', 0):,} rows ({audit.get('tokens', 0):,} tokens) recomputed "
-                     f"alone per round; streamx / streamx_unaudited = {ratio:.3f}x the speed")
+                     f"alone per round, {share:.1%} of the forward time; streamx / streamx_unaudited = {ratio:.3f}x "
+                     "the speed")
     if "packed_vs_padded_forward" in report["ratios"]:
         lines.append(f"forward pass, packed / padded batches = {report['ratios']['packed_vs_padded_forward']:.3f}x "
                      f"(padding efficiency {report['forward_padded']['padding_efficiency']:.1%} when padded)")

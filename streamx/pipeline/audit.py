@@ -1,28 +1,40 @@
-"""The in-run audit: a run proves itself on its own batches.
+"""The in-run audit: a run proves itself on its own batches, at a cost it can afford.
 
 The start-up check (streamx.model.check) proves each way of computing rows on a few probe rows; a feature it does
 not reach (a length it never probed, a batch of more rows than it packed) would pass it. So, while the run goes,
-a sample of the rows it computes is computed again alone, through the model's own forward (its own attention and
+some of the rows it computes are computed again alone, through the model's own forward (its own attention and
 layers, one row in a forward: the reference by definition), and compared token by token with what the run
-computed for them, before the batch is handed to the writer. It audits the first row of each way a row is computed
-(packed or padded, beside other rows or alone, a prefix row served from a longer row, continued from a shared
-prefix in its forward or in a later one, past a length limit) in forwards of each size and for rows of each length
-(powers of 2 and 4: tens to a few hundred rows in a whole run, however long), the last row of that shape in its
-batch, and each row whose id is a multiple of `every` (so that a resume audits the same rows). It compares the
-states before an fp8 store quantizes them (the quantization's own rounding is verify's to check).
+computed for them, before the batch is handed to the writer (the states before an fp8 store quantizes them: the
+quantization's rounding is verify's to check).
 
-A row that differs stops the run at once: nothing of its batch is written, what was committed stays, and the error
-names the row, the layer, the token, the way it was computed and the setting that avoids that way. The figures
-(rows and tokens audited, the worst difference, the time it took against the forward's) go into the store's
-commit records, and `streamx verify` reports them.
+Which rows: a row audited covers every position up to its length, and a wrong way shows on rows placed after
+others (packed after another row, padded beside a longer one). So per way of computing rows (packed or padded,
+beside other rows or alone, continued from a shared prefix, a prefix row, past a length limit) and forward size
+(segments, in powers of 2) the audit takes, among the rows placed after others, its first row placed after the most
+others (whatever the budget), then the longest row at least twice as long as every row of that way audited so far
+that the budget allows; besides, the first row past each length limit the config declares that the start-up
+check's rows did not reach (whatever the budget: nothing else proves it), and each row whose id is a multiple of
+`every` (the same rows on a resume).
 
-It runs on the main thread between forwards: the model is one object whose attention the run switched to its
-packed path, and the audit switches it back to the model's own for its forward (streamx.model.packing).
+What it may cost: the audit's forwards stay within `share` of the run's forward time so far, plus a start allowance
+of START_TOKENS tokens' worth so that each way's first rows are seen early; a row that does not fit waits for a
+later row of its way once the run has grown (a short run may leave ways or lengths unaudited: the record says which).
+A share of 0 audits every row picked, whatever it costs.
+
+How it judges: each token against its own scale (relative_error), within the tolerance of the model's dtype. In
+reduced precision a model that picks by ranking (a MoE router, a sparse attention's top-k) may pick otherwise for a
+token batched otherwise when two candidates nearly tie: there, and only there, a row may have one token (or 1%) over
+the tolerance, and a way is judged across its rows: ties are rare, a wrong way shows in many rows, so the next
+FOLLOW_UP rows of a way after such a row are audited whatever the budget, and a second row of it with a token over
+finds the way wrong.
+
+A way found wrong is a `Finding`; the run (streamx.pipeline.ladder) drops it and recomputes what it computed so.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,24 +43,26 @@ from torch import nn
 
 from ..data.batching import Batch, make_batch
 from ..model.capture import LayerCapture
-from ..model.check import largest, relative_error, served_states
+from ..model.check import declared_spans, largest, relative_error, served_states
 from ..model.gather import gather_into_torch
 from ..model.packing import Packing, padded_attention
 from ..store import Audited
 
-EVERY = 512  # one row in this many audited by default, besides the first of each way (about 0.2% of the tokens)
+EVERY = 512  # one row in this many audited by default, besides the ladder of lengths of each way
+SHARE = 0.01  # the audit's forwards at most this share of the run's forward time, by default
+START_TOKENS = 256  # the allowance at the start: this many tokens' worth of the run's forward time
+COST_GUESS = 2.0  # a row's forward alone per token against the run's batched forward, until the audit measured it
 # a token differs when its distance from the model's own forward, relative to its size, exceeds this: the bf16
 # states round by at most 2**-9 per value (float32 compute differs by less), bf16 compute by more; a broken way of
 # computing rows moves states by 0.1 to O(1)
 TOLERANCE = {torch.float32: 1e-2, torch.float64: 1e-2}
 LOW_PRECISION_TOLERANCE = 5e-2
-# in reduced precision a MoE router near a tie may pick another expert for a token batched otherwise (the model's own
-# rounding): a row differs when more than this share of its tokens (and more than one) do; a broken path moves most
+# in reduced precision a model that picks by ranking may pick another expert or key for a token batched otherwise
+# (its own rounding, near a tie): a row differs when more than this share of its tokens (and more than one) do
 LOW_PRECISION_TOKEN_SHARE = 0.01
-
-
-class AuditError(RuntimeError):
-    """A row the run computed differs from the model's own forward of it alone."""
+FOLLOW_UP = 4  # rows of a way audited, whatever the budget, after one with a token over the tolerance
+RANKING_FIELDS = ("num_experts_per_tok", "n_routed_experts", "num_local_experts", "num_experts", "moe_topk",
+                  "index_topk", "index_topk_blocks")  # config fields of a model that picks experts or keys by rank
 
 
 @dataclass(frozen=True)
@@ -72,19 +86,14 @@ class Way:
                    split.limit if split is not None and split.past(len(batch.samples[k].input_ids)) else None)
 
     @property
+    def shared(self) -> bool:
+        """It reads states another row's computation made (a shared prefix, or a longer row)."""
+        return self.carried or self.continued or self.prefix_row
+
+    @property
     def reference(self) -> bool:
         """A row padded alone and read whole: the reference forward itself."""
-        return not (self.packed or self.beside or self.carried or self.continued or self.prefix_row)
-
-    def fallback(self) -> str:
-        """The setting that keeps a run off this way."""
-        if self.carried or self.continued:
-            return "--sharing rows (prefix rows only) or --sharing off"
-        if self.prefix_row:
-            return "--sharing off"
-        if self.packed:
-            return "--packing off (padded batches)"
-        return "--packing off --max-batch-size 1 (one row per forward)"
+        return not (self.packed or self.beside or self.shared)
 
     def __str__(self) -> str:
         kind = "packed" if self.packed else "padded"
@@ -100,56 +109,163 @@ class Way:
         return ", ".join(parts)
 
 
+@dataclass(frozen=True)
+class Finding:
+    """A way of computing rows found wrong: the row that showed it and where."""
+
+    way: Way
+    row: int
+    length: int
+    layer_id: int
+    token: int
+    difference: float
+    tokens_over: int
+    tolerance: float
+
+    def __str__(self) -> str:
+        return (f"row {self.row} ({self.way}) differs from the model's own forward of it alone: layer id "
+                f"{self.layer_id}, token {self.token} of {self.length}, relative difference {self.difference:.3g} "
+                f"({self.tokens_over} of its tokens over {self.tolerance:g})")
+
+    def to_json(self) -> dict:
+        return {"row": self.row, "way": str(self.way), "layer_id": self.layer_id, "token": self.token,
+                "length": self.length, "difference": self.difference, "tokens_over": self.tokens_over}
+
+
+def picks_by_ranking(model: nn.Module) -> bool:
+    """Whether the model picks experts or keys by rank (a MoE router, a sparse attention's top-k), which rounding
+    may flip near a tie."""
+    text = model.config.get_text_config()
+    return any(isinstance(getattr(text, name, None), int) and getattr(text, name) > 0 for name in RANKING_FIELDS)
+
+
+def unprobed_limits(model: nn.Module, packing: Packing) -> list[int]:
+    """The length limits the model's config declares (windows, chunks, sparse attention's reach, a length split)
+    that the start-up check's rows did not cross: rows past them are proven by the audit alone."""
+    spans = list(declared_spans(model.config.get_text_config()).values())
+    if packing.split is not None:
+        spans.append(packing.split.limit)
+    probed = max((len(row.input_ids) for row in packing.probes.rows), default=0) if packing.probes else 0
+    return sorted({span for span in spans if span >= probed})
+
+
+def ways_of(batch: Batch, packing: Packing) -> dict[int, Way]:
+    """How `batch` computes each of its rows (by index), but those it computes as the reference does."""
+    ends = np.cumsum(batch.segment_lengths).tolist()
+    ways = {k: Way.of(batch, k, segments, ends, packing) for k, segments in enumerate(batch.row_segments())}
+    return {k: way for k, way in ways.items() if not way.reference}
+
+
 class Audit:
     """The audit of one run: inside `with`, call `batch` after each forward with the batch's states, on the main
-    thread."""
+    thread. `forward_seconds` says the run's forward time so far (its budget)."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int], packing: Packing, pad_token_id: int,
-                 every: int = EVERY):
+                 every: int = EVERY, share: float = SHARE, forward_seconds: Callable[[], float] = lambda: 0.0):
         self.model, self.packing, self.pad_token_id, self.every = model, packing, pad_token_id, every
-        self.layer_ids = layer_ids
+        self.layer_ids, self.share, self.forward_seconds = layer_ids, share, forward_seconds
         self.capture: LayerCapture | None = None  # its own hooks, idle in the run's forwards (while in `with`)
         dtype = next(model.parameters()).dtype
         self.tolerance = TOLERANCE.get(dtype, LOW_PRECISION_TOLERANCE)
-        self.strict = dtype in TOLERANCE  # no token over the tolerance allowed
-        self.audited = Audited(ways=[])
-        self.seen: set[tuple[Way, int, int]] = set()  # (way, segments and row length to a power of 2 and 4) audited
+        self.ties = dtype not in TOLERANCE and picks_by_ranking(model)  # a token over may be a near tie
+        self.limits = unprobed_limits(model, packing)
+        self.audited = Audited(ways=[], coverage={})
+        self.longest: dict[tuple[Way, int], int] = {}  # (way, forward size class) -> its longest row audited
+        self.crossed: set[tuple[Way, int]] = set()  # (way, unprobed limit) a row past it was audited
+        self.flagged: dict[Way, int] = {}  # rows of a way audited with a token over the tolerance
+        self.follow_ups: dict[Way, int] = {}  # rows of a way still to audit after one such row, whatever the budget
+        self.computed_tokens = 0
 
-    def chosen(self, batch: Batch) -> dict[int, Way]:
-        """The rows of `batch` to audit (by index), each with its way: the first of each way in a forward of about
-        as many segments and for a row of about its length (powers of 2 and 4), the last such row of its batch (a
-        leak from the rows before it shows there first), and each row whose id is a multiple of `every`."""
-        shapes: dict[tuple[Way, int, int], int] = {}
+    def chosen(self, batch: Batch, ways: dict[int, Way]) -> dict[int, Way]:
+        """The rows of `batch` to audit (by index), each with its way; `ways`: how it computed its rows."""
+        size = len(batch.segment_lengths).bit_length()
+        self.computed_tokens += batch.num_tokens
         rows: dict[int, Way] = {}
-        count, ends = len(batch.segment_lengths), np.cumsum(batch.segment_lengths).tolist()
-        for k, (row, segments) in enumerate(zip(batch.samples, batch.row_segments(), strict=True)):
-            how = Way.of(batch, k, segments, ends, self.packing)
-            if how.reference:
-                continue
-            shape = (how, count.bit_length(), len(row.input_ids).bit_length() // 2)
-            if shape not in self.seen:
-                shapes[shape] = k
-            if row.row_id % self.every == 0:
+        candidates: dict[tuple[Way, int], list[int]] = {}  # (way, size class) -> its rows here
+        for k, how in ways.items():
+            row = batch.samples[k]
+            n = len(row.input_ids)
+            self.audited.saw(str(how), n)
+            crossing = [limit for limit in self.limits if n > limit and (how, limit) not in self.crossed]
+            if crossing:  # nothing else proves it: whatever the budget
+                self.crossed.update((how, limit) for limit in crossing)
+                self.longest[how, size] = max(n, self.longest.get((how, size), 0))
                 rows[k] = how
-        self.seen.update(shapes)
-        return {**rows, **{k: shape[0] for shape, k in shapes.items()}}
+                continue
+            candidates.setdefault((how, size), []).append(k)
+            if self.every and row.row_id % self.every == 0 and self.affords(n + self.pending(batch, rows)):
+                rows[k] = how
+        for key, ks in candidates.items():
+            for k in self._picks(batch, key, [k for k in ks if k not in rows], self.pending(batch, rows)):
+                rows[k] = key[0]
+                self.longest[key] = max(len(batch.samples[k].input_ids), self.longest.get(key, 0))
+        return rows
+
+    def _picks(self, batch: Batch, key: tuple[Way, int], ks: list[int], pending: int) -> list[int]:
+        """Of rows `ks` of `batch` computed one way (`key`: the way, the forward's size class), those to audit:
+        among the rows placed after others (packed after another row, padded beside a longer one: where a wrong
+        way shows), else all, the longest at least twice as long as every row of the key audited so far that the
+        budget allows (beside `pending` tokens picked already); and whatever the budget, the key's first row placed
+        after the most others, and the longest row of a way after one with a token over the tolerance (a near tie or
+        a wrong way: FOLLOW_UP rows tell)."""
+        width = batch.input_ids.shape[1]
+        exposed = [k for k in ks if (batch.row_ranges[k][-1][0] > 0 if batch.packed else
+                                     len(batch.samples[k].input_ids) < width)] or ks
+        if not exposed:
+            return []
+        longest = sorted(exposed, key=lambda k: -len(batch.samples[k].input_ids))
+        picks = []
+        if key not in self.longest:
+            picks.append(max(exposed, key=lambda k: batch.row_ranges[k][-1][0]))
+        if self.follow_ups.get(key[0]) and longest[0] not in picks:
+            self.follow_ups[key[0]] -= 1
+            picks.append(longest[0])
+        for k in longest:
+            n = len(batch.samples[k].input_ids)
+            if n < 2 * self.longest.get(key, 0):
+                break
+            if k not in picks and self.affords(n + pending + sum(len(batch.samples[p].input_ids) for p in picks)):
+                picks.append(k)
+                break
+        return picks
+
+    @staticmethod
+    def pending(batch: Batch, rows: dict[int, Way]) -> int:
+        """The tokens of the rows of `batch` chosen so far."""
+        return sum(len(batch.samples[k].input_ids) for k in rows)
+
+    def affords(self, tokens: int) -> bool:
+        """Whether auditing `tokens` more keeps the audit within its share of the forward time (and the start
+        allowance). Reads the forward time only when the tokens could fit at all (on CUDA it waits for the device)."""
+        if not self.share:
+            return True
+        computed = max(self.computed_tokens, 1)
+        if (self.audited.tokens + tokens) > self.share * computed + START_TOKENS:  # cheaper than it can be
+            return False
+        per_token = self.forward_seconds() / computed  # the run's forward, per computed token
+        cost = self.audited.seconds / self.audited.tokens if self.audited.tokens else COST_GUESS * per_token
+        return self.audited.seconds + tokens * cost <= per_token * (self.share * computed + START_TOKENS)
 
     @torch.inference_mode()
-    def batch(self, batch: Batch, states: torch.Tensor) -> None:
-        """Audit the chosen rows of `batch`, whose computed tokens' states are `states` [N, K, H]; raises
-        AuditError when one differs."""
-        chosen = self.chosen(batch)
+    def batch(self, batch: Batch, states: torch.Tensor, ways: dict[int, Way]) -> Finding | None:
+        """Audit the chosen rows of `batch`, whose computed tokens' states are `states` [N, K, H] and whose rows it
+        computed `ways` (ways_of): the first way found wrong, or None."""
+        chosen = self.chosen(batch, ways)
         if not chosen:
-            return
+            return None
         started = time.perf_counter()
+        found = None
         with padded_attention(self.model):
-            for k, how in chosen.items():
-                self._row(batch, k, how, states)
+            for k, how in sorted(chosen.items(), key=lambda item: -len(batch.samples[item[0]].input_ids)):
+                found = self._row(batch, k, how, states)
+                if found is not None:
+                    break
         if states.device.type == "cuda":
             torch.cuda.synchronize(states.device)
         self.audited.seconds += time.perf_counter() - started
+        return found
 
-    def _row(self, batch: Batch, k: int, how: Way, states: torch.Tensor) -> None:
+    def _row(self, batch: Batch, k: int, how: Way, states: torch.Tensor) -> Finding | None:
         row, done = batch.samples[k], batch.carried_tokens(k)
         got = served_states(batch, k, states)
         own = torch.empty(len(row.input_ids), *states.shape[1:], dtype=next(self.model.parameters()).dtype,
@@ -157,27 +273,21 @@ class Audit:
         self.capture.forward(make_batch([row], self.pad_token_id), own)
         own = own[done:]
         if not bool(torch.isfinite(own).all()):
-            return  # the model's own forward overflows on this row: nothing to compare (the writer rejects the
+            return None  # the model's own forward overflows on this row: nothing to compare (the writer rejects the
             # row where the run's states do too)
         error = relative_error(got, own).nan_to_num(nan=float("inf"), posinf=float("inf"))
         per_token = error.max(dim=1).values
         over = int((per_token > self.tolerance).sum())
         value, token, slot = largest(error)
-        audited = self.audited
-        audited.rows += 1
-        audited.tokens += int(per_token.numel())
-        audited.ways = sorted(set(audited.ways) | {str(how)})
-        if value > audited.worst or audited.worst_row is None:
-            audited.worst, audited.worst_row = value, row.row_id
-        allowed = 0 if self.strict else max(1, int(LOW_PRECISION_TOKEN_SHARE * per_token.numel()))
-        if over > allowed:
-            raise AuditError(
-                f"the in-run audit found row {row.row_id} ({how}) unlike the model's own forward of it alone: layer id "
-                f"{self.layer_ids[slot]}, token {done + token} of {len(row.input_ids)}, relative difference "
-                f"{value:.3g} ({over} of its {per_token.numel()} tokens over {self.tolerance:g}); the start-up "
-                f"check did not catch this way of computing rows on this model. Nothing of its batch was written; "
-                f"rows committed before may have been computed the same way: start over (--overwrite) with "
-                f"{how.fallback()}, and report the model")
+        self.audited.add(str(how), row.row_id, len(row.input_ids), int(per_token.numel()), value)
+        allowed = max(1, int(LOW_PRECISION_TOKEN_SHARE * per_token.numel())) if self.ties else 0
+        if over:
+            self.flagged[how] = self.flagged.get(how, 0) + 1
+            self.follow_ups.setdefault(how, FOLLOW_UP)
+        if over > allowed or (over and self.flagged[how] > 1):
+            return Finding(how, row.row_id, len(row.input_ids), self.layer_ids[slot], done + token, value, over,
+                           self.tolerance)
+        return None
 
     def __enter__(self) -> Audit:
         self.capture = LayerCapture(self.model, self.layer_ids, gather_into_torch)

@@ -269,9 +269,11 @@ def audit_note(config: RunConfig) -> str:
     if config.tp > 1:
         return ("off under --tp: each audited row's forward would need the group's other processes too (verify "
                 "checks a store afterwards)")
-    return (f"the first row of each way of computing rows, in forwards of each size and rows of each length, then "
-            f"one row in {config.audit_every:,}, recomputed alone through the model's own forward and compared "
-            "before its batch is written")
+    budget = (f"within {config.audit_share:.0%} of the forward time" if config.audit_share else
+              "whatever it costs (--audit-share 0)")
+    return (f"rows of each way of computing rows, doubling in length, the first past each declared length limit and "
+            f"one row id in {config.audit_every:,}, recomputed alone through the model's own forward before its batch "
+            f"is written, {budget}; a way found wrong is dropped and its rows computed again")
 
 
 def decide_sharing(config: RunConfig, packing: Packing, model: PreTrainedModel) -> Sharing:

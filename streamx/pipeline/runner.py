@@ -37,7 +37,9 @@ from ..model.gather import select_gather_fn
 from ..model.load import library_bars
 from ..model.transfer import HostTransfer
 from ..store import PARTS, Audited, DoneKeys, OwnedPart, RunStore, SharedKinds, SpaceGuard, Store, open_for_run, prepare
-from .audit import Audit
+from .audit import Audit, Finding, ways_of
+from .heal import heal, ranged, unranged
+from .ladder import Ladder
 from .metrics import QueueFill, StageTimes, Throughput
 from .plan import RunPlan, make_plan
 from .ranks import Rank, init_from_env
@@ -150,8 +152,8 @@ class Pipeline:
     """One process's run: the three stages, the queues between them and what they measure."""
 
     def __init__(self, plan: RunPlan, writer: PartWriter, done: Collection[int], done_keys: DoneKeys | None = None,
-                 same_as: bool = True):
-        self.plan, self.writer, self.done, self.done_keys = plan, writer, done, done_keys
+                 same_as: bool = True, log: Callable[[str], None] = print):
+        self.plan, self.writer, self.done, self.done_keys, self.log = plan, writer, done, done_keys, log
         self.same_as = same_as  # repeated rows read the first row with their content (a store whose parts can say so)
         cfg = plan.config
         self.failed = threading.Event()  # a stage failed: every stage gives up
@@ -164,8 +166,14 @@ class Pipeline:
         # --tp: the group's other processes run each forward with this one (tensor_parallel)
         self.group = GroupWord(plan.rank, plan.device) if plan.rank.tp_size > 1 else None
         # (not under --tp: the group's other processes would have to run each audited row's forward too)
-        self.audit = Audit(plan.model, plan.layer_ids, plan.packing, plan.pad_token_id, cfg.audit_every) \
+        self.audit = Audit(plan.model, plan.layer_ids, plan.packing, plan.pad_token_id, cfg.audit_every,
+                           cfg.audit_share, lambda: self.stage_seconds().get("forward", 0.0)) \
             if cfg.audit_every and self.group is None else None
+        self.ladder = Ladder(plan.model, plan.packing, cfg.token_budget, cfg.max_batch_size, plan.pad_token_id)
+        # what an earlier run of this part left: the rung it computed rows on, rows waiting to be computed again
+        earlier = Audited.from_json(writer.opened.audit) if writer.opened.audit else Audited()
+        self.ladder.start_at(earlier.rung)
+        self.waiting = unranged(earlier.to_heal)
         self.stage = WriterStage(writer, done, RejectRate(cfg.max_reject_fraction), self.times,
                                  lambda: plan.source_rows, self.fanout, self.audited)  # (asked after the last batch)
         planned = plan.tokens_to_compute  # (per rank: about)
@@ -177,11 +185,26 @@ class Pipeline:
         return None if found is None else found.note(self.plan.config.train_turns)
 
     def audited(self) -> Audited | None:
-        """The audit's figures so far, with the run's forward time (asked by the writer when it closes the part)."""
-        if self.audit is None:
-            return None
-        self.audit.audited.forward_seconds = self.stage_seconds().get("forward", 0.0)
-        return self.audit.audited
+        """The audit's figures so far, with the run's forward time, the rung the run stands on and the rows waiting
+        to be computed again (asked by the writer when it closes the part, after the last batch)."""
+        waiting = ranged(self.to_heal()) or None
+        if self.audit is None:  # (--audit-every 0 on a resume of a run that left rows to heal: still healed)
+            return Audited(rung=self.ladder.name, to_heal=waiting) if waiting or self.ladder.rung else None
+        audited = self.audit.audited
+        audited.forward_seconds = self.stage_seconds().get("forward", 0.0)
+        audited.rung, audited.to_heal = self.ladder.name, waiting
+        return audited
+
+    def to_heal(self) -> np.ndarray:
+        """The rows committed a way the run no longer takes (this run's, and those an earlier run left)."""
+        return np.union1d(self.ladder.suspects(), self.waiting)
+
+    def healed(self, rows: int) -> None:
+        """The rows `to_heal` named were computed again (`rows` of them in the part)."""
+        self.ladder.healed()
+        self.waiting = np.zeros(0, dtype=np.int64)
+        if self.audit is not None:
+            self.audit.audited.recomputed += rows
 
     def rows_to_run(self, batch: Batch) -> int:
         """The batch's rows that this run commits (a resume's batch may hold rows committed before)."""
@@ -223,25 +246,57 @@ class Pipeline:
                     put(self.to_write, item, self.failed)
                     self.counts.rows += 1
                     continue
-                if self.group is not None:
-                    self.group.send(item)
-                states = torch.empty((item.num_tokens, K, H), dtype=torch.bfloat16, device=device)
-                with self.times.measure("forward", device):
-                    capture.forward(item, states)
-                    finite = segment_is_finite(states, item.segment_index, len(item.segment_lengths))
-                if self.audit is not None:  # before the writer sees the batch: a row that differs stops the run
-                    self.audit.batch(item, states)
-                scales = None
-                if storage.scaled:  # on the device, so the host copy and the writer move half the bytes
-                    with self.times.measure("quantize", device):
-                        states, scales = storage.encode(states)
-                with self.times.measure("d2h", device):
-                    host = transfer.start(states, finite, scales)
-                put(self.to_write, CapturedBatch(item, host), self.failed)
-                self.counts.forwarded(self.rows_to_run(item), item.num_tokens, item.padded_tokens)
+                self.compute_rows(item, capture, transfer)
         if self.group is not None:
             self.group.send(None)
         put(self.to_write, None, self.failed)
+
+    def compute_rows(self, batch: Batch, capture: LayerCapture, transfer: HostTransfer) -> None:
+        """The rows of a planned batch, as the rung the run stands on computes them; where the audit drops a way
+        meanwhile, the rest as the next rung does."""
+        rung, pending = self.ladder.rung, self.ladder.batches(batch, self.done)
+        while pending:
+            if self.ladder.rung != rung:
+                rung, pending = self.ladder.rung, self.ladder.batched([row for b in pending for row in b.samples])
+                continue
+            self.compute_batch(pending.pop(0), capture, transfer)
+
+    def compute_batch(self, batch: Batch, capture: LayerCapture, transfer: HostTransfer) -> None:
+        """One batch through the model, audited, handed to the writer; a way the audit finds wrong is dropped and
+        the batch computed again on the next rung (pipeline.ladder)."""
+        plan, device, storage = self.plan, self.plan.device, self.plan.layout.storage
+        if self.group is not None:
+            self.group.send(batch)
+        states = torch.empty((batch.num_tokens, len(plan.layer_ids), plan.info.hidden_size), dtype=torch.bfloat16,
+                             device=device)
+        with self.times.measure("forward", device):
+            capture.forward(batch, states)
+            finite = segment_is_finite(states, batch.segment_index, len(batch.segment_lengths))
+        if self.audit is not None:  # before the writer sees the batch
+            ways = ways_of(batch, plan.packing)
+            found = self.audit.batch(batch, states, ways)
+            if found is not None:
+                self.drop(found, capture)
+                self.compute_rows(batch, capture, transfer)
+                self.audit.audited.recomputed += self.rows_to_run(batch)
+                return
+            self.ladder.record(batch, {k: way for k, way in ways.items() if batch.samples[k].row_id not in self.done})
+        scales = None
+        if storage.scaled:  # on the device, so the host copy and the writer move half the bytes
+            with self.times.measure("quantize", device):
+                states, scales = storage.encode(states)
+        with self.times.measure("d2h", device):
+            host = transfer.start(states, finite, scales)
+        put(self.to_write, CapturedBatch(batch, host), self.failed)
+        self.counts.forwarded(self.rows_to_run(batch), batch.num_tokens, batch.padded_tokens)
+
+    def drop(self, found: Finding, capture: LayerCapture) -> None:
+        """The audit found a way wrong: the run goes down the ladder, says so and records it."""
+        now = self.ladder.drop(found.way)
+        capture.kept.clear()  # nothing computed so far is continued from any more
+        self.audit.audited.found = [*(self.audit.audited.found or []), found.to_json()]
+        self.log(f"audit: {found}; the run now computes its rows {now}, this batch again, and before it ends the "
+                 "rows it committed that way")
 
     def next_batch(self) -> Any:
         """The producer's next item; None at the end of the data, or at once when asked to wind up."""
@@ -315,7 +370,7 @@ def _run(plan: RunPlan, part: OwnedPart, started: tuple[float, float], progress:
     digests = RowDigests(target.data_digests, cfg.max_samples, cfg.data)  # a resume stops where the data changed
     writer = PartWriter(part.open(target, plan.layout), space, digests)
     plan.builder.fanout = FanOut(plan.tokenizer)  # this run's rows as tokenized (a fresh one: bench reuses plans)
-    pipeline = Pipeline(plan, writer, target.done_rows, target.done_keys, target.same_as)
+    pipeline = Pipeline(plan, writer, target.done_rows, target.done_keys, target.same_as, log)
 
     total = None if plan.source.num_rows is None else rows_to_run(plan.source.num_rows, target.done_rows,
                                                                   cfg.sort_window, rank)
@@ -323,6 +378,8 @@ def _run(plan: RunPlan, part: OwnedPart, started: tuple[float, float], progress:
     with Progress(pipeline.counts, total, desc, disable=not progress), \
             SignalStop(pipeline.signalled, log, enabled=signals) as signals_in:
         pipeline.run()
+    if pipeline.to_heal().size and not pipeline.rows_left.is_set():  # (wound up early: the resume heals them)
+        heal_part(plan, pipeline, part, target, space, digests, log)
     # no rank waits for another's work (a collective here would time out on a rank that finished long before the
     # others, and torchrun would stop them all): each reads the whole store once its part is closed, and the last
     # to find it complete closes the parts no rank of this world writes and says the whole summary
@@ -348,6 +405,18 @@ def _run(plan: RunPlan, part: OwnedPart, started: tuple[float, float], progress:
         stored_again=pipeline.stage.stored_again, store_waiting=store_waiting, fanout=pipeline.fanout(),
         audit=pipeline.audited(),
     )
+
+
+def heal_part(plan: RunPlan, pipeline: Pipeline, part: OwnedPart, target: RunStore, space: SpaceGuard,
+              digests: RowDigests, log: Callable[[str], None]) -> None:
+    """The rows this part committed a way the audit found wrong (this run or an earlier one): computed again and
+    written over (pipeline.heal), then the part closed, its record saying so."""
+    group = part.open(target, plan.layout)
+    healed = heal(plan, group, part.name, pipeline.to_heal(), pipeline.ladder, log)
+    writer = PartWriter(group, space, digests)
+    writer.close(True, plan.source_rows, pipeline.fanout(), Audited(recomputed=healed, rung=pipeline.ladder.name))
+    pipeline.healed(healed)
+    log(f"audit: {healed:,} committed rows computed again {pipeline.ladder.name}; {part.name} is closed")
 
 
 def follow(plan: RunPlan, started: tuple[float, float]) -> RunSummary:

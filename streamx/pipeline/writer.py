@@ -447,10 +447,11 @@ class WriterStage:
                 if fill is not None:
                     fill.record()
                 if item is None:
-                    complete = rows_left is None or not rows_left.is_set()
+                    audit = self.audit()
+                    # a part with rows waiting to be computed again stays open until they are (pipeline.heal)
+                    complete = (rows_left is None or not rows_left.is_set()) and not (audit and audit.to_heal)
                     with self.times.measure("write"):
-                        self.writer.close(complete, self.source_rows() if complete else None, self.fanout(),
-                                          self.audit())
+                        self.writer.close(complete, self.source_rows() if complete else None, self.fanout(), audit)
                     return
                 if isinstance(item, Reject):
                     self.reject(item)

@@ -313,16 +313,43 @@ class Audited:
     seconds: float = 0.0  # the audit's forwards and comparisons
     forward_seconds: float = 0.0  # the run's forwards meanwhile, for the audit's share
     ways: list[str] | None = None  # the ways of computing rows it audited
+    # per way the run computed rows: [rows audited, longest audited, rows computed, longest computed]
+    coverage: dict[str, list[int]] | None = None
+    found: list[dict] | None = None  # the ways found wrong: row, way, layer id, token, difference (audit.Finding)
+    rung: str | None = None  # how the run computed its rows after dropping them (pipeline.ladder; None: as planned)
+    recomputed: int = 0  # rows computed again the safe way after a way was found wrong
+    to_heal: list[list[int]] | None = None  # [first, last] row id ranges committed a way found wrong, waiting
+
+    def saw(self, way: str, length: int) -> None:
+        """The run computed a row of `length` tokens `way`."""
+        entry = self.coverage.setdefault(way, [0, 0, 0, 0])
+        entry[2], entry[3] = entry[2] + 1, max(entry[3], length)
+
+    def add(self, way: str, row: int, length: int, compared: int, worst: float) -> None:
+        """An audited row of `length` tokens (`compared` of them computed here), its worst token `worst`."""
+        entry = self.coverage.setdefault(way, [0, 0, 0, 0])
+        entry[0], entry[1] = entry[0] + 1, max(entry[1], length)
+        self.rows, self.tokens = self.rows + 1, self.tokens + compared
+        self.ways = sorted(set(self.ways or []) | {way})
+        if worst > self.worst or self.worst_row is None:
+            self.worst, self.worst_row = worst, row
 
     def merged(self, earlier: dict | None) -> Audited:
-        """This run's figures added to an earlier run's of the same part (a resume)."""
+        """This run's figures added to an earlier run's of the same part (a resume); what is left to heal and how
+        rows are computed are this run's."""
         if not earlier:
             return self
         before = Audited.from_json(earlier)
         worst = max((self.worst, self.worst_row), (before.worst, before.worst_row), key=lambda w: w[0])
+        coverage = {way: list(entry) for way, entry in (before.coverage or {}).items()}
+        for way, entry in (self.coverage or {}).items():
+            was = coverage.get(way, [0, 0, 0, 0])
+            coverage[way] = [was[0] + entry[0], max(was[1], entry[1]), was[2] + entry[2], max(was[3], entry[3])]
         return Audited(self.rows + before.rows, self.tokens + before.tokens, worst[0], worst[1],
                        self.seconds + before.seconds, self.forward_seconds + before.forward_seconds,
-                       sorted(set(self.ways or []) | set(before.ways or [])))
+                       sorted(set(self.ways or []) | set(before.ways or [])), coverage,
+                       [*(before.found or []), *(self.found or [])] or None, self.rung or before.rung,
+                       self.recomputed + before.recomputed, self.to_heal)
 
     @classmethod
     def from_json(cls, record: dict) -> Audited:
@@ -337,12 +364,37 @@ class Audited:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def unaudited(self) -> list[str]:
+        """The ways (and lengths) the run computed rows that no audited row covers: a way never audited, or rows
+        more than twice as long as its longest audited one."""
+        out = []
+        for way, (rows, longest, _, computed) in sorted((self.coverage or {}).items()):
+            if not rows:
+                out.append(f"{way} (rows up to {computed:,} tokens)")
+            elif computed > 2 * longest:
+                out.append(f"{way} past {longest:,} tokens (rows up to {computed:,})")
+        return out
+
     def phrase(self) -> str:
+        found = [f"found wrong: row {f['row']} ({f['way']}), layer id {f['layer_id']}, token {f['token']}, relative "
+                 f"difference {f['difference']:.3g}" for f in self.found or []]
+        healed = ([f"then computed {self.rung}; {self.recomputed:,} rows computed again that way"]
+                  if self.rung else [])
+        waiting = ([f"{sum(b - a + 1 for a, b in self.to_heal):,} rows computed a way found wrong wait to be "
+                    "computed again: run the same command"] if self.to_heal else [])
         if not self.rows:
-            return "no row audited"
-        return (f"{self.rows:,} rows ({self.tokens:,} tokens) recomputed alone through the model's own forward, "
-                f"worst token {self.worst:.2g} (row {self.worst_row}); {self.share:.1%} of the forward time; "
-                f"ways: {'; '.join(self.ways or [])}")
+            return "; ".join(["no row audited", *found, *healed, *waiting])
+        unaudited = self.unaudited()
+        return "; ".join([
+            f"{self.rows:,} rows ({self.tokens:,} tokens) recomputed alone through the model's own forward, worst "
+            f"token {self.worst:.2g} (row {self.worst_row}); {self.share:.1%} of the forward time",
+            f"ways: {' | '.join(self._covered() if self.coverage else self.ways or [])}",
+            *([f"not audited (the budget, --audit-share): {' | '.join(unaudited)}"] if unaudited else []),
+            *found, *healed, *waiting])
+
+    def _covered(self) -> list[str]:
+        return [f"{way} ({rows:,} of {computed_rows:,} rows, up to {longest:,} tokens)"
+                for way, (rows, longest, computed_rows, _) in sorted((self.coverage or {}).items()) if rows]
 
 
 @dataclass

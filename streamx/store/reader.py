@@ -446,6 +446,9 @@ class Store:
         for commit in self.commits.values():
             if commit.audit:
                 found = Audited.from_json(commit.audit) if found is None else found.merged(commit.audit)
+        if found is not None:  # (merged keeps a part's latest run's; across parts they add up)
+            found.to_heal = [span for c in self.commits.values() for span in (c.audit or {}).get("to_heal") or []] \
+                or None
         return found
 
     def describe(self) -> list[str]:
