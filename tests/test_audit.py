@@ -16,7 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from streamx.config import RunConfig
 from streamx.data import batching
+from streamx.pipeline import audit
 from streamx.pipeline.heal import unranged
+from streamx.pipeline.plan import make_plan
 from streamx.pipeline.runner import run
 from streamx.store import open_store
 from streamx.train.verify import check_audit, verify
@@ -79,10 +81,11 @@ def test_a_broken_way_the_probes_miss_is_dropped_and_the_run_ends_right(peaked_m
     assert any(line.startswith("  packing on:") for line in lines)
     assert worst_row(peaked_model_dir, tmp_path / "unaudited.zarr") > 0.05
 
-    # audited: the run finds the way on its first batch of it, drops it, and ends with every row right
+    # audited (the rows it picks, whatever they cost: the budget reads the clock): the run finds the way, drops it,
+    # and ends with every row right
     lines = []
-    summary = run(small_config(peaked_model_dir, chat_jsonl, tmp_path / "audited.zarr"), progress=False,
-                  log=lines.append)
+    summary = run(small_config(peaked_model_dir, chat_jsonl, tmp_path / "audited.zarr", audit_share=0),
+                  progress=False, log=lines.append)
     found = [line for line in lines if line.startswith("audit: row")]
     assert found and "packed beside other rows" in found[0] and "layer id" in found[0] and "token" in found[0]
     assert "the run now computes its rows" in found[0]
@@ -119,13 +122,15 @@ def test_a_way_that_turns_wrong_after_some_batches_is_healed(peaked_model_dir, c
 
 def test_the_audit_figures_reach_the_store_inspect_and_verify(tiny_chat_model_dir, chat_jsonl, tmp_path):
     out = tmp_path / "s.zarr"
-    summary = run(small_config(tiny_chat_model_dir, chat_jsonl, out, audit_every=7), progress=False,
+    summary = run(small_config(tiny_chat_model_dir, chat_jsonl, out, audit_every=7, audit_share=0), progress=False,
                   log=lambda m: None)
     audited = summary.audit
     store = open_store(str(out))
     ids = store.row_ids()
-    # the first row of each way, and every row id that is a multiple of 7 among the computed rows
+    # whatever it costs: the first row of each way, and every row id that is a multiple of 7 among the computed rows
     assert audited.rows >= max(len(audited.ways), int(np.count_nonzero(ids % 7 == 0)) // 2)
+    assert set(audited.coverage) >= set(audited.ways) and all(audited.coverage[way][0] for way in audited.ways)
+    assert all(f"{way} (" in audited.phrase() for way in audited.ways)
     assert any(way.startswith("packed beside other rows") for way in audited.ways)
     assert any("shared prefix" in way for way in audited.ways)  # the chats share their leading turns
     assert 0 < audited.worst < 0.01 and audited.seconds > 0 and audited.forward_seconds > audited.seconds
@@ -133,6 +138,17 @@ def test_the_audit_figures_reach_the_store_inspect_and_verify(tiny_chat_model_di
     assert any(line.startswith("audit ") for line in store.describe())
     check = check_audit(store)
     assert check.passed and not check.skipped and f"{audited.rows:,} rows" in check.summary
+    # within its budget (by default 1% of the forward time of the tokens it plans to compute, and as much again from
+    # the start): the audited tokens stay within as many tokens (a row alone costs at least what it does batched);
+    # the ways and lengths the budget left are said
+    config = small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "b.zarr")
+    planned = make_plan(config, log=lambda m: None).tokens_to_compute
+    short = run(config, progress=False, log=lambda m: None)
+    assert planned > 0 and short.real_tokens > 0
+    budgeted = short.audit
+    assert budgeted.tokens <= audit.SHARE * (max(short.real_tokens, planned) + planned)
+    for way in budgeted.unaudited():
+        assert way in budgeted.phrase()
     # none when the run did not audit
     run(small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "n.zarr", audit_every=0), progress=False,
         log=lambda m: None)

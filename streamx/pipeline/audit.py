@@ -10,23 +10,24 @@ quantization's rounding is verify's to check).
 Which rows: a row audited covers every position up to its length, and a wrong way shows on rows placed after
 others (packed after another row, padded beside a longer one). So per way of computing rows (packed or padded,
 beside other rows or alone, continued from a shared prefix, a prefix row, past a length limit) and forward size
-(segments, in powers of 2) the audit takes, among the rows placed after others, its first row placed after the most
-others (whatever the budget), then the longest row at least twice as long as every row of that way audited so far
-that the budget allows; besides, the first row past each length limit the config declares that the start-up
-check's rows did not reach (whatever the budget: nothing else proves it), and each row whose id is a multiple of
-`every` (the same rows on a resume).
+(segments, in powers of 2) the audit takes, among the rows placed after others, its first row (the one placed after
+the most others that the budget allows), then the longest row at least twice as long as every row of that way
+audited so far that the budget allows; besides, per way, the shortest of the first rows past each length limit the
+config declares (whatever the budget: the start-up check's few rows may not have crossed it that way), and each row
+whose id is a multiple of `every` (the same rows on a resume).
 
-What it may cost: the audit's forwards stay within `share` of the run's forward time so far, plus a start allowance
-of START_TOKENS tokens' worth so that each way's first rows are seen early; a row that does not fit waits for a
-later row of its way once the run has grown (a short run may leave ways or lengths unaudited: the record says which).
-A share of 0 audits every row picked, whatever it costs.
+What it may cost: the audit's forwards stay within `share` of the run's forward time (of the tokens it plans to
+compute, or has computed where more), plus as much again from the start (so that a short run audits too, and each
+way's first rows are seen early; START_TOKENS tokens' worth where the run cannot plan): within twice the share. A
+row that does not fit waits for a later row of its way (a short run may leave ways or lengths unaudited: the record
+says which). A share of 0 audits every row picked, whatever it costs.
 
 How it judges: each token against its own scale (relative_error), within the tolerance of the model's dtype. In
 reduced precision a model that picks by ranking (a MoE router, a sparse attention's top-k) may pick otherwise for a
 token batched otherwise when two candidates nearly tie: there, and only there, a row may have one token (or 1%) over
 the tolerance, and a way is judged across its rows: ties are rare, a wrong way shows in many rows, so the next
-FOLLOW_UP rows of a way after such a row are audited whatever the budget, and a second row of it with a token over
-finds the way wrong.
+FOLLOW_UP rows of a way after a row with a token over SUSPECT of the tolerance are audited whatever the budget, and
+a second row of it with a token over the tolerance finds the way wrong.
 
 A way found wrong is a `Finding`; the run (streamx.pipeline.ladder) drops it and recomputes what it computed so.
 """
@@ -50,8 +51,8 @@ from ..store import Audited
 
 EVERY = 512  # one row in this many audited by default, besides the ladder of lengths of each way
 SHARE = 0.01  # the audit's forwards at most this share of the run's forward time, by default
-START_TOKENS = 256  # the allowance at the start: this many tokens' worth of the run's forward time
-COST_GUESS = 2.0  # a row's forward alone per token against the run's batched forward, until the audit measured it
+START_TOKENS = 256  # the allowance besides the share where the run cannot say what it will compute (a stream)
+COST_GUESS = 1.0  # a row's forward alone per token against the run's batched forward, until the audit measured one
 # a token differs when its distance from the model's own forward, relative to its size, exceeds this: the bf16
 # states round by at most 2**-9 per value (float32 compute differs by less), bf16 compute by more; a broken way of
 # computing rows moves states by 0.1 to O(1)
@@ -60,7 +61,8 @@ LOW_PRECISION_TOLERANCE = 5e-2
 # in reduced precision a model that picks by ranking may pick another expert or key for a token batched otherwise
 # (its own rounding, near a tie): a row differs when more than this share of its tokens (and more than one) do
 LOW_PRECISION_TOKEN_SHARE = 0.01
-FOLLOW_UP = 4  # rows of a way audited, whatever the budget, after one with a token over the tolerance
+FOLLOW_UP = 4  # rows of a way audited, whatever the budget, after one with a token near or over the tolerance
+SUSPECT = 0.5  # near: over this share of the tolerance (a right way stays well below it: rounding)
 RANKING_FIELDS = ("num_experts_per_tok", "n_routed_experts", "num_local_experts", "num_experts", "moe_topk",
                   "index_topk", "index_topk_blocks")  # config fields of a model that picks experts or keys by rank
 
@@ -139,14 +141,22 @@ def picks_by_ranking(model: nn.Module) -> bool:
     return any(isinstance(getattr(text, name, None), int) and getattr(text, name) > 0 for name in RANKING_FIELDS)
 
 
-def unprobed_limits(model: nn.Module, packing: Packing) -> list[int]:
-    """The length limits the model's config declares (windows, chunks, sparse attention's reach, a length split)
-    that the start-up check's rows did not cross: rows past them are proven by the audit alone."""
+def declared_limits(model: nn.Module, packing: Packing) -> list[int]:
+    """The length limits the model's config declares (windows, chunks, sparse attention's reach, a length split):
+    past them a row is computed otherwise, and the start-up check's rows may not have crossed them each way (its
+    rows are few, and capped by the budget)."""
     spans = list(declared_spans(model.config.get_text_config()).values())
     if packing.split is not None:
         spans.append(packing.split.limit)
-    probed = max((len(row.input_ids) for row in packing.probes.rows), default=0) if packing.probes else 0
-    return sorted({span for span in spans if span >= probed})
+    return sorted(set(spans))
+
+
+def placed_after_others(batch: Batch, ks: list[int]) -> list[int]:
+    """Of rows `ks` of `batch`, those placed after others: packed after another row, padded beside a longer one
+    (where a wrong way of batching rows shows); all of them where none is."""
+    width = batch.input_ids.shape[1]
+    return [k for k in ks if (batch.row_ranges[k][-1][0] > 0 if batch.packed else
+                              len(batch.samples[k].input_ids) < width)] or ks
 
 
 def ways_of(batch: Batch, packing: Packing) -> dict[int, Way]:
@@ -161,17 +171,19 @@ class Audit:
     thread. `forward_seconds` says the run's forward time so far (its budget)."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int], packing: Packing, pad_token_id: int,
-                 every: int = EVERY, share: float = SHARE, forward_seconds: Callable[[], float] = lambda: 0.0):
+                 every: int = EVERY, share: float = SHARE, forward_seconds: Callable[[], float] = lambda: 0.0,
+                 planned_tokens: int | None = None):
         self.model, self.packing, self.pad_token_id, self.every = model, packing, pad_token_id, every
         self.layer_ids, self.share, self.forward_seconds = layer_ids, share, forward_seconds
+        self.planned_tokens = planned_tokens or 0  # the tokens the run plans to compute: its budget from the start
         self.capture: LayerCapture | None = None  # its own hooks, idle in the run's forwards (while in `with`)
         dtype = next(model.parameters()).dtype
         self.tolerance = TOLERANCE.get(dtype, LOW_PRECISION_TOLERANCE)
         self.ties = dtype not in TOLERANCE and picks_by_ranking(model)  # a token over may be a near tie
-        self.limits = unprobed_limits(model, packing)
+        self.limits = declared_limits(model, packing)
         self.audited = Audited(ways=[], coverage={})
         self.longest: dict[tuple[Way, int], int] = {}  # (way, forward size class) -> its longest row audited
-        self.crossed: set[tuple[Way, int]] = set()  # (way, unprobed limit) a row past it was audited
+        self.crossed: set[tuple[Way, int]] = set()  # (way, declared limit) a row past it was audited
         self.flagged: dict[Way, int] = {}  # rows of a way audited with a token over the tolerance
         self.follow_ups: dict[Way, int] = {}  # rows of a way still to audit after one such row, whatever the budget
         self.computed_tokens = 0
@@ -182,18 +194,25 @@ class Audit:
         self.computed_tokens += batch.num_tokens
         rows: dict[int, Way] = {}
         candidates: dict[tuple[Way, int], list[int]] = {}  # (way, size class) -> its rows here
+        crossing: dict[tuple[Way, int], list[int]] = {}  # (way, limit) first crossed -> its rows past it here
         for k, how in ways.items():
             row = batch.samples[k]
             n = len(row.input_ids)
             self.audited.saw(str(how), n)
-            crossing = [limit for limit in self.limits if n > limit and (how, limit) not in self.crossed]
-            if crossing:  # nothing else proves it: whatever the budget
-                self.crossed.update((how, limit) for limit in crossing)
-                self.longest[how, size] = max(n, self.longest.get((how, size), 0))
-                rows[k] = how
-                continue
+            for limit in self.limits:
+                if n > limit and (how, limit) not in self.crossed:
+                    crossing.setdefault((how, limit), []).append(k)
             candidates.setdefault((how, size), []).append(k)
-            if self.every and row.row_id % self.every == 0 and self.affords(n + self.pending(batch, rows)):
+        for (how, limit), ks in crossing.items():  # nothing else proves it: whatever the budget, the shortest
+            if not any(k in rows and len(batch.samples[k].input_ids) > limit for k in ks):
+                k = min(placed_after_others(batch, ks), key=lambda k: len(batch.samples[k].input_ids))
+                rows[k] = how
+                self.longest[how, size] = max(len(batch.samples[k].input_ids), self.longest.get((how, size), 0))
+            self.crossed.add((how, limit))
+        for k, how in ways.items():
+            n = len(batch.samples[k].input_ids)
+            if self.every and batch.samples[k].row_id % self.every == 0 and k not in rows \
+                    and self.affords(n + self.pending(batch, rows)):
                 rows[k] = how
         for key, ks in candidates.items():
             for k in self._picks(batch, key, [k for k in ks if k not in rows], self.pending(batch, rows)):
@@ -205,26 +224,31 @@ class Audit:
         """Of rows `ks` of `batch` computed one way (`key`: the way, the forward's size class), those to audit:
         among the rows placed after others (packed after another row, padded beside a longer one: where a wrong
         way shows), else all, the longest at least twice as long as every row of the key audited so far that the
-        budget allows (beside `pending` tokens picked already); and whatever the budget, the key's first row placed
-        after the most others, and the longest row of a way after one with a token over the tolerance (a near tie or
-        a wrong way: FOLLOW_UP rows tell)."""
-        width = batch.input_ids.shape[1]
-        exposed = [k for k in ks if (batch.row_ranges[k][-1][0] > 0 if batch.packed else
-                                     len(batch.samples[k].input_ids) < width)] or ks
+        budget allows (beside `pending` tokens picked already), and the key's first row (the one placed after the most
+        others that the budget allows); whatever the budget, the longest row of a way after one with a token near or
+        over the tolerance (a near tie or a wrong way: FOLLOW_UP rows tell)."""
+        exposed = placed_after_others(batch, ks)
         if not exposed:
             return []
         longest = sorted(exposed, key=lambda k: -len(batch.samples[k].input_ids))
-        picks = []
-        if key not in self.longest:
-            picks.append(max(exposed, key=lambda k: batch.row_ranges[k][-1][0]))
-        if self.follow_ups.get(key[0]) and longest[0] not in picks:
+        picks: list[int] = []
+
+        def fits(k: int) -> bool:
+            return self.affords(len(batch.samples[k].input_ids) + pending
+                                + sum(len(batch.samples[p].input_ids) for p in picks))
+
+        if self.follow_ups.get(key[0]):  # whatever the budget
             self.follow_ups[key[0]] -= 1
             picks.append(longest[0])
-        for k in longest:
-            n = len(batch.samples[k].input_ids)
-            if n < 2 * self.longest.get(key, 0):
+        if key not in self.longest:  # its first: the row placed after the most others that fits
+            first = next((k for k in sorted(exposed, key=lambda k: -batch.row_ranges[k][-1][0])
+                          if k not in picks and fits(k)), None)
+            picks += [] if first is None else [first]
+        for k in longest:  # then the longest that doubles the key's longest audited, if it fits
+            if len(batch.samples[k].input_ids) < 2 * max([self.longest.get(key, 0),
+                                                          *(len(batch.samples[p].input_ids) for p in picks)]):
                 break
-            if k not in picks and self.affords(n + pending + sum(len(batch.samples[p].input_ids) for p in picks)):
+            if k not in picks and fits(k):
                 picks.append(k)
                 break
         return picks
@@ -240,11 +264,13 @@ class Audit:
         if not self.share:
             return True
         computed = max(self.computed_tokens, 1)
-        if (self.audited.tokens + tokens) > self.share * computed + START_TOKENS:  # cheaper than it can be
+        start = self.share * self.planned_tokens if self.planned_tokens else START_TOKENS
+        allowed = self.share * max(computed, self.planned_tokens) + start  # in tokens of the run's forward
+        if self.audited.tokens + tokens > allowed:  # (a row alone costs at least what it does batched)
             return False
         per_token = self.forward_seconds() / computed  # the run's forward, per computed token
         cost = self.audited.seconds / self.audited.tokens if self.audited.tokens else COST_GUESS * per_token
-        return self.audited.seconds + tokens * cost <= per_token * (self.share * computed + START_TOKENS)
+        return self.audited.seconds + tokens * cost <= per_token * allowed
 
     @torch.inference_mode()
     def batch(self, batch: Batch, states: torch.Tensor, ways: dict[int, Way]) -> Finding | None:
@@ -283,6 +309,7 @@ class Audit:
         allowed = max(1, int(LOW_PRECISION_TOKEN_SHARE * per_token.numel())) if self.ties else 0
         if over:
             self.flagged[how] = self.flagged.get(how, 0) + 1
+        if value > SUSPECT * self.tolerance:  # near the tolerance: look at more rows of the way before trusting it
             self.follow_ups.setdefault(how, FOLLOW_UP)
         if over > allowed or (over and self.flagged[how] > 1):
             return Finding(how, row.row_id, len(row.input_ids), self.layer_ids[slot], done + token, value, over,

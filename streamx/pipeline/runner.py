@@ -166,8 +166,10 @@ class Pipeline:
         # --tp: the group's other processes run each forward with this one (tensor_parallel)
         self.group = GroupWord(plan.rank, plan.device) if plan.rank.tp_size > 1 else None
         # (not under --tp: the group's other processes would have to run each audited row's forward too)
+        planned = plan.tokens_to_compute  # (per rank: about)
+        planned = None if planned is None else -(-planned // plan.rank.world_size)
         self.audit = Audit(plan.model, plan.layer_ids, plan.packing, plan.pad_token_id, cfg.audit_every,
-                           cfg.audit_share, lambda: self.stage_seconds().get("forward", 0.0)) \
+                           cfg.audit_share, lambda: self.stage_seconds().get("forward", 0.0), planned) \
             if cfg.audit_every and self.group is None else None
         self.ladder = Ladder(plan.model, plan.packing, cfg.token_budget, cfg.max_batch_size, plan.pad_token_id)
         # what an earlier run of this part left: the rung it computed rows on, rows waiting to be computed again
@@ -176,8 +178,7 @@ class Pipeline:
         self.waiting = unranged(earlier.to_heal)
         self.stage = WriterStage(writer, done, RejectRate(cfg.max_reject_fraction), self.times,
                                  lambda: plan.source_rows, self.fanout, self.audited)  # (asked after the last batch)
-        planned = plan.tokens_to_compute  # (per rank: about)
-        self.counts = Throughput(None if planned is None else -(-planned // plan.rank.world_size))
+        self.counts = Throughput(planned)
 
     def fanout(self) -> str | None:
         """What this run's chat rows fan out to that sharing cannot fold (data.fanout), once they are tokenized."""
