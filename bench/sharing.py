@@ -80,7 +80,7 @@ def measure(token_rows: list[tuple], min_shared: list[int]) -> dict:
     # a distinct row is a proper prefix of another exactly when its sorted successor starts with it
     is_prefix = [len(b) > len(a) and b[: len(a)] == a for a, b in zip(distinct, distinct[1:], strict=False)]
     prefix_rows = sum(len(a) for a, p in zip(distinct, is_prefix, strict=False) if p)
-    leaves = [a for a, p in zip(distinct, [*is_prefix, False], strict=True) if not p]  # sorted still
+    leaves = [a for a, p in zip(distinct, [*is_prefix, False][: len(distinct)], strict=True) if not p]  # sorted still
     lcp = [common_prefix(a, b) for a, b in zip(leaves, leaves[1:], strict=False)]
     leaf_tokens = sum(map(len, leaves))
     trie = leaf_tokens - sum(lcp)  # duplicates and prefix rows add no node to the trie

@@ -1,7 +1,7 @@
-"""The in-run audit (streamx.pipeline.audit): rows of the run's own batches recomputed alone through the model's own
+"""The in-run audit (streamx.proof.audit): rows of the run's own batches recomputed alone through the model's own
 forward. A way of computing rows that the start-up check's probe rows never reach (here: packed batches of more
 rows than the probes pack, with their positions shifted) passes the check; the audit finds it on the run's own
-rows, the run drops it (streamx.pipeline.ladder), computes the batch again, computes again the rows it committed
+rows, the run drops it (streamx.proof.ladder), computes the batch again, computes again the rows it committed
 that way before (streamx.pipeline.heal) and ends normally with every row right; with the audit off the same run
 writes wrong states (the control). The audit's figures reach the store, inspect and verify."""
 
@@ -16,10 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from streamx.config import RunConfig
 from streamx.data import batching
-from streamx.pipeline import audit
 from streamx.pipeline.heal import unranged
 from streamx.pipeline.plan import make_plan
 from streamx.pipeline.runner import run
+from streamx.proof import audit
 from streamx.store import open_store
 from streamx.train.verify import check_audit, verify
 

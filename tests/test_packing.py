@@ -15,10 +15,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from streamx.data.batching import first_fit, make_packed_batch
 from streamx.data.tokenize import Sample
 from streamx.model.capture import LayerCapture
-from streamx.model.check import Probes, check_packing
 from streamx.model.gather import gather_into_torch
 from streamx.model.packing import PACKED_ATTENTION, configure, enable, sample_wise_layers, sequence_mixers
 from streamx.pipeline.runner import run
+from streamx.proof.check import Probes, check_packing
 from streamx.store import open_store
 
 BF16_ULP = 2.0**-7

@@ -82,8 +82,8 @@ def test_non_finite_states_are_rejected(tiny_chat_model_dir, chat_jsonl, tmp_pat
     """A sample whose activations are NaN is rejected as non_finite; its batch neighbours are stored. With shared
     prefixes (the default), every row that reads the poisoned token is rejected, and only those."""
     import streamx.model.capture as capture
-    import streamx.model.check as check
-    import streamx.pipeline.audit as audit
+    import streamx.proof.audit as audit
+    import streamx.proof.check as check
 
     real_gather, real_forward = capture.LayerCapture._gather, capture.LayerCapture.forward
     poisoned_rows = []

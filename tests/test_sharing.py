@@ -23,7 +23,6 @@ from streamx.measure.look import row_lines
 from streamx.model import attention, packing, segments
 from streamx.model.capture import LayerCapture, find_decoder
 from streamx.model.carry import Kept, carrying, kept_bytes_per_token
-from streamx.model.check import check_continuation
 from streamx.model.gather import gather_into_torch
 from streamx.model.packing import configure
 from streamx.model.segments import PackedForward, forward_inputs
@@ -31,6 +30,7 @@ from streamx.model.support import support_of
 from streamx.pipeline.estimate import estimate
 from streamx.pipeline.plan import decide_sharing, make_plan
 from streamx.pipeline.runner import run
+from streamx.proof.check import check_continuation
 from streamx.store import SharedKinds, open_store, shards
 from streamx.store.shards import ChunkCache, ProcessCache
 from streamx.train import verify as verify_module

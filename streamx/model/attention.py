@@ -19,7 +19,7 @@ its queries may see, gathered from its chain: on CUDA all runs in one variable-l
 attention's window_size; sinks joined by log-sum-exp), elsewhere a product per run with its mask. A window or
 chunk at least as long as every chain in the forward changes nothing, and such a layer takes the fast path.
 
-What this implements is proven on the loaded model at start against its own forward (streamx.model.check): a
+What this implements is proven on the loaded model at start against its own forward (streamx.proof.check): a
 feature it missed sends the run to a slower correct path.
 """
 

@@ -14,7 +14,7 @@ segments: streamx.model.segments). Three things must keep the samples apart:
   `SampleWise` runs those layers sample by sample (the rest of the model still sees the whole batch);
 - nothing else may mix tokens (MLPs, MoE routing and norms work per token).
 
-Rather than trust versions and kernels, `enable` proves it on the loaded model (streamx.model.check): probe rows
+Rather than trust versions and kernels, `enable` proves it on the loaded model (streamx.proof.check): probe rows
 packed against each row alone through the model's own forward. Where they differ with the model's own kernels,
 the linear-attention layers go sample-wise and the check runs again; where they still differ, or the attention
 implementation has no packed path, the run uses padded batches and says why (in the log and the store's metadata).
@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 
+from ..proof.check import Probes, check_packing, check_padded
 from .attention import PACKED_ATTENTION
 from .capture import find_decoder
-from .check import Probes, check_packing, check_padded
 from .lengths import LengthSplit, keep_rope_fresh, length_split
 from .segments import FORWARD_KWARG, PackedForward
 
@@ -249,7 +249,7 @@ class Packing:
     alone: bool = False  # one row per forward
     split: LengthSplit | None = None  # rows past a length the forward depends on never batched with shorter ones
     probes: Probes | None = field(default=None, repr=False, compare=False)  # the start-up check's rows, and the
-    # model's own forward of them (streamx.model.check), which the later checks reuse
+    # model's own forward of them (streamx.proof.check), which the later checks reuse
 
     @property
     def setting(self) -> str:

@@ -3,7 +3,7 @@ continued or prefix rows only, and why.
 
 Every row is what the test zoo (tests/test_zoo.py) ran: a tiny random-weight model of the family, built from its
 transformers config, run with the default settings on rows longer than its windows and chunks, every row compared
-with the model's own forward of it alone. At run time the start-up check (streamx.model.check) decides, on the
+with the model's own forward of it alone. At run time the start-up check (streamx.proof.check) decides, on the
 loaded model, and the log names the family's row (or says that the family is not in the table, and the check alone
 decides). docs/support.md is this table (`markdown`; tests/test_zoo.py checks that it is up to date).
 """

@@ -1,8 +1,8 @@
 """Rows committed a way the in-run audit later found wrong, computed again and written over in place.
 
-A way of computing rows found wrong at batch N (streamx.pipeline.audit) may have computed rows of earlier batches,
+A way of computing rows found wrong at batch N (streamx.proof.audit) may have computed rows of earlier batches,
 already committed. Before the run ends they are computed again on the rung the run stands on (whole rows, nothing
-shared: streamx.pipeline.ladder) and their states written over where they lie in the part: a row keeps its tokens,
+shared: streamx.proof.ladder) and their states written over where they lie in the part: a row keeps its tokens,
 so it keeps its place, and rows that read the same stored tokens (a shared prefix) read the states the row's own
 forward gives them, which are theirs too (a token's states depend on the tokens before it alone).
 
@@ -22,10 +22,10 @@ import zarr
 
 from ..data.tokenize import Sample
 from ..model.capture import LayerCapture
-from ..model.check import served_states
 from ..model.gather import select_gather_fn
+from ..proof.check import served_states
+from ..proof.ladder import Ladder
 from ..store import Store
-from .ladder import Ladder
 from .plan import RunPlan
 
 

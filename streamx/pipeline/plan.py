@@ -41,7 +41,6 @@ from ..data.tokenize import (
     vocabulary_fingerprint,
 )
 from ..model.carry import kept_bytes_per_token
-from ..model.check import check_continuation, check_prefix_rows
 from ..model.footprint import held_share
 from ..model.load import (
     ModelInfo,
@@ -57,6 +56,7 @@ from ..model.packing import Packing, hand_states_over, keep_samples_apart_native
 from ..model.packing import configure as configure_packing
 from ..model.residual import config_layers, residual_of
 from ..model.support import note as family_note
+from ..proof.check import check_continuation, check_prefix_rows
 from ..store import (
     Compat,
     DoneKeys,
@@ -263,7 +263,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
 
 
 def audit_note(config: RunConfig) -> str:
-    """The run's log line on its in-run audit (pipeline.audit)."""
+    """The run's log line on its in-run audit (proof.audit)."""
     if not config.audit_every:
         return "off (--audit-every 0)"
     if config.tp > 1:

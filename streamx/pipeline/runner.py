@@ -36,10 +36,10 @@ from ..model.capture import LayerCapture, segment_is_finite
 from ..model.gather import select_gather_fn
 from ..model.load import library_bars
 from ..model.transfer import HostTransfer
+from ..proof.audit import Audit, Finding, ways_of
+from ..proof.ladder import Ladder
 from ..store import PARTS, Audited, DoneKeys, OwnedPart, RunStore, SharedKinds, SpaceGuard, Store, open_for_run, prepare
-from .audit import Audit, Finding, ways_of
 from .heal import heal, ranged, unranged
-from .ladder import Ladder
 from .metrics import QueueFill, StageTimes, Throughput
 from .plan import RunPlan, make_plan
 from .ranks import Rank, init_from_env
@@ -264,7 +264,7 @@ class Pipeline:
 
     def compute_batch(self, batch: Batch, capture: LayerCapture, transfer: HostTransfer) -> None:
         """One batch through the model, audited, handed to the writer; a way the audit finds wrong is dropped and
-        the batch computed again on the next rung (pipeline.ladder)."""
+        the batch computed again on the next rung (proof.ladder)."""
         plan, device, storage = self.plan, self.plan.device, self.plan.layout.storage
         if self.group is not None:
             self.group.send(batch)

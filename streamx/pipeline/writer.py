@@ -237,7 +237,7 @@ class PartWriter:
         """Write the last partial shard, commit everything and trim the arrays to the commit; `complete`: the
         run got to the end of its data, which had `source_rows` rows (else the part stays open for a resume,
         as after a kill); `fanout`: what the run's rows fan out to that sharing cannot fold (data.fanout);
-        `audit`: what the in-run audit did (pipeline.audit), added to the part's earlier runs'."""
+        `audit`: what the in-run audit did (proof.audit), added to the part's earlier runs'."""
         self._end_shard(self.end - self.flushed)
         self.wait_committed()
         self._committer.shutdown()

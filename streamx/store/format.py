@@ -303,7 +303,7 @@ class StoreMetadata:
 
 @dataclass
 class Audited:
-    """What a run's in-run audit did (streamx.pipeline.audit), as each part's commit record keeps it (summed over
+    """What a run's in-run audit did (streamx.proof.audit), as each part's commit record keeps it (summed over
     the runs that wrote the part)."""
 
     rows: int = 0
@@ -316,7 +316,7 @@ class Audited:
     # per way the run computed rows: [rows audited, longest audited, rows computed, longest computed]
     coverage: dict[str, list[int]] | None = None
     found: list[dict] | None = None  # the ways found wrong: row, way, layer id, token, difference (audit.Finding)
-    rung: str | None = None  # how the run computed its rows after dropping them (pipeline.ladder; None: as planned)
+    rung: str | None = None  # how the run computed its rows after dropping them (proof.ladder; None: as planned)
     recomputed: int = 0  # rows computed again the safe way after a way was found wrong
     to_heal: list[list[int]] | None = None  # [first, last] row id ranges committed a way found wrong, waiting
 
@@ -418,7 +418,7 @@ class Commit:
     fanout: str | None = None  # rows that extend an earlier row's messages but not its tokens (data.fanout), as a run
     # that tokenized them found
     audit: dict[str, Any] | None = None  # the in-run audit's figures, summed over the runs of the part
-    # (pipeline.audit.Audited)
+    # (store.format.Audited)
     data_digests: dict[str, list] = field(default_factory=dict)  # {first row: [rows, digest]} of the source windows
     # whose rows the part holds, as read when it committed them (data.provenance.RowDigests: a resume's edit check)
 

@@ -22,9 +22,9 @@ from torch import nn
 from ..data.batching import Batch, make_batch, make_packed_batch, packed_batch
 from ..data.sharing import pieces, share
 from ..data.tokenize import Sample
-from .capture import LayerCapture, find_decoder
-from .gather import gather_into_torch
-from .lengths import LengthSplit
+from ..model.capture import LayerCapture, find_decoder
+from ..model.gather import gather_into_torch
+from ..model.lengths import LengthSplit
 
 PROBE_MAX_TOKENS = 16384  # the longest probe row: a window or chunk longer than this is not proven on the model
 PLAIN_SPAN = 32  # the scale of the probe rows of a model without windows or chunks

@@ -1,6 +1,6 @@
 """The in-run audit: a run proves itself on its own batches, at a cost it can afford.
 
-The start-up check (streamx.model.check) proves each way of computing rows on a few probe rows; a feature it does
+The start-up check (streamx.proof.check) proves each way of computing rows on a few probe rows; a feature it does
 not reach (a length it never probed, a batch of more rows than it packed) would pass it. So, while the run goes,
 some of the rows it computes are computed again alone, through the model's own forward (its own attention and
 layers, one row in a forward: the reference by definition), and compared token by token with what the run
@@ -29,7 +29,7 @@ the tolerance, and a way is judged across its rows: ties are rare, a wrong way s
 FOLLOW_UP rows of a way after a row with a token over SUSPECT of the tolerance are audited whatever the budget, and
 a second row of it with a token over the tolerance finds the way wrong.
 
-A way found wrong is a `Finding`; the run (streamx.pipeline.ladder) drops it and recomputes what it computed so.
+A way found wrong is a `Finding`; the run (streamx.proof.ladder) drops it and recomputes what it computed so.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from torch import nn
 
 from ..data.batching import Batch, make_batch
 from ..model.capture import LayerCapture
-from ..model.check import declared_spans, largest, relative_error, served_states
 from ..model.gather import gather_into_torch
 from ..model.packing import Packing, padded_attention
 from ..store import Audited
+from .check import declared_spans, largest, relative_error, served_states
 
 EVERY = 512  # one row in this many audited by default, besides the ladder of lengths of each way
 SHARE = 0.01  # the audit's forwards at most this share of the run's forward time, by default
