@@ -188,6 +188,25 @@ def test_rows_left_to_heal_by_a_stopped_run_are_healed_by_its_resume(peaked_mode
     assert worst_row(peaked_model_dir, out) < 0.01
 
 
+def test_a_resume_that_finds_a_way_wrong_says_what_earlier_runs_computed_so(peaked_model_dir, chat_jsonl, tmp_path,
+                                                                           monkeypatch):
+    """The part records how many rows each run computed each way, not which: a resume that finds a way wrong heals
+    its own rows and says how many rows earlier runs computed that way (the log, the record, verify)."""
+    out = tmp_path / "s.zarr"
+    run(small_config(peaked_model_dir, chat_jsonl, out, max_samples=24), progress=False, log=lambda m: None)
+    before = open_store(str(out)).audit().coverage
+    shift_positions_past_the_probes(monkeypatch)
+    lines: list[str] = []
+    run(small_config(peaked_model_dir, chat_jsonl, out, audit_share=0), progress=False, log=lines.append)
+    store = open_store(str(out))
+    found = store.audit().found
+    assert found and all(f["earlier_rows"] == before.get(f["way"], [0, 0, 0, 0])[2] for f in found)
+    said = [f for f in found if f["earlier_rows"]]
+    assert said, f"no way found wrong was computed by the first run: {found}, {before}"
+    assert any("rows an earlier run of this part computed that way are not told apart" in line for line in lines)
+    assert "not recomputed: which ones is not recorded" in check_audit(store).summary
+
+
 VOCAB = 512
 
 

@@ -174,6 +174,7 @@ class Pipeline:
         self.ladder = Ladder(plan.model, plan.packing, cfg.token_budget, cfg.max_batch_size, plan.pad_token_id)
         # what an earlier run of this part left: the rung it computed rows on, rows waiting to be computed again
         earlier = Audited.from_json(writer.opened.audit) if writer.opened.audit else Audited()
+        self.earlier_coverage = earlier.coverage or {}  # the rows earlier runs computed each way (counts alone)
         self.ladder.start_at(earlier.rung)
         self.waiting = unranged(earlier.to_heal)
         self.stage = WriterStage(writer, done, RejectRate(cfg.max_reject_fraction), self.times,
@@ -295,9 +296,13 @@ class Pipeline:
         """The audit found a way wrong: the run goes down the ladder, says so and records it."""
         now = self.ladder.drop(found.way)
         capture.kept.clear()  # nothing computed so far is continued from any more
-        self.audit.audited.found = [*(self.audit.audited.found or []), found.to_json()]
+        # rows an earlier run of the part computed that way: the part records how many, not which
+        earlier = self.earlier_coverage.get(str(found.way), [0, 0, 0, 0])[2]
+        self.audit.audited.found = [*(self.audit.audited.found or []), {**found.to_json(), "earlier_rows": earlier}]
         self.log(f"audit: {found}; the run now computes its rows {now}, this batch again, and before it ends the "
-                 "rows it committed that way")
+                 "rows it committed that way"
+                 + (f"; {earlier:,} rows an earlier run of this part computed that way are not told apart: check them "
+                    "with streamx verify --samples N, or start over with --overwrite" if earlier else ""))
 
     def next_batch(self) -> Any:
         """The producer's next item; None at the end of the data, or at once when asked to wind up."""

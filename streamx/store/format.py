@@ -377,7 +377,9 @@ class Audited:
 
     def phrase(self) -> str:
         found = [f"found wrong: row {f['row']} ({f['way']}), layer id {f['layer_id']}, token {f['token']}, relative "
-                 f"difference {f['difference']:.3g}" for f in self.found or []]
+                 f"difference {f['difference']:.3g}"
+                 + (f" ({f['earlier_rows']:,} rows an earlier run computed that way not recomputed: which ones is not "
+                    "recorded)" if f.get("earlier_rows") else "") for f in self.found or []]
         healed = ([f"then computed {self.rung}; {self.recomputed:,} rows computed again that way"]
                   if self.rung else [])
         waiting = ([f"{sum(b - a + 1 for a, b in self.to_heal):,} rows computed a way found wrong wait to be "
