@@ -52,34 +52,18 @@ def heal(plan: RunPlan, part: zarr.Group, part_name: str, rows: np.ndarray, ladd
     write their states over the stored ones. Rows the part does not hold (rejected as non-finite) are passed over.
     Returns the rows written."""
     store = Store(plan.config.out)
-    index = list(store.parts).index(part_name)
-    positions = []
-    for row in rows.tolist():
-        try:
-            position = store.position(row)
-        except KeyError:
-            continue
-        if int(store.index.parts[position]) == index and store.index.lengths[position]:  # (a repeat reads another)
-            positions.append(position)
-    if not positions:
+    groups = _by_shard(store, rows, part_name, part["hidden_states"].shards[0])
+    if not groups:
         return 0
-    log(f"audit: computing {len(positions):,} committed rows again {ladder.name}, and writing them over in "
-        f"{part_name}")
-    shard = part["hidden_states"].shards[0]
-    groups: dict[int, list[int]] = {}  # by the shard their first stored token lies in
-    for position in positions:
-        groups.setdefault(store.ranges(position)[0][0] // shard, []).append(position)
+    log(f"audit: computing {sum(map(len, groups.values())):,} committed rows again {ladder.name}, and writing them "
+        f"over in {part_name}")
     storage, K, H = plan.layout.storage, len(plan.layer_ids), plan.info.hidden_size
     names = ["hidden_states", *(["hidden_states_scales"] if storage.scaled else [])]
     with LayerCapture(plan.model, plan.layer_ids, select_gather_fn(plan.config.kernel, plan.device)) as capture:
         for group in groups.values():
-            samples = {}
-            for position in group:
-                ids, mask = store.tokens_at(position)
-                samples[int(store.index.rows[position])] = (Sample(int(store.index.rows[position]), ids, mask),
-                                                            store.ranges(position))
+            samples = {row: Sample(row, *store.tokens_at(position)) for row, (position, _) in group.items()}
             patches: dict[str, list[tuple[int, np.ndarray]]] = {name: [] for name in names}
-            for batch in ladder.batched([sample for sample, _ in samples.values()]):
+            for batch in ladder.batched(list(samples.values())):
                 states = torch.empty((batch.num_tokens, K, H), dtype=torch.bfloat16, device=plan.device)
                 capture.forward(batch, states)
                 for k, row in enumerate(batch.samples):
@@ -87,13 +71,29 @@ def heal(plan: RunPlan, part: zarr.Group, part_name: str, rows: np.ndarray, ladd
                     stored = {"hidden_states": storage.to_bits(values),
                               "hidden_states_scales": None if scales is None else scales.cpu().numpy()}
                     done = 0
-                    for a, b in samples[row.row_id][1]:
+                    for a, b in group[row.row_id][1]:
                         for name in names:
                             patches[name].append((a, stored[name][done : done + b - a]))
                         done += b - a
             for name, pieces in patches.items():
                 _write_over(part[name], pieces)
-    return len(positions)
+    return sum(map(len, groups.values()))
+
+
+def _by_shard(store: Store, rows: np.ndarray, part_name: str, shard: int) -> dict[int, dict[int, tuple]]:
+    """The samples of `rows` that the part `part_name` stores tokens for (a repeated row reads another's), by the
+    shard their first stored token lies in: row -> (position, ranges)."""
+    index = list(store.parts).index(part_name)
+    groups: dict[int, dict[int, tuple]] = {}
+    for row in rows.tolist():
+        try:
+            position = store.position(row)
+        except KeyError:  # rejected
+            continue
+        if int(store.index.parts[position]) == index and store.index.lengths[position]:
+            ranges = store.ranges(position)
+            groups.setdefault(ranges[0][0] // shard, {})[row] = (position, ranges)
+    return groups
 
 
 def _write_over(arr: zarr.Array, pieces: list[tuple[int, np.ndarray]]) -> None:
