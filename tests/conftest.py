@@ -72,6 +72,22 @@ def tiny_chat_model_dir(smollm2_dir, tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def peaked_model_dir(smollm2_dir, tmp_path_factory) -> str:
+    """A 4-layer random Llama with weights drawn as the zoo's (std 0.1): attention peaked enough that a position
+    off by two moves the states (at std 0.02 it is nearly uniform); SmolLM2's tokenizer and chat template."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("peaked-llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                 initializer_range=0.1)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture
 def torch_threads():
     """`torch_threads(n)`: torch on n intra-op threads for the rest of the test (the session's are restored)."""

@@ -1,6 +1,7 @@
 """What several test modules share: small run settings (as a RunConfig and as `streamx run` flags), the
 CLI (in this process, or in one of its own), a part's commit record, the bit-for-bit store comparison, a tiny
-store written without a model, and the independent reference (an unbatched HF forward)."""
+store written without a model, the independent reference (an unbatched HF forward), and a fault the start-up check
+cannot see (broken_packed_batch)."""
 
 import json
 import os
@@ -15,6 +16,7 @@ import zarr
 from torch import nn
 
 from streamx.config import RunConfig, load_config
+from streamx.data import batching
 from streamx.data.tokenize import REJECT_REASONS
 from streamx.pipeline.writer import PartWriter
 from streamx.store import (
@@ -221,3 +223,39 @@ def emulate_flash_varlen(monkeypatch) -> None:
 
     monkeypatch.setattr(attention, "_VARLEN", flash_varlen_on_cpu)
     monkeypatch.setattr(attention, "_uses_varlen", lambda query: True)
+
+
+PROBED_SEGMENTS = 3  # the most segments a start-up probe's forward holds (a shared prefix and two rows continuing it)
+
+
+def broken_packed_batch(after: int = 0):
+    """batching.packed_batch, but packed batches of more segments than any probe's, from the `after`-th such batch
+    on, get each segment from the fourth on its positions past its 8th token shifted by 2: a rope off by two (a
+    uniform shift would change nothing under relative rope) that the start-up check passes and the audit finds."""
+    packed_batch, seen = batching.packed_batch, []
+
+    def broken(pieces):
+        batch = packed_batch(pieces)
+        if len(batch.segment_lengths) > PROBED_SEGMENTS:
+            seen.append(batch)
+            if len(seen) > after:
+                starts = batch.cu_seq_lens.tolist()
+                for a, b in zip(starts[PROBED_SEGMENTS:-1], starts[PROBED_SEGMENTS + 1:], strict=True):
+                    batch.position_ids[0, a + 8 : b] += 2
+        return batch
+
+    return broken
+
+
+def worst_row(model_dir: str, out) -> float:
+    """The largest per-token relative difference of a stored row from the model's own forward of it alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    store, worst = open_store(str(out)), 0.0
+    for row in store.row_ids().tolist():
+        sample = store.sample(row)
+        want = torch.stack(reference_states(model, sample.input_ids), dim=1)[:, store.metadata.layer_ids]
+        got = sample.hidden_states.float()
+        worst = max(worst, float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max()))
+    return worst

@@ -11,8 +11,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import reference_states, small_config
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from helpers import broken_packed_batch, small_config, worst_row
+from transformers import AutoModelForCausalLM
 
 from streamx.config import RunConfig
 from streamx.data import batching
@@ -24,51 +24,10 @@ from streamx.store import open_store
 from streamx.train.verify import check_audit, verify
 
 
-@pytest.fixture(scope="module")
-def peaked_model_dir(smollm2_dir, tmp_path_factory) -> str:
-    """A 4-layer random Llama with weights drawn as the zoo's (std 0.1): attention peaked enough that a position
-    off by two moves the states (at std 0.02 it is nearly uniform); SmolLM2's tokenizer and chat template."""
-    path = tmp_path_factory.mktemp("peaked-llama")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                                 initializer_range=0.1)).save_pretrained(path)
-    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
-    return str(path)
-
-
-PROBED_SEGMENTS = 3  # the most segments a start-up probe's forward holds (a shared prefix and two rows continuing it)
-
-
 def shift_positions_past_the_probes(monkeypatch, after: int = 0) -> None:
-    """Packed batches of more segments than any probe's, from the `after`-th such batch on: each segment from the
-    fourth on gets its positions past its 8th token shifted by 2, a rope off by two (a uniform shift would change
-    nothing under relative rope)."""
-    packed_batch, seen = batching.packed_batch, []
-
-    def broken(pieces):
-        batch = packed_batch(pieces)
-        if len(batch.segment_lengths) > PROBED_SEGMENTS:
-            seen.append(batch)
-            if len(seen) > after:
-                starts = batch.cu_seq_lens.tolist()
-                for a, b in zip(starts[PROBED_SEGMENTS:-1], starts[PROBED_SEGMENTS + 1:], strict=True):
-                    batch.position_ids[0, a + 8 : b] += 2
-        return batch
-
-    monkeypatch.setattr(batching, "packed_batch", broken)
-
-
-def worst_row(model_dir: str, out) -> float:
-    """The largest per-token relative difference of a stored row from the model's own forward of it alone."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    store, worst = open_store(str(out)), 0.0
-    for row in store.row_ids().tolist():
-        sample = store.sample(row)
-        want = torch.stack(reference_states(model, sample.input_ids), dim=1)[:, store.metadata.layer_ids]
-        got = sample.hidden_states.float()
-        worst = max(worst, float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max()))
-    return worst
+    """Packed batches of more segments than any probe's, from the `after`-th such batch on, with a rope off by two
+    (helpers.broken_packed_batch)."""
+    monkeypatch.setattr(batching, "packed_batch", broken_packed_batch(after))
 
 
 def test_a_broken_way_the_probes_miss_is_dropped_and_the_run_ends_right(peaked_model_dir, chat_jsonl, tmp_path,

@@ -11,12 +11,13 @@ import time
 
 import pytest
 import torch
-from helpers import cli, committed_samples, distinct_copies, kill_the_last_worker_mid_run, run_args
+from helpers import cli, committed_samples, distinct_copies, kill_the_last_worker_mid_run, run_args, worst_row
 from transformers import AutoTokenizer, GPT2Config
 from zoo_models import zoo_model
 
 from streamx.model.support import TP_TESTED
 from streamx.store import open_store
+from streamx.train.verify import check_audit
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 FAMILIES = ["llama3", "qwen3_moe", "qwen3_5"]  # dense, MoE, and the hybrid's gated delta-net layers
@@ -255,3 +256,50 @@ def test_fp8_under_tp_stopped_by_sigterm_resumes_to_one_process(checkpoints, lon
         scale = store.sample(row, raw=True).hidden_states_scales.float()[:, None, None]
         bound = x.hidden_states.float().abs() * (2**-4 + 2**-7) + scale * 2**-8
         assert ((y.hidden_states.float() - x.hidden_states.float()).abs() <= bound).all(), row
+
+
+BROKEN_RUN = os.path.join(os.path.dirname(__file__), "tp_broken_run.py")
+
+
+def broken_launch(model: str, data: str, out, after: int | None, kill_heal: bool = False, **settings):
+    """`streamx run --tp 2` in two processes with test_audit's settings, each with a way of packing rows that turns
+    wrong after `after` batches (None: right), tp_broken_run.py; with `kill_heal`, the first process fails before it
+    computes rows again."""
+    env = {**ENV, **({"AFTER": str(after)} if after is not None else {}), **({"KILL_HEAL": "1"} if kill_heal else {})}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           BROKEN_RUN, *run_args(model, data, out, tp=2, **settings)], env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_the_audit_under_tp_finds_a_way_wrong_and_the_group_heals_it(peaked_model_dir, chat_jsonl, tmp_path):
+    """The in-run audit under --tp: each audited row computed alone by the sharded model (the group's other process
+    sent it), the way found wrong dropped by the whole group, the batches of the next rung and the rows committed
+    the broken way computed again by both processes; the run ends normally and every stored row equals the model's
+    own forward of it alone."""
+    out = tmp_path / "tp2.zarr"
+    result = broken_launch(peaked_model_dir, chat_jsonl, out, after=2, audit_every=1, audit_share=0)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert "audit: row" in log and "committed rows computed again" in log, log[-3000:]
+    assert "[rank 0, tensor-parallel 1] ran its share" in result.stdout
+    store = open_store(str(out))
+    audited = store.audit()
+    assert audited.found and audited.rung and audited.recomputed > 0 and not audited.to_heal
+    assert store.completeness().problems() == [] and check_audit(store).passed
+    assert worst_row(peaked_model_dir, out) < 0.01
+
+
+def test_rows_left_to_heal_under_tp_are_healed_by_the_groups_resume(peaked_model_dir, chat_jsonl, tmp_path):
+    """A --tp run that found a way wrong and failed before computing its committed rows again leaves them named in
+    its record; the group's resume (--audit-every 0, no fault) starts both processes on the recorded rung and heals
+    them."""
+    out = tmp_path / "tp2.zarr"
+    failed = broken_launch(peaked_model_dir, chat_jsonl, out, after=2, kill_heal=True, audit_every=1, audit_share=0)
+    assert failed.returncode != 0 and "killed before healing" in failed.stderr
+    assert open_store(str(out)).audit().to_heal
+    resumed = broken_launch(peaked_model_dir, chat_jsonl, out, after=None, audit_every=0)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "committed rows computed again" in resumed.stdout + resumed.stderr
+    store = open_store(str(out))
+    assert not store.audit().to_heal and store.completeness().problems() == [] and check_audit(store).passed
+    assert worst_row(peaked_model_dir, out) < 0.01

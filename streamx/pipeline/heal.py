@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import zarr
 
+from ..data.batching import Batch
 from ..data.tokenize import Sample
 from ..model.capture import LayerCapture
 from ..model.gather import select_gather_fn
@@ -47,10 +48,11 @@ def unranged(ranges: list[list[int]] | None) -> np.ndarray:
 
 @torch.inference_mode()
 def heal(plan: RunPlan, part: zarr.Group, part_name: str, rows: np.ndarray, ladder: Ladder,
-         log: Callable[[str], None] = print) -> int:
+         log: Callable[[str], None] = print, announce: Callable[[Batch], None] = lambda batch: None) -> int:
     """Compute `rows` of the part `part_name` (opened for writing: `part`) again as `ladder` computes rows now, and
     write their states over the stored ones. Rows the part does not hold (rejected as non-finite) are passed over.
-    Returns the rows written."""
+    `announce` is told each batch before its forward (--tp: the group's other processes run it too). Returns the
+    rows written."""
     store = Store(plan.config.out)
     groups = _by_shard(store, rows, part_name, part["hidden_states"].shards[0])
     if not groups:
@@ -65,6 +67,7 @@ def heal(plan: RunPlan, part: zarr.Group, part_name: str, rows: np.ndarray, ladd
             patches: dict[str, list[tuple[int, np.ndarray]]] = {name: [] for name in names}
             for batch in ladder.batched(list(samples.values())):
                 states = torch.empty((batch.num_tokens, K, H), dtype=torch.bfloat16, device=plan.device)
+                announce(batch)
                 capture.forward(batch, states)
                 for k, row in enumerate(batch.samples):
                     values, scales = storage.encode(served_states(batch, k, states))

@@ -266,9 +266,6 @@ def audit_note(config: RunConfig) -> str:
     """The run's log line on its in-run audit (proof.audit)."""
     if not config.audit_every:
         return "off (--audit-every 0)"
-    if config.tp > 1:
-        return ("off under --tp: each audited row's forward would need the group's other processes too (verify "
-                "checks a store afterwards)")
     budget = (f"within {config.audit_share:.0%} of the forward time" if config.audit_share else
               "whatever it costs (--audit-share 0)")
     return (f"rows of each way of computing rows, doubling in length, the first past each declared length limit and "

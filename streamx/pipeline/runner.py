@@ -35,6 +35,7 @@ from ..data.tokenize import Duplicate, Reject
 from ..model.capture import LayerCapture, segment_is_finite
 from ..model.gather import select_gather_fn
 from ..model.load import library_bars
+from ..model.packing import padded_attention
 from ..model.transfer import HostTransfer
 from ..proof.audit import Audit, Finding, ways_of
 from ..proof.ladder import Ladder
@@ -43,7 +44,7 @@ from .heal import heal, ranged, unranged
 from .metrics import QueueFill, StageTimes, Throughput
 from .plan import RunPlan, make_plan
 from .ranks import Rank, init_from_env
-from .tensor_parallel import GroupWord
+from .tensor_parallel import GroupWord, Word
 from .writer import CapturedBatch, PartWriter, RejectRate, WriterStage
 
 
@@ -79,7 +80,7 @@ class RunSummary:
     store_waiting: int = 0  # the store's committed rows that repeat rows not committed yet (Store.waiting_rows)
     fanout: str | None = None  # rows that extend an earlier row's messages but not its tokens (FanOut.note)
     tp_rank: int = 0  # within its tensor-parallel group (--tp): the others only run the forward with the first
-    audit: Audited | None = None  # what the in-run audit did (None: --audit-every 0, or under --tp)
+    audit: Audited | None = None  # what the in-run audit did (None: --audit-every 0)
 
     @property
     def tokens_per_s(self) -> float:
@@ -165,12 +166,11 @@ class Pipeline:
         self.fill = {"batches": QueueFill(self.batches), "to_write": QueueFill(self.to_write)}
         # --tp: the group's other processes run each forward with this one (tensor_parallel)
         self.group = GroupWord(plan.rank, plan.device) if plan.rank.tp_size > 1 else None
-        # (not under --tp: the group's other processes would have to run each audited row's forward too)
         planned = plan.tokens_to_compute  # (per rank: about)
         planned = None if planned is None else -(-planned // plan.rank.world_size)
         self.audit = Audit(plan.model, plan.layer_ids, plan.packing, plan.pad_token_id, cfg.audit_every,
-                           cfg.audit_share, lambda: self.stage_seconds().get("forward", 0.0), planned) \
-            if cfg.audit_every and self.group is None else None
+                           cfg.audit_share, lambda: self.stage_seconds().get("forward", 0.0), planned,
+                           self.announce(Word.ALONE)) if cfg.audit_every else None
         self.ladder = Ladder(plan.model, plan.packing, cfg.token_budget, cfg.max_batch_size, plan.pad_token_id)
         # what an earlier run of this part left: the rung it computed rows on, rows waiting to be computed again
         earlier = Audited.from_json(writer.opened.audit) if writer.opened.audit else Audited()
@@ -180,6 +180,10 @@ class Pipeline:
         self.stage = WriterStage(writer, done, RejectRate(cfg.max_reject_fraction), self.times,
                                  lambda: plan.source_rows, self.fanout, self.audited)  # (asked after the last batch)
         self.counts = Throughput(planned)
+
+    def announce(self, word: Word) -> Callable[[Batch], None]:
+        """What tells the group's other processes (--tp) of a forward only this process decided (`word`)."""
+        return (lambda batch: None) if self.group is None else (lambda batch: self.group.send(word, batch))
 
     def fanout(self) -> str | None:
         """What this run's chat rows fan out to that sharing cannot fold (data.fanout), once they are tokenized."""
@@ -241,6 +245,8 @@ class Pipeline:
             with self.times.measure("gather", device):
                 gather(states, slot, hidden, token_index)
 
+        if self.group is not None and self.ladder.rung:  # a resume on the rung its store records
+            self.group.rung(self.ladder.rung)
         with LayerCapture(plan.model, plan.layer_ids, timed_gather) as capture, self.audit or nullcontext():
             while (item := self.next_batch()) is not None:
                 self.fill["batches"].record()
@@ -249,26 +255,28 @@ class Pipeline:
                     self.counts.rows += 1
                     continue
                 self.compute_rows(item, capture, transfer)
-        if self.group is not None:
-            self.group.send(None)
         put(self.to_write, None, self.failed)
 
-    def compute_rows(self, batch: Batch, capture: LayerCapture, transfer: HostTransfer) -> None:
-        """The rows of a planned batch, as the rung the run stands on computes them; where the audit drops a way
-        meanwhile, the rest as the next rung does."""
+    def compute_rows(self, batch: Batch, capture: LayerCapture, transfer: HostTransfer, planned: bool = True) -> None:
+        """The rows of a batch (`planned`: as the producer made it), as the rung the run stands on computes them;
+        where the audit drops a way meanwhile, the rest as the next rung does."""
         rung, pending = self.ladder.rung, self.ladder.batches(batch, self.done)
+        as_planned = planned and len(pending) == 1 and pending[0] is batch
+        if self.group is not None and planned and not as_planned:
+            self.group.planned(batch, computed=False)  # the group computes the batches sent instead
         while pending:
             if self.ladder.rung != rung:
                 rung, pending = self.ladder.rung, self.ladder.batched([row for b in pending for row in b.samples])
+                as_planned = False
                 continue
-            self.compute_batch(pending.pop(0), capture, transfer)
+            self.compute_batch(pending.pop(0), capture, transfer, as_planned)
 
-    def compute_batch(self, batch: Batch, capture: LayerCapture, transfer: HostTransfer) -> None:
-        """One batch through the model, audited, handed to the writer; a way the audit finds wrong is dropped and
-        the batch computed again on the next rung (proof.ladder)."""
+    def compute_batch(self, batch: Batch, capture: LayerCapture, transfer: HostTransfer, planned: bool) -> None:
+        """One batch (`planned`: as the producer made it) through the model, audited, handed to the writer; a way
+        the audit finds wrong is dropped and the batch computed again on the next rung (proof.ladder)."""
         plan, device, storage = self.plan, self.plan.device, self.plan.layout.storage
         if self.group is not None:
-            self.group.send(batch)
+            self.group.planned(batch) if planned else self.group.send(Word.BATCH, batch)
         states = torch.empty((batch.num_tokens, len(plan.layer_ids), plan.info.hidden_size), dtype=torch.bfloat16,
                              device=device)
         with self.times.measure("forward", device):
@@ -279,7 +287,7 @@ class Pipeline:
             found = self.audit.batch(batch, states, ways)
             if found is not None:
                 self.drop(found, capture)
-                self.compute_rows(batch, capture, transfer)
+                self.compute_rows(batch, capture, transfer, planned=False)
                 self.audit.audited.recomputed += self.rows_to_run(batch)
                 return
             self.ladder.record(batch, {k: way for k, way in ways.items() if batch.samples[k].row_id not in self.done})
@@ -296,6 +304,8 @@ class Pipeline:
         """The audit found a way wrong: the run goes down the ladder, says so and records it."""
         now = self.ladder.drop(found.way)
         capture.kept.clear()  # nothing computed so far is continued from any more
+        if self.group is not None:
+            self.group.rung(self.ladder.rung)
         # rows an earlier run of the part computed that way: the part records how many, not which
         earlier = self.earlier_coverage.get(str(found.way), [0, 0, 0, 0])[2]
         self.audit.audited.found = [*(self.audit.audited.found or []), {**found.to_json(), "earlier_rows": earlier}]
@@ -386,6 +396,8 @@ def _run(plan: RunPlan, part: OwnedPart, started: tuple[float, float], progress:
         pipeline.run()
     if pipeline.to_heal().size and not pipeline.rows_left.is_set():  # (wound up early: the resume heals them)
         heal_part(plan, pipeline, part, target, space, digests, log)
+    if pipeline.group is not None:
+        pipeline.group.end()
     # no rank waits for another's work (a collective here would time out on a rank that finished long before the
     # others, and torchrun would stop them all): each reads the whole store once its part is closed, and the last
     # to find it complete closes the parts no rank of this world writes and says the whole summary
@@ -418,7 +430,7 @@ def heal_part(plan: RunPlan, pipeline: Pipeline, part: OwnedPart, target: RunSto
     """The rows this part committed a way the audit found wrong (this run or an earlier one): computed again and
     written over (pipeline.heal), then the part closed, its record saying so."""
     group = part.open(target, plan.layout)
-    healed = heal(plan, group, part.name, pipeline.to_heal(), pipeline.ladder, log)
+    healed = heal(plan, group, part.name, pipeline.to_heal(), pipeline.ladder, log, pipeline.announce(Word.BATCH))
     writer = PartWriter(group, space, digests)
     writer.close(True, plan.source_rows, pipeline.fanout(), Audited(recomputed=healed, rung=pipeline.ladder.name))
     pipeline.healed(healed)
@@ -427,21 +439,34 @@ def heal_part(plan: RunPlan, pipeline: Pipeline, part: OwnedPart, target: RunSto
 
 def follow(plan: RunPlan, started: tuple[float, float]) -> RunSummary:
     """A tensor-parallel group's other process (--tp): its share of each forward of the group, in step with its
-    first process, which captures and writes (tensor_parallel.GroupWord). It makes the same batches from the same
-    rows, holds no part and writes nothing, and leaves a signal to the first process: it stops when that one does."""
+    first process, which captures and writes (tensor_parallel.GroupWord). It makes the same planned batches from
+    the same rows and is sent what the first process alone decides (the audit's rows, a rung of the ladder and its
+    batches, the rows healed); it holds no part and writes nothing, and leaves a signal to the first process: it
+    stops when that one does."""
     cfg, rank = plan.config, plan.rank
     rank.barrier()  # the store is prepared (`_run`)
     target = open_for_run(cfg.out, plan.metadata)
     rank.barrier()
     group, K, H = GroupWord(rank, plan.device), len(plan.layer_ids), plan.info.hidden_size
+    ladder = Ladder(plan.model, plan.packing, cfg.token_budget, cfg.max_batch_size, plan.pad_token_id)
     tokens = 0
     # a first signal is the first process's to act on (it winds the group up); a second stops at once, as there
     with LayerCapture(plan.model, plan.layer_ids, select_gather_fn(cfg.kernel, plan.device)) as capture, \
             SignalStop(threading.Event(), lambda message: None):
         stream = (item for item in plan.batch_stream(target.done_rows, done_keys=target.done_keys,
                                                      same_as=target.same_as) if isinstance(item, Batch))
-        while group.receive(batch := next(stream, None)):
-            capture.forward(batch, torch.empty((batch.num_tokens, K, H), dtype=torch.bfloat16, device=plan.device))
+        while (said := group.receive())[0] != Word.END:
+            word, value = said
+            if word == Word.RUNG:
+                ladder.go_to(value)
+                capture.kept.clear()
+                continue
+            batch = group.check(value, next(stream, None)) if word in (Word.NEXT, Word.PASS) else value
+            if word == Word.PASS:
+                continue
+            with padded_attention(plan.model) if word == Word.ALONE else nullcontext():
+                capture.forward(batch, torch.empty((batch.num_tokens, K, H), dtype=torch.bfloat16,
+                                                   device=plan.device))
             tokens += batch.num_tokens
     return RunSummary(out=cfg.out, layer_ids=plan.layer_ids, num_layers=plan.info.num_layers, samples=0, tokens=0,
                       trainable_tokens=0, duplicates=0, rejects=0, reject_counts={}, hidden_bytes=0,

@@ -168,12 +168,14 @@ def ways_of(batch: Batch, packing: Packing) -> dict[int, Way]:
 
 class Audit:
     """The audit of one run: inside `with`, call `batch` after each forward with the batch's states, on the main
-    thread. `forward_seconds` says the run's forward time so far (its budget)."""
+    thread. `forward_seconds` says the run's forward time so far (its budget); `announce` is told each batch (a row)
+    the audit computes, before its forward (--tp: the group's other processes run the forward with it)."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int], packing: Packing, pad_token_id: int,
                  every: int = EVERY, share: float = SHARE, forward_seconds: Callable[[], float] = lambda: 0.0,
-                 planned_tokens: int | None = None):
+                 planned_tokens: int | None = None, announce: Callable[[Batch], None] = lambda batch: None):
         self.model, self.packing, self.pad_token_id, self.every = model, packing, pad_token_id, every
+        self.announce = announce
         self.layer_ids, self.share, self.forward_seconds = layer_ids, share, forward_seconds
         self.planned_tokens = planned_tokens or 0  # the tokens the run plans to compute: its budget from the start
         self.capture: LayerCapture | None = None  # its own hooks, idle in the run's forwards (while in `with`)
@@ -296,7 +298,9 @@ class Audit:
         got = served_states(batch, k, states)
         own = torch.empty(len(row.input_ids), *states.shape[1:], dtype=next(self.model.parameters()).dtype,
                           device=states.device)
-        self.capture.forward(make_batch([row], self.pad_token_id), own)
+        alone = make_batch([row], self.pad_token_id)
+        self.announce(alone)
+        self.capture.forward(alone, own)
         own = own[done:]
         if not bool(torch.isfinite(own).all()):
             return None  # the model's own forward overflows on this row: nothing to compare (the writer rejects the

@@ -59,17 +59,19 @@ class Ladder:
 
     def drop(self, way: Way) -> str:
         """Go down to the first rung that does not compute rows `way`; returns what the run does now."""
-        self.rung = next((r for r in range(self.rung + 1, len(RUNGS)) if not self.allows(way, r)), len(RUNGS) - 1)
-        if self.rung >= 2:
-            disable(self.model)  # the model's own attention and layers from now on
+        self.go_to(next((r for r in range(self.rung + 1, len(RUNGS)) if not self.allows(way, r)), len(RUNGS) - 1))
         return RUNGS[self.rung]
 
     def start_at(self, rung: str | None) -> None:
         """A resume: the rung its store records (None: as planned)."""
         if rung in RUNGS and RUNGS.index(rung) > self.rung:
-            self.rung = RUNGS.index(rung)
-            if self.rung >= 2:
-                disable(self.model)
+            self.go_to(RUNGS.index(rung))
+
+    def go_to(self, rung: int) -> None:
+        """Stand on `rung` from now on (a tensor-parallel group's other processes: where the first one went)."""
+        self.rung = rung
+        if rung >= 2:
+            disable(self.model)  # the model's own attention and layers from now on
 
     @property
     def name(self) -> str | None:
