@@ -37,7 +37,7 @@ from ..model.gather import select_gather_fn
 from ..model.load import library_bars
 from ..model.packing import padded_attention
 from ..model.transfer import HostTransfer
-from ..proof.audit import Audit, Finding, ways_of
+from ..proof.audit import Audit, Finding, not_reference, ways_of
 from ..proof.ladder import Ladder
 from ..store import PARTS, Audited, DoneKeys, OwnedPart, RunStore, SharedKinds, SpaceGuard, Store, open_for_run, prepare
 from .heal import heal, ranged, unranged
@@ -176,6 +176,9 @@ class Pipeline:
         earlier = Audited.from_json(writer.opened.audit) if writer.opened.audit else Audited()
         self.earlier_coverage = earlier.coverage or {}  # the rows earlier runs computed each way (counts alone)
         self.ladder.start_at(earlier.rung)
+        rows, codes = writer.committed_ways()
+        self.ladder.recorded(rows, codes)  # healed too if this run drops their way
+        self.unrecorded = int((codes == 0).sum())  # rows of a part from before streamx recorded their way
         self.waiting = unranged(earlier.to_heal)
         self.stage = WriterStage(writer, done, RejectRate(cfg.max_reject_fraction), self.times,
                                  lambda: plan.source_rows, self.fanout, self.audited)  # (asked after the last batch)
@@ -282,22 +285,23 @@ class Pipeline:
         with self.times.measure("forward", device):
             capture.forward(batch, states)
             finite = segment_is_finite(states, batch.segment_index, len(batch.segment_lengths))
+        ways = ways_of(batch, plan.packing)  # (stored per row: a resume that drops a way heals the rows too)
         if self.audit is not None:  # before the writer sees the batch
-            ways = ways_of(batch, plan.packing)
-            found = self.audit.batch(batch, states, ways)
+            found = self.audit.batch(batch, states, not_reference(ways))
             if found is not None:
                 self.drop(found, capture)
                 self.compute_rows(batch, capture, transfer, planned=False)
                 self.audit.audited.recomputed += self.rows_to_run(batch)
                 return
-            self.ladder.record(batch, {k: way for k, way in ways.items() if batch.samples[k].row_id not in self.done})
+            self.ladder.record(batch, {k: way for k, way in not_reference(ways).items()
+                                       if batch.samples[k].row_id not in self.done})
         scales = None
         if storage.scaled:  # on the device, so the host copy and the writer move half the bytes
             with self.times.measure("quantize", device):
                 states, scales = storage.encode(states)
         with self.times.measure("d2h", device):
             host = transfer.start(states, finite, scales)
-        put(self.to_write, CapturedBatch(batch, host), self.failed)
+        put(self.to_write, CapturedBatch(batch, host, [way.code for way in ways]), self.failed)
         self.counts.forwarded(self.rows_to_run(batch), batch.num_tokens, batch.padded_tokens)
 
     def drop(self, found: Finding, capture: LayerCapture) -> None:
@@ -306,11 +310,11 @@ class Pipeline:
         capture.kept.clear()  # nothing computed so far is continued from any more
         if self.group is not None:
             self.group.rung(self.ladder.rung)
-        # rows an earlier run of the part computed that way: the part records how many, not which
-        earlier = self.earlier_coverage.get(str(found.way), [0, 0, 0, 0])[2]
+        # rows an earlier run of the part computed that way where the part does not record which (streamx < 0.8.1)
+        earlier = min(self.unrecorded, self.earlier_coverage.get(str(found.way), [0, 0, 0, 0])[2])
         self.audit.audited.found = [*(self.audit.audited.found or []), {**found.to_json(), "earlier_rows": earlier}]
         self.log(f"audit: {found}; the run now computes its rows {now}, this batch again, and before it ends the "
-                 "rows it committed that way"
+                 "rows committed that way (by this run, or an earlier one of this part)"
                  + (f"; {earlier:,} rows an earlier run of this part computed that way are not told apart: check them "
                     "with streamx verify --samples N, or start over with --overwrite" if earlier else ""))
 

@@ -38,6 +38,7 @@ from ..data.provenance import RowDigests
 from ..data.sharing import Segment
 from ..data.tokenize import REJECT_REASONS, Duplicate, Reject, tokens_digest
 from ..model.transfer import HostBatch
+from ..proof.audit import RECORDED
 from ..store import Audited, Commit, SpaceGuard, StoreError
 from ..store.format import (
     DIGEST_ARRAY,
@@ -62,6 +63,7 @@ class CapturedBatch:
 
     batch: Batch
     host: HostBatch  # the states [N, K, H] as stored (bf16 or fp8, + scales) and per-segment finite flags
+    ways: list[int] | None = None  # how it computed each row (proof.audit.Way.code; None: not recorded)
 
 
 @dataclass
@@ -77,6 +79,7 @@ class RowOfBatch:
     digest: bytes = b""  # tokens_digest of its tokens ("": not recorded)
     stored_before: list[tuple[int, int]] = field(default_factory=list)  # (first token in the part, length)
     stored_mask: np.ndarray | None = None  # the stored loss mask over stored_before
+    way: int = 0  # how its states were computed (proof.audit.Way.code; 0: not recorded)
 
 
 @dataclass
@@ -127,6 +130,7 @@ class PendingRow:
     own_mask: np.ndarray | None  # its loss mask, where it differs from the stored tokens' over its ranges
     end: int  # the end of the tokens appended with it: committed once the shards hold them
     same_as: int = -1  # a repeated row: the row it reads (its ranges are empty)
+    way: int = 0  # RowOfBatch.way
 
 
 class PartWriter:
@@ -167,6 +171,13 @@ class PartWriter:
         self.pending_rejects: list[Reject] = []
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamx-commit")
         self._committing: Future | None = None
+
+    def committed_ways(self) -> tuple[np.ndarray, np.ndarray]:
+        """The rows earlier runs committed in the part and how each was computed (proof.audit.Way.code; 0: not
+        recorded, a part from before streamx recorded it)."""
+        n = self.opened.samples
+        rows = self.arrays["sample_row_id"][:n]
+        return rows, self.arrays["sample_way"][:n] if "sample_way" in self.arrays else np.zeros(n, dtype=np.uint8)
 
     # -- appending (the caller's thread)
 
@@ -219,7 +230,8 @@ class PartWriter:
             raise StoreError(f"{self.part.path} was created before streamx shared tokens between rows: resume it with "
                              "--sharing off")
         self.pending_samples.append(PendingRow(row.row_id, ranges, sum(n for _, n in ranges), int(mask.sum()),
-                                               row.duplicate, row.content_key, row.digest, own, self.end))
+                                               row.duplicate, row.content_key, row.digest, own, self.end,
+                                               way=row.way))
 
     def duplicate(self, row: Duplicate) -> None:
         """A row that repeats an earlier row's content: it stores no token and reads that row's sample."""
@@ -227,7 +239,7 @@ class PartWriter:
             raise StoreError(f"{self.part.path} was created before streamx recorded repeated rows: resume it with the "
                              "streamx that made it, or with --sharing off")
         self.pending_samples.append(PendingRow(row.row_id, [(0, 0)], row.length, row.trainable, True, row.content_key,
-                                               row.digest, None, self.end, row.same_as))
+                                               row.digest, None, self.end, row.same_as, RECORDED))  # (nothing to heal)
 
     def reject(self, reject: Reject) -> None:
         self.pending_rejects.append(reject)
@@ -350,6 +362,7 @@ class PartWriter:
             for name, values in columns.items():
                 self._write(name, c.samples, np.array(values, dtype=np.int64))
             self._write("sample_content_key", c.samples, np.array([r.content_key for r in samples], dtype=np.uint64))
+            self._write("sample_way", c.samples, np.array([r.way for r in samples], dtype=np.uint8))
             if shared or masks or self.shares:
                 self._write("sample_range_start", c.samples, starts)
                 self._write("sample_range_count", c.samples, counts)
@@ -496,7 +509,8 @@ class WriterStage:
                 rows.append(RowOfBatch(
                     sample.row_id, batch.row_ranges[k], sample.loss_mask.numpy(), sample.duplicate,
                     sample.content_key, sample.digest, [(kept.offset, n) for kept, n in before],
-                    np.concatenate([kept.loss_mask[:n] for kept, n in before]) if before else None))
+                    np.concatenate([kept.loss_mask[:n] for kept, n in before]) if before else None,
+                    captured.ways[k] if captured.ways is not None else 0))
             else:
                 self.reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states",
                                    sample.content_key))

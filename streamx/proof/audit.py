@@ -63,6 +63,7 @@ LOW_PRECISION_TOLERANCE = 5e-2
 LOW_PRECISION_TOKEN_SHARE = 0.01
 FOLLOW_UP = 4  # rows of a way audited, whatever the budget, after one with a token near or over the tolerance
 SUSPECT = 0.5  # near: over this share of the tolerance (a right way stays well below it: rounding)
+RECORDED = 1 << 7  # a row's recorded way (Way.code); 0: not recorded (a part written before streamx recorded it)
 RANKING_FIELDS = ("num_experts_per_tok", "n_routed_experts", "num_local_experts", "num_experts", "moe_topk",
                   "index_topk", "index_topk_blocks")  # config fields of a model that picks experts or keys by rank
 
@@ -86,6 +87,18 @@ class Way:
         return cls(batch.packed, len(batch.segment_lengths) > 1, batch.carried_tokens(k) > 0,
                    len(segments) > 1 and not batch.carried_tokens(k), start + n < ends[segments[-1]],
                    split.limit if split is not None and split.past(len(batch.samples[k].input_ids)) else None)
+
+    @property
+    def code(self) -> int:
+        """The way as the store records it per row (`sample_way`): RECORDED and a bit per feature."""
+        flags = (self.packed, self.beside, self.carried, self.continued, self.prefix_row, self.past_limit is not None)
+        return RECORDED | sum(1 << i for i, flag in enumerate(flags) if flag)
+
+    @classmethod
+    def of_code(cls, code: int, packing: Packing) -> Way:
+        """The way a row's recorded `code` says (its length limit: the run's split's, as the store's settings)."""
+        flags = [bool(code >> i & 1) for i in range(6)]
+        return cls(*flags[:5], packing.split.limit if flags[5] and packing.split is not None else None)
 
     @property
     def shared(self) -> bool:
@@ -159,11 +172,15 @@ def placed_after_others(batch: Batch, ks: list[int]) -> list[int]:
                               len(batch.samples[k].input_ids) < width)] or ks
 
 
-def ways_of(batch: Batch, packing: Packing) -> dict[int, Way]:
-    """How `batch` computes each of its rows (by index), but those it computes as the reference does."""
+def ways_of(batch: Batch, packing: Packing) -> list[Way]:
+    """How `batch` computes each of its rows, in order."""
     ends = np.cumsum(batch.segment_lengths).tolist()
-    ways = {k: Way.of(batch, k, segments, ends, packing) for k, segments in enumerate(batch.row_segments())}
-    return {k: way for k, way in ways.items() if not way.reference}
+    return [Way.of(batch, k, segments, ends, packing) for k, segments in enumerate(batch.row_segments())]
+
+
+def not_reference(ways: list[Way]) -> dict[int, Way]:
+    """Of the ways a batch computes its rows (ways_of), those other than the reference's, by row index."""
+    return {k: way for k, way in enumerate(ways) if not way.reference}
 
 
 class Audit:

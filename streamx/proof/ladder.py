@@ -99,6 +99,15 @@ class Ladder:
         for k, way in ways.items():
             self.computed.setdefault(way, array("q")).append(batch.samples[k].row_id)
 
+    def recorded(self, rows: np.ndarray, codes: np.ndarray) -> None:
+        """A resume: the rows earlier runs of the part committed, with the way each was computed (Way.code; 0: not
+        recorded). Those computed a way this rung takes are healed too if this run drops it (the others were
+        computed again when their way was dropped, or wait to be: the part's record names them)."""
+        for code in np.unique(codes[codes != 0]).tolist():
+            way = Way.of_code(code, self.packing)
+            if not way.reference and self.allows(way):
+                self.computed.setdefault(way, array("q")).extend(rows[codes == code].astype(np.int64).tolist())
+
     def suspects(self) -> np.ndarray:
         """The rows this run computed a way the rung it stands on no longer takes, ascending."""
         rows = [np.frombuffer(ids, dtype=np.int64) for way, ids in self.computed.items() if not self.allows(way)]

@@ -10,6 +10,8 @@
         sample_offset  int64  [N]         first token of each sample in this part
         sample_length  int64  [N]
         sample_content_key uint64 [N]     its row's content key (tokenize.content_key; 0: none)
+        sample_way     uint8  [N]         how the run computed it (proof.audit.Way.code; 0: not recorded, a part
+                                          from before streamx 0.8.1): a resume that finds a way wrong heals its rows
         sample_range_start int64 [N]      --sharing: its first entry in the range table, when it has several
         sample_range_count int64 [N]      0: its tokens are sample_length tokens from sample_offset; else so many
                                           ranges, in order, from range_offset/range_length[sample_range_start:]
@@ -62,9 +64,10 @@ PARTS = "parts"
 GROUP_DOCUMENTS = 3  # zarr.json of the store, of parts/ and of the part
 INDEX_CHUNK = 65536  # entries per chunk of the per-sample / per-reject index arrays
 # each entry's content key (tokenize.content_key; 0: none, e.g. an unreadable row): what a resume needs of the
-# rows it does not read again. Parts written before streamx 0.4 lack the two key arrays (CONTENT_KEY_ARRAYS).
+# rows it does not read again. Parts written before streamx 0.4 lack the two key arrays (CONTENT_KEY_ARRAYS),
+# those before 0.8.1 `sample_way` (the writer passes over an array a part lacks).
 SAMPLE_ARRAYS = {"sample_row_id": "int64", "sample_offset": "int64", "sample_length": "int64",
-                 "sample_content_key": "uint64"}
+                 "sample_content_key": "uint64", "sample_way": "uint8"}
 REJECT_ARRAYS = {"reject_row_id": "int64", "reject_reason": "uint8", "reject_content_key": "uint64"}
 CONTENT_KEY_ARRAYS = ("sample_content_key", "reject_content_key")
 # --sharing's (streamx >= 0.5): where each row's tokens lie when it shares them, and the rows' own masks
