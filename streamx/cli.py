@@ -137,6 +137,8 @@ def run(
     typer.echo("\n".join(summary.lines(command=_this_command())))
     if summary.stopped_by:  # the shell's convention for a process ended by a signal: 128 + its number
         raise typer.Exit(128 + signal.Signals[summary.stopped_by].value)
+    if summary.committed_nothing:
+        _fail(RuntimeError(f"this run committed none of its rows: all {summary.rejects:,} were rejected (above)"))
 
 
 @app.command()

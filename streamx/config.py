@@ -295,11 +295,8 @@ def resolve_layer_ids(layers: str, num_layers: int) -> list[int]:
     """Layer ids in the speculators convention (docs/layers.md): id 0 = embeddings output,
     id k = output of layer k-1, id L = output of the last layer before the final norm."""
     L = num_layers
-    if layers == "eagle3":
-        ids = [2, L // 2, L - 3, L]
-    elif layers == "dflash":
-        # z-lab DFlash spaces 5 layers over 1..L-3 in "output of layer i" numbering; ours is i+1.
-        ids = [round(1 + (L - 4) * j / 4) + 1 for j in range(5)] + [L]
+    if layers in LAYER_PRESETS:  # (on a small model a preset's ids meet, and clip to 0..L)
+        ids = [min(max(i, 0), L) for i in preset_ids(layers, L)]
     else:
         try:
             ids = [int(part) for part in str(layers).replace(" ", "").split(",") if part]
@@ -310,6 +307,15 @@ def resolve_layer_ids(layers: str, num_layers: int) -> list[int]:
             dup = sorted({i for i in ids if ids.count(i) > 1})
             raise ValueError(f"duplicate layer ids {dup}; valid ids are 0..{L} for this {L}-layer model")
     return check_layer_ids(sorted(set(ids)), L)  # a preset's ids meet on small models (eagle3 on L=4: 2, 2)
+
+
+def preset_ids(preset: str, L: int) -> list[int]:
+    """A --layers preset's ids for a decoder of L layers, as its trainers define them (may leave 0..L on a small
+    model)."""
+    if preset == "eagle3":
+        return [2, L // 2, L - 3, L]
+    # z-lab DFlash spaces 5 layers over 1..L-3 in "output of layer i" numbering; ours is i+1.
+    return [round(1 + (L - 4) * j / 4) + 1 for j in range(5)] + [L]
 
 
 def _suggest_preset(layers: str) -> str:

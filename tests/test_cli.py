@@ -90,3 +90,25 @@ def test_a_model_load_keeps_the_libraries_bars_out_of_a_log_file(tiny_chat_model
     finally:
         (hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar)()
     assert "Loading weights" not in capsys.readouterr().err
+
+
+def test_a_run_that_commits_none_of_its_rows_exits_nonzero(smollm2_dir, chat_jsonl, tmp_path):
+    """Every row rejected (here a model whose states are NaN; in Mllama a layer its forward skips): the run says so
+    in its summary and in one error line, and exits 1 (it exited 0 with "committed 0 samples")."""
+    import torch
+    from helpers import cli, run_args
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path / "nan-llama"
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.fill_(float("nan"))
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
+    result = cli(*run_args(str(path), chat_jsonl, tmp_path / "s.zarr", layers="0,1,2", max_samples=6,
+                           max_reject_fraction=1.0))
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "committed 0 samples" in result.stdout
+    assert result.stderr.strip().splitlines()[-1] == "error: this run committed none of its rows: all 6 were " \
+                                                      "rejected (above)"

@@ -13,6 +13,8 @@ def test_presets_for_qwen3_8b():
     assert resolve_layer_ids("eagle3", 36) == [2, 18, 33, 36]
     assert resolve_layer_ids("dflash", 36) == [2, 10, 18, 26, 34, 36]
     assert resolve_layer_ids("eagle3", 4) == [1, 2, 4]  # [2, 2, 1, 4]: ids that meet on a tiny model count once
+    assert resolve_layer_ids("eagle3", 2) == [0, 1, 2]  # [2, 1, -1, 2]: clipped to the model's ids
+    assert resolve_layer_ids("dflash", 2) == [0, 1, 2]  # [2, 1, 1, 1, 0, 2]
 
 
 def test_ids_are_parsed_and_sorted():

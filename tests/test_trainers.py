@@ -355,3 +355,13 @@ def test_verify_checks_a_trainer_folder_file_by_file_against_its_store(tiny_chat
     unfinished = verify(str(out), use_model=False, log=lambda m: None)
     assert not unfinished.passed and [c.summary for c in unfinished.checks] == [
         "TorchSpec (EAGLE-3, DFlash): the convert did not finish"]
+
+
+def test_the_trainers_default_eagle3_ids_are_each_once_and_within_a_small_model():
+    """ModelOpt and SpecForge take blocks 1, L//2 - 1 and L - 4 as a set: on 6 layers 1 and 2 (their 2 once), and on
+    a model too small for L - 4 none below block 0."""
+    from streamx.train.trainers import eagle3_ids
+
+    assert eagle3_ids(32, []) == [1, 15, 28]
+    assert eagle3_ids(6, []) == [1, 2]
+    assert eagle3_ids(2, []) == [0, 1]

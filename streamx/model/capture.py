@@ -11,9 +11,11 @@ hook gathers its layer's real tokens into one slot of the [N, K, H] states buffe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from ..config import check_layer_ids
 from ..data.batching import Batch
@@ -21,19 +23,6 @@ from .carry import Kept, carrying
 from .gather import GatherFn
 from .residual import residual_of
 from .segments import forward_inputs
-
-# Where decoder stacks live across transformers architectures (first match wins); each is tested
-# (tests/test_capture.py), since bench, verify and packing call the decoder found here too.
-LAYER_PATHS = (
-    "model.layers",  # Llama, Qwen2/3, Qwen3-MoE, Qwen3.5 text, Mistral, Gemma
-    "model.language_model.layers",  # multimodal wrappers (Qwen3.5 / Gemma3 conditional generation)
-    "language_model.model.layers",  # older multimodal wrappers (LLaVA style)
-    "layers",  # a bare decoder
-)
-
-
-FINAL_NORMS = ("norm", "final_layernorm", "final_norm", "norm_f", "ln_f")  # the decoder's final norm, by family
-# (Llama and most; Jamba, Phi; Falcon-H1; Mamba; GPT-2)
 
 
 class LayerDiscoveryError(ValueError):
@@ -54,18 +43,84 @@ class Decoder:
 
 
 def find_decoder(model: nn.Module) -> Decoder:
-    """The decoder of `model`, wherever its architecture keeps it (LAYER_PATHS)."""
-    for path in LAYER_PATHS:
-        module: nn.Module | None = model
-        for part in path.split(".")[:-1]:
-            module = getattr(module, part, None)
-        layers = getattr(module, path.split(".")[-1], None) if module is not None else None
-        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
-            norm = next((n for name in FINAL_NORMS if isinstance(n := getattr(module, name, None), nn.Module)), None)
-            return Decoder(module, layers, norm)
-    raise LayerDiscoveryError(
-        f"cannot find the decoder layers of {type(model).__name__}: looked for {', '.join(LAYER_PATHS)}"
-    )
+    """The decoder of `model`, found by what the model is, not by the names its family gives it: its layers are the
+    module list whose blocks transformers records as the model's hidden states (each model class declares them:
+    `_can_record_outputs["hidden_states"]`, applied to its own modules as transformers applies it), of the text
+    model where a multimodal model has several stacks; for a family that declares none, the longest list of blocks
+    of one class that a model class holds itself. The decoder is the model class that holds that list (streamx
+    calls it: no lm_head), and its final norm a module it holds whose parameters are a norm's (_final_norm)."""
+    stacks = _recorded_stacks(model) or _block_stacks(model)
+    if not stacks:
+        kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.ModuleList)})
+        raise LayerDiscoveryError(f"cannot find the decoder layers of {type(model).__name__}: no module list whose "
+                                  f"blocks it records as hidden states, nor a list of blocks of one class held by a "
+                                  f"model class (module lists: {', '.join(kinds) or 'none'})")
+    text = model.config.get_text_config() if hasattr(model, "config") else None
+    owner, layers = max(stacks, key=lambda stack: (text is not None and _is_text_model(stack[0], text), len(stack[1])))
+    return Decoder(owner, layers, _final_norm(owner, layers))
+
+
+def _records(spec: Any, module: nn.Module, name: str) -> bool:
+    """Whether transformers records `module` (at `name`) as a hidden state, under a model class's `spec`
+    (a class, a class name, an OutputRecorder, or a list of them)."""
+    if isinstance(spec, list):
+        return any(_records(one, module, name) for one in spec)
+    if isinstance(spec, str):
+        return name.endswith(spec)
+    if isinstance(spec, (type, tuple)):
+        return isinstance(module, spec)
+    target, suffix = getattr(spec, "target_class", None), getattr(spec, "class_name", None)
+    matched = (target is not None and isinstance(module, target)) or (suffix is not None and name.endswith(suffix))
+    layer = getattr(spec, "layer_name", None)
+    return matched and (layer is None or f".{layer.strip('.')}." in name + ".")
+
+
+def _recorded_stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList]]:
+    """(model class, module list) for each list of blocks transformers records as hidden states, each under the
+    declaration of the innermost model class that holds it (as transformers installs its recording hooks)."""
+    lists: dict[int, tuple[nn.Module, nn.ModuleList]] = {}
+
+    def walk(module: nn.Module, name: str, owner: nn.Module | None, spec: Any) -> None:
+        if isinstance(module, PreTrainedModel):
+            owner, spec = module, (type(module)._can_record_outputs or {}).get("hidden_states")
+        for child_name, child in module.named_children():
+            walk(child, f"{name}.{child_name}", owner, spec)
+            if isinstance(module, nn.ModuleList) and spec is not None and owner is not None \
+                    and _records(spec, child, f"{name}.{child_name}"):
+                lists[id(module)] = (owner, module)
+
+    walk(model, "", None, None)
+    return [(owner, layers) for owner, layers in lists.values() if _held_by(owner, layers)]
+
+
+def _block_stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList]]:
+    """(model class, module list) for each list of two or more blocks of one class a model class holds itself."""
+    return [(owner, child) for owner in model.modules() if isinstance(owner, PreTrainedModel)
+            for child in owner.children()
+            if isinstance(child, nn.ModuleList) and len(child) > 1 and len({type(block) for block in child}) == 1]
+
+
+def _held_by(owner: nn.Module, layers: nn.ModuleList) -> bool:
+    """Whether `owner` holds `layers` itself, not inside a block of its own (a MoE's experts, a layer's sublayers)."""
+    return any(child is layers for child in owner.children())
+
+
+def _is_text_model(owner: nn.Module, text: Any) -> bool:
+    config = getattr(owner, "config", None)
+    return config is text or type(config) is type(text)
+
+
+def _final_norm(owner: nn.Module, layers: nn.ModuleList) -> nn.Module | None:
+    """Of the modules `owner` holds itself whose parameters are vectors of one length (a norm's weight and bias),
+    the first after `layers`, else the last before them (OPT registers its final norm first): a structural guess,
+    which verify's and the start-up check's comparison with the model's own last hidden state prove."""
+    children = list(owner.children())
+    at = next(i for i, child in enumerate(children) if child is layers)
+    norms = [i for i, child in enumerate(children)
+             if (params := list(child.parameters())) and all(p.dim() == 1 for p in params)
+             and len({p.numel() for p in params}) == 1]
+    after = [i for i in norms if i > at]
+    return children[after[0]] if after else children[norms[-1]] if norms else None
 
 
 class LayerCapture:

@@ -15,7 +15,7 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +34,7 @@ from transformers import (
 )
 from transformers.distributed import DistributedConfig
 
-from .capture import find_decoder
+from .capture import LayerDiscoveryError, find_decoder
 from .kv_heads import keep_own_kv_head, kv_replicas, replicated_plan
 from .quantized import check_dequantizable, dequantized_on_load, kept, load_options, loaded, without_kernels
 from .residual import residual_of
@@ -326,7 +326,8 @@ def load_model(
             placement = dict(distributed_config=groups) if groups else dict(device_map=device_map or device)
             lm = causal_lm(lambda auto: auto.from_pretrained(path, dtype=torch_dtype,
                                                              attn_implementation=attn_implementation,
-                                                             **placement, **quantized))
+                                                             output_loading_info=True, **placement, **quantized),
+                           loads=True)
         except OSError as e:
             raise _not_found(path, e) from None
         except (ValueError, RuntimeError, ImportError) as err:
@@ -383,28 +384,51 @@ def checked_files(checkpoint: PretrainedConfig, path: str) -> bool:
     return True
 
 
-def causal_lm(build: Callable[[type], PreTrainedModel]) -> PreTrainedModel:
+def causal_lm(build: Callable[[type], PreTrainedModel], loads: bool = False) -> PreTrainedModel:
     """`build(auto_class)` with transformers' causal LM classes, or, for a multimodal checkpoint that has none
     (GLM-5-next, Kimi K2.5), its image-text-to-text class, whose text decoder streamx runs (the rest is never called); a
-    checkpoint neither loads is refused in one line."""
+    checkpoint neither loads is refused in one line. With `loads` (`build` reads a checkpoint, with
+    output_loading_info), a class for which the checkpoint lacks weights of the text decoder (a multimodal checkpoint
+    whose causal-LM class names its tensors otherwise: Emu3) is passed over for the next, and a checkpoint that no
+    class loads whole is refused in one line naming the class and the first missing weights: never a run on freshly
+    initialised weights."""
+    unrecognized, partial = None, None
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        try:
+            built = build(auto)
+        except ImportError as err:  # e.g. Gemma 3n's multimodal class needs timm for its vision tower
+            raise ValueError(f"this checkpoint's model class needs a package that is not installed: {err}") from None
+        except ValueError as err:
+            if "Unrecognized configuration class" not in str(err):
+                raise
+            unrecognized = unrecognized or err
+            continue
+        if not loads:
+            return built
+        lm, info = built
+        missing = decoder_weights_missing(lm, info["missing_keys"])
+        if not missing:
+            return lm
+        partial = partial or f"{type(lm).__name__}: {len(missing):,} of its text decoder's weights are not in the " \
+            f"checkpoint ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+        del lm, built
+    if partial is not None:
+        raise ValueError(f"{partial} and would be initialised at random; no class of transformers "
+                         f"{transformers.__version__} loads this checkpoint's text decoder whole")
+    name = next(iter(re.findall(r"\.(\w+)'>", str(unrecognized))), "its config")
+    raise ValueError(f"transformers {transformers.__version__} has no causal LM or image-text-to-text class for "
+                     f"{name}: streamx cannot load its text decoder")
+
+
+def decoder_weights_missing(lm: PreTrainedModel, missing: Collection[str]) -> list[str]:
+    """Of the weights a load reported `missing` (initialised at random), those of the text decoder streamx runs
+    (a missing lm_head or vision tower is never called), sorted."""
     try:
-        return build(AutoModelForCausalLM)
-    except ValueError as err:
-        if "Unrecognized configuration class" not in str(err):
-            raise
-        first = err
-    except ImportError as err:  # e.g. Gemma 3n's multimodal class needs timm for its vision tower
-        raise ValueError(f"this checkpoint's model class needs a package that is not installed: {err}") from None
-    try:
-        return build(AutoModelForImageTextToText)
-    except ImportError as err:
-        raise ValueError(f"this checkpoint's model class needs a package that is not installed: {err}") from None
-    except ValueError as err:
-        if "Unrecognized configuration class" not in str(err):
-            raise
-        name = next(iter(re.findall(r"\.(\w+)'>", str(first))), "its config")
-        raise ValueError(f"transformers {transformers.__version__} has no causal LM or image-text-to-text class for "
-                         f"{name}: streamx cannot load its text decoder") from None
+        decoder = find_decoder(lm).module
+    except LayerDiscoveryError:
+        return sorted(missing)
+    prefix = next(name for name, module in lm.named_modules() if module is decoder)
+    return sorted(key for key in missing if not prefix or key.startswith(prefix + "."))
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)

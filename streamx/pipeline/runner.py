@@ -97,6 +97,12 @@ class RunSummary:
     def padding_efficiency(self) -> float:
         return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
 
+    @property
+    def committed_nothing(self) -> bool:
+        """Every row this run computed was rejected (a model whose states are not finite on any row, e.g. a layer
+        the forward skips): a failure, whatever else the run did."""
+        return bool(self.rejects) and not self.samples
+
     def pace(self) -> str:
         """Why a run took its time, in one phrase: what it computed per second and the CPU it got."""
         return f"{self.tokens_per_s:,.0f} computed tokens/s, {self.cpu_share:.0%} of {self.cores} cores"

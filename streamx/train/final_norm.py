@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig
 
-from ..model.capture import FINAL_NORMS, find_decoder
+from ..model.capture import find_decoder
 from ..model.load import causal_lm, fingerprint_weights
 
 
@@ -44,8 +44,8 @@ class FinalNorm:
             model = causal_lm(lambda auto: auto.from_config(config))
         norm = find_decoder(model).norm
         if norm is None:
-            raise FinalNormError(f"{type(model).__name__} has no final norm streamx can find (the decoder's "
-                                 f"{', '.join(FINAL_NORMS)})")
+            raise FinalNormError(f"{type(model).__name__} has no final norm streamx can find (a module its decoder "
+                                 "holds after its layers, with a norm's weight)")
         name = next(n for n, m in model.named_modules() if m is norm)
         norm.to_empty(device="cpu")
         tensors = _checkpoint_tensors(folder, name, [p for p, _ in norm.named_parameters()])

@@ -40,8 +40,9 @@ class Trainer:
 
 
 def eagle3_ids(L: int, stored: list[int]) -> list[int]:
-    """The EAGLE-3 default of SpecForge and ModelOpt: blocks 1, L//2 - 1 and L - 4 (streamx's eagle3 preset)."""
-    return [1, L // 2 - 1, L - 4]
+    """The EAGLE-3 default of SpecForge and ModelOpt: blocks 1, L//2 - 1 and L - 4 (streamx's eagle3 preset), each
+    once (ModelOpt takes the set: on 6 layers, 1 and 2) and within the model's blocks on a small one."""
+    return sorted({min(max(k, 0), L - 1) for k in (1, L // 2 - 1, L - 4)})
 
 
 def stored_ids(L: int, stored: list[int]) -> list[int]:

@@ -1,0 +1,167 @@
+"""Families whose decoders sit where no list of names looked (transformer.h, gpt_neox.layers, OPT's
+model.decoder.layers, Mamba's backbone.layers, RWKV's rwkv.blocks), and checkpoints that a causal-LM class loads
+only in part: streamx finds the decoder from what the model declares and holds (model.capture.find_decoder) and
+loads a checkpoint's text decoder whole or not at all (model.load.causal_lm). Each family is run by `streamx run`
+with its default settings and every stored row compared with the model's own unbatched forward: transformers'
+output_hidden_states, aligned as the family's own forward fills it (the layout table says where, test-side)."""
+
+from typing import NamedTuple
+
+import pytest
+import torch
+from helpers import cli, run_args, small_config
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from streamx.pipeline.runner import run
+from streamx.store import open_store
+
+H = 64  # hidden size of every tiny model here
+
+
+class Layout(NamedTuple):
+    model_type: str
+    config: dict
+    layers: str  # where the family keeps its decoder layers (known here, not asked of streamx)
+    first_is_embeddings: bool = True  # output_hidden_states[0] is the first layer's input (else its output)
+
+
+LAYOUTS = {
+    "gpt2": Layout("gpt2", dict(n_embd=H, n_layer=4, n_head=4, n_positions=1024), "transformer.h"),
+    "gpt_neox": Layout("gpt_neox", dict(hidden_size=H, num_hidden_layers=4, num_attention_heads=4,
+                                        intermediate_size=128), "gpt_neox.layers"),
+    "opt": Layout("opt", dict(hidden_size=H, num_hidden_layers=4, num_attention_heads=4, ffn_dim=128,
+                              word_embed_proj_dim=H), "model.decoder.layers"),
+    "mamba": Layout("mamba", dict(hidden_size=H, num_hidden_layers=4, state_size=8), "backbone.layers",
+                    first_is_embeddings=False),
+    "rwkv": Layout("rwkv", dict(hidden_size=H, num_hidden_layers=4, attention_hidden_size=H, intermediate_size=128,
+                                context_length=1024), "rwkv.blocks", first_is_embeddings=False),
+}
+
+
+def build(layout: Layout, path, tokenizer_dir: str) -> torch.nn.Module:
+    """The family's tiny model (SmolLM2's vocabulary, weights drawn with std 0.1 so that a token's states depend on
+    the tokens before it well above float noise), saved at `path` with SmolLM2's tokenizer."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(layout.model_type, vocab_size=49152,
+                                                                  **layout.config))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0, 0.1)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return model.eval()
+
+
+@torch.inference_mode()
+def own_states(model, layout: Layout, input_ids: torch.Tensor) -> torch.Tensor:
+    """[T, L + 1, H]: ids 0..L of the row alone, from the model's own output_hidden_states where it holds them (its
+    last entry has the final norm applied: id L is the last layer's output, taken by a hook where the tuple holds
+    no such entry, and the first layer's input is the embeddings where the tuple starts after it)."""
+    layers = model.get_submodule(layout.layers)
+    last = []
+    hook = layers[-1].register_forward_hook(lambda m, a, out: last.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        hidden = model(input_ids=input_ids[None], output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
+    assert len(hidden) == len(layers) + 1
+    states = list(hidden[:-1]) + [last[0]] if layout.first_is_embeddings else \
+        [model.get_input_embeddings()(input_ids[None]), *hidden[:-1]]
+    return torch.stack(states, dim=2)[0]
+
+
+@pytest.mark.parametrize("family", sorted(LAYOUTS))
+def test_a_family_keeping_its_layers_elsewhere_runs_right_by_default(family, smollm2_dir, chat_jsonl, tmp_path):
+    layout = LAYOUTS[family]
+    model = build(layout, tmp_path / family, smollm2_dir)
+    lines: list[str] = []
+    run(small_config(str(tmp_path / family), chat_jsonl, tmp_path / "s.zarr", layers="0,1,2,3,4", max_samples=24),
+        progress=False, log=lines.append)
+    store = open_store(str(tmp_path / "s.zarr"))
+    assert len(store) == 24
+    for row in store.row_ids().tolist():
+        sample = store.sample(row)
+        want, got = own_states(model, layout, sample.input_ids), sample.hidden_states.float()
+        error = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max()
+        assert error < 5e-3, (family, row, float(error), "\n".join(lines))
+
+
+def test_a_checkpoint_missing_decoder_weights_stops_in_one_line_before_the_first_batch(smollm2_dir, chat_jsonl,
+                                                                                       tmp_path):
+    """A checkpoint whose second layer's tensors are named otherwise (as a multimodal checkpoint names its text
+    model's): transformers would initialise that layer at random and say so only in its load report."""
+    path = tmp_path / "half"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=H, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    save_file({("text_model." if key.startswith("model.layers.1.") else "") + key: value
+               for key, value in tensors.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    result = cli(*run_args(str(path), chat_jsonl, tmp_path / "s.zarr", layers="0,1,2"))
+    assert result.returncode == 1
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: LlamaForCausalLM: 9 of its text decoder's weights are not in the checkpoint "
+                            "(model.layers.1.input_layernorm.weight, "), error
+    assert "no class of transformers" in error and "loads this checkpoint's text decoder whole" in error
+    assert "batches" not in result.stderr and not (tmp_path / "s.zarr" / "parts").exists()
+
+
+def test_a_multimodal_checkpoint_is_run_by_the_class_that_loads_its_text_decoder_whole(smollm2_dir, chat_jsonl,
+                                                                                       tmp_path):
+    """Emu3's checkpoint names its text decoder text_model.model.*: Emu3ForCausalLM (the causal-LM class) would
+    load none of it; its image-text-to-text class loads every tensor, and its text decoder (model.text_model, where
+    no list looked) is run: every row equals that decoder's own forward."""
+    from transformers import Emu3Config, Emu3ForConditionalGeneration
+    from transformers.models.emu3.configuration_emu3 import Emu3TextConfig, Emu3VQVAEConfig
+
+    path = tmp_path / "emu3"
+    vq = Emu3VQVAEConfig(codebook_size=32, embed_dim=32, latent_channels=32, base_channels=32,
+                         channel_multiplier=[1, 1], num_res_blocks=1, attn_resolutions=[], double_latent=False,
+                         temporal_downsample_factor=1)
+    text = Emu3TextConfig(vocab_size=49152, hidden_size=H, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                          eos_token_id=2)
+    torch.manual_seed(0)
+    model = Emu3ForConditionalGeneration(Emu3Config(vq_config=vq.to_dict(), text_config=text.to_dict(),
+                                                    vocabulary_map={"<image>": 5})).eval()
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
+    summary = run(small_config(str(path), chat_jsonl, tmp_path / "s.zarr", layers="0,1,2", max_samples=12),
+                  progress=False, log=lambda m: None)
+    store = open_store(str(tmp_path / "s.zarr"))
+    assert summary.samples == 12 and store.metadata.model["architecture"] == "Emu3ForConditionalGeneration"
+    decoder = model.model.text_model
+    for row in store.row_ids().tolist():
+        sample = store.sample(row)
+        with torch.inference_mode():
+            hidden = decoder(input_ids=sample.input_ids[None], output_hidden_states=True).hidden_states
+        want = torch.stack(hidden[:2], dim=2)[0]  # ids 0 and 1 (id 2 is before the norm: its tuple entry is after)
+        got = sample.hidden_states[:, :2].float()
+        assert float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max()) < 5e-3, row
+
+
+def test_lfm2s_final_norm_is_found_and_every_convert_that_needs_it_writes_it(smollm2_dir, chat_jsonl, tmp_path):
+    """LFM2 calls its final norm embedding_norm (no list held that name: every convert that writes the post-norm
+    state refused its stores): the trainers' post-norm last state equals LFM2's own last_hidden_state of each row."""
+    from zoo_models import zoo_model
+
+    from streamx.train.export import export, row_file
+    from streamx.train.trainers import TRAINERS
+
+    model = zoo_model("lfm2")
+    model.save_pretrained(tmp_path / "lfm2")
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(tmp_path / "lfm2")
+    quiet = dict(progress=False, log=lambda m: None)
+    run(small_config(str(tmp_path / "lfm2"), chat_jsonl, tmp_path / "s.zarr", layers="1,2,4", max_samples=8), **quiet)
+    for fmt in ("specforge-eagle3", "modelopt", "torchspec"):
+        assert export(str(tmp_path / "s.zarr"), str(tmp_path / fmt), fmt, [0, 1], **quiet).rows == 8, fmt
+    store = open_store(str(tmp_path / "s.zarr"))
+    for row in store.row_ids().tolist():
+        written = torch.load(row_file(tmp_path / "modelopt", TRAINERS["modelopt"], row), weights_only=True)
+        with torch.inference_mode():
+            want = model.model(written["input_ids"][None]).last_hidden_state[0]
+        error = ((written["hidden_states"].float() - want).norm(dim=-1) / want.norm(dim=-1)).max()
+        assert error < 5e-3, (row, float(error))
