@@ -36,6 +36,11 @@ LAYOUTS = {
                     first_is_embeddings=False),
     "rwkv": Layout("rwkv", dict(hidden_size=H, num_hidden_layers=4, attention_hidden_size=H, intermediate_size=128,
                                 context_length=1024), "rwkv.blocks", first_is_embeddings=False),
+    # RWKV halves the state after every rescale_every-th block, outside the block (in inference): the model's tuple
+    # and its next block hold the halved state, the block's own output the whole one (id 3 read at block 3's input)
+    "rwkv_rescaled": Layout("rwkv", dict(hidden_size=H, num_hidden_layers=4, attention_hidden_size=H,
+                                         intermediate_size=128, context_length=1024, rescale_every=3), "rwkv.blocks",
+                            first_is_embeddings=False),
 }
 
 
@@ -165,3 +170,51 @@ def test_lfm2s_final_norm_is_found_and_every_convert_that_needs_it_writes_it(smo
             want = model.model(written["input_ids"][None]).last_hidden_state[0]
         error = ((written["hidden_states"].float() - want).norm(dim=-1) / want.norm(dim=-1)).max()
         assert error < 5e-3, (row, float(error))
+
+
+def test_verify_reads_a_family_whose_tuple_starts_after_the_embeddings(smollm2_dir, chat_jsonl, tmp_path):
+    """Mamba's output_hidden_states start at its first layer's output: verify aligns its reference as the start-up
+    proof found (proof.ids), and passes the store (it compared id k with the entry of id k+1)."""
+    from streamx.train.verify import verify
+
+    build(LAYOUTS["mamba"], tmp_path / "mamba", smollm2_dir)
+    run(small_config(str(tmp_path / "mamba"), chat_jsonl, tmp_path / "s.zarr", layers="0,1,2,3,4", max_samples=8),
+        progress=False, log=lambda m: None)
+    assert verify(str(tmp_path / "s.zarr"), log=lambda m: None).passed
+
+
+class CalledAs(torch.nn.ModuleList):
+    """A decoder's layers, which its forward (iterating self.layers[:num_hidden_layers]) calls in `order`: a looped
+    stack (a layer called twice) or one whose forward skips a layer."""
+
+    def __init__(self, layers, order: list[int]):
+        super().__init__(layers)
+        self.order = order
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [super(CalledAs, self).__getitem__(i) for i in self.order]
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize(("order", "said"), [
+    ([0, 1, 2, 1, 2, 3], "the model's forward calls layers 1, 2 of its 4 more than once (a loop: 6 calls"),
+    ([0, 1, 3], "the model's forward does not call layer 2 of its 4 on a text row"),
+], ids=["looped", "skipped"])
+def test_a_decoder_whose_ids_its_hooks_cannot_read_is_refused_in_one_line(order, said):
+    """Hooks on layer modules see a looped layer's last call (the model's own tuple records each call) and nothing of
+    a layer the forward skips (its slot would hold uninitialised memory): the start-up proof refuses the model in
+    one line (the run's plan asks it before any batch; rwkv_rescaled above is the plan acting on its answer)."""
+    from streamx.proof.ids import CaptureRefused, prove_ids
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=H, intermediate_size=128, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    assert prove_ids(model).inputs == frozenset() and prove_ids(model).offset == 0  # as built: proven
+    model.model.layers = CalledAs(list(model.model.layers), order)
+    with torch.inference_mode():
+        hidden = model(input_ids=torch.arange(3, 10)[None], output_hidden_states=True).hidden_states
+    assert len(hidden) == len(order) + 1  # transformers records every call
+    with pytest.raises(CaptureRefused) as refused:
+        prove_ids(model)
+    assert str(refused.value).startswith(said) and "\n" not in str(refused.value)

@@ -24,6 +24,10 @@ from .gather import GatherFn
 from .residual import residual_of
 from .segments import forward_inputs
 
+# the model's attribute naming the ids < L read at layer k's input rather than at layer k-1's output: where its
+# forward changes the state between the two (proven by streamx.proof.ids, set by the run's plan)
+READ_AT_INPUTS = "_streamx_read_at_inputs"
+
 
 class LayerDiscoveryError(ValueError):
     pass
@@ -139,11 +143,12 @@ class LayerCapture:
         self._target: tuple[torch.Tensor, torch.Tensor] | None = None  # (states, token_index) of the running batch
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         deepest = max(self.layer_ids)
+        at_inputs = getattr(model, READ_AT_INPUTS, frozenset())  # (proof.ids: where the forward changes the state)
         for slot, layer_id in enumerate(self.layer_ids):
             stop = layer_id == deepest
-            if layer_id == 0:
+            if layer_id == 0 or layer_id in at_inputs:
                 hook = self._pre_hook(slot, stop)
-                self._handles.append(self.layers[0].register_forward_pre_hook(hook, with_kwargs=True))
+                self._handles.append(self.layers[layer_id].register_forward_pre_hook(hook, with_kwargs=True))
             else:
                 self._handles.append(self.layers[layer_id - 1].register_forward_hook(self._post_hook(slot, stop)))
 

@@ -40,6 +40,7 @@ from ..data.tokenize import (
     SampleBuilder,
     vocabulary_fingerprint,
 )
+from ..model.capture import READ_AT_INPUTS
 from ..model.carry import kept_bytes_per_token
 from ..model.footprint import held_share
 from ..model.load import (
@@ -57,6 +58,7 @@ from ..model.packing import configure as configure_packing
 from ..model.residual import config_layers, residual_of
 from ..model.support import note as family_note
 from ..proof.check import check_continuation, check_prefix_rows
+from ..proof.ids import prove_ids
 from ..store import (
     Compat,
     DoneKeys,
@@ -236,6 +238,8 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
                                                   config.attn_implementation, config.device_map,
                                                   config.random_weights, config.tokenizer, config.tp, config.ep,
                                                   config.dequantize)
+    ids = prove_ids(model)  # (refuses a model whose ids the hooks cannot read as its own tuple holds them)
+    setattr(model, READ_AT_INPUTS, ids.inputs)
     layer_ids = resolve_layer_ids(config.layers, info.num_layers)
     check_trainable(config, layer_ids, info.num_layers)
     packing = configure_packing(model, config.packing, config.max_length, config.max_batch_size,
@@ -244,6 +248,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
     if rank.is_main and loaded is None:
         if info.weights:
             log(f"  weights {info.weights}")
+        log(f"  ids     {ids.note()}")
         log(f"  packing {packing.note()}")
         log(f"  sharing {sharing.note()}")
         family = family_note(model.config, packing.on, sharing.min_shared_tokens is not None, packing.alone,

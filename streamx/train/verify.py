@@ -42,6 +42,7 @@ from ..model.lengths import keep_rope_fresh
 from ..model.load import load_model, model_tokenizer, read_text_config
 from ..model.quantized import kept
 from ..model.residual import residual_of
+from ..proof.ids import prove_ids
 from ..store import BF16, STORAGES, Store, StoreError, open_store
 from .folder import FROM_STORE, HS_DIR, META, STORE_ROWS
 from .mask_token import mask_token_id
@@ -418,21 +419,30 @@ def pick_samples(store: Store, n: int, seed: int) -> list[int]:
 
 
 @torch.inference_mode()
-def reference_states(model: nn.Module, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+def reference_states(model: nn.Module, input_ids: torch.Tensor, offset: int | None = None
+                     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """One sample alone, float32: every id 0..L from transformers' output_hidden_states (id L from the last layer's
-    output: transformers' last entry has the final norm, or a multi-stream residual's contraction, applied), each
-    residual whole (streamx.model.residual); and transformers' last entry where it has the width of the others
-    (the final norm's output: a slot that holds it is named), else None."""
+    output: transformers' last entry has the final norm, or a multi-stream residual's contraction, applied; id 0
+    from the first layer's input where the family's tuple starts after it, `offset` 1: proof.ids, asked when not
+    given), each residual whole
+    (streamx.model.residual); and transformers' last entry where it has the width of the others (the final norm's
+    output: a slot that holds it is named), else None."""
     decoder, residual = find_decoder(model), residual_of(model.config)
+    offset = prove_ids(model).offset if offset is None else offset
     seen: list[torch.Tensor] = []
-    handle = decoder.layers[-1].register_forward_hook(
-        lambda mod, args, out: seen.append(out[0] if isinstance(out, (tuple, list)) else out))
+    first: list[torch.Tensor] = []
+    handles = [decoder.layers[-1].register_forward_hook(
+        lambda mod, args, out: seen.append(out[0] if isinstance(out, (tuple, list)) else out)),
+        decoder.layers[0].register_forward_pre_hook(
+        lambda mod, args, kwargs: first.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)]
     try:
         out = decoder.module(input_ids=input_ids[None].to(next(model.parameters()).device), output_hidden_states=True,
                              use_cache=False)
     finally:
-        handle.remove()
-    ids = [residual.flat(h)[0].float().cpu() for h in (*out.hidden_states[:-1], seen[0])]
+        for handle in handles:
+            handle.remove()
+    recorded = out.hidden_states[:-1] if offset == 0 else (first[0], *out.hidden_states[:-2])
+    ids = [residual.flat(h)[0].float().cpu() for h in (*recorded, seen[0])]
     last = out.hidden_states[-1]
     return ids, last[0].float().cpu() if last.shape[-1] == residual.width and last.dim() == 3 else None
 
@@ -476,6 +486,7 @@ def check_model(store: Store, model: nn.Module, positions: list[int], tolerance:
     match is named by what it matches instead."""
     ids = store.layer_ids
     problems, references, stored = [], {}, {}
+    offset = prove_ids(model).offset  # where the model's own output_hidden_states start
     log(f"verify: recomputing {len(positions)} samples alone with the model")
     for pos in tqdm(positions, desc="verify", unit="sample", disable=not sys.stderr.isatty()):  # a bar, not lines
         try:
@@ -483,7 +494,7 @@ def check_model(store: Store, model: nn.Module, positions: list[int], tolerance:
         except Exception as err:  # noqa: BLE001 - a damaged file; the read check names it
             problems.append(f"row {int(store.index.rows[pos])}: cannot be read ({type(err).__name__})")
             continue
-        references[pos] = reference_states(model, sample.input_ids)
+        references[pos] = reference_states(model, sample.input_ids, offset)
         stored[pos] = sample
     worst = (0.0, "")
     for pos, sample in stored.items():
