@@ -1,5 +1,5 @@
 """Families whose decoders sit where no list of names looked (transformer.h, gpt_neox.layers, OPT's
-model.decoder.layers, Mamba's backbone.layers, RWKV's rwkv.blocks), and checkpoints that a causal-LM class loads
+model.decoder.layers, Mamba's and Mamba2's backbone.layers, RWKV's rwkv.blocks), and checkpoints that a causal-LM class loads
 only in part: streamx finds the decoder from what the model declares and holds (model.capture.find_decoder) and
 loads a checkpoint's text decoder whole or not at all (model.load.causal_lm). Each family is run by `streamx run`
 with its default settings and every stored row compared with the model's own unbatched forward: transformers'
@@ -34,6 +34,8 @@ LAYOUTS = {
                               word_embed_proj_dim=H), "model.decoder.layers"),
     "mamba": Layout("mamba", dict(hidden_size=H, num_hidden_layers=4, state_size=8), "backbone.layers",
                     first_is_embeddings=False),
+    "mamba2": Layout("mamba2", dict(hidden_size=H, num_hidden_layers=4, num_heads=8, head_dim=16, state_size=8,
+                                    n_groups=1, chunk_size=16), "backbone.layers"),
     "rwkv": Layout("rwkv", dict(hidden_size=H, num_hidden_layers=4, attention_hidden_size=H, intermediate_size=128,
                                 context_length=1024), "rwkv.blocks", first_is_embeddings=False),
     # RWKV halves the state after every rescale_every-th block, outside the block (in inference): the model's tuple

@@ -217,6 +217,13 @@ _ZOO: dict[str, Family] = {
         activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0]),
         "gemma3n_text / Gemma3nForCausalLM: AltUp (4 streams, [4, B, S, D] between layers), per-layer inputs, "
         "sliding (16) and full attention, KV shared by the last 2 layers"),
+    "gemma4": Family("Gemma4TextConfig", dict(
+        COMMON, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        vocab_size_per_layer_input=49152, hidden_size_per_layer_input=16,
+        layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=WINDOW, num_kv_shared_layers=2),
+        "gemma4_text / Gemma4ForCausalLM: settings per layer (its full-attention layers' head size 32 and 1 key-value "
+        "head, read per layer: transformers refuses them globally), per-layer inputs, sliding (16) and full "
+        "attention, KV shared by the last 2 layers"),
     "kimi_k25": Family("Kimi_K25Config", dict(
         text_config=dict(MLA_COMMON, model_type="deepseek_v3", n_routed_experts=4, n_shared_experts=1, n_group=1,
                          topk_group=1, first_k_dense_replace=1, **MOE, q_lora_rank=32, kv_lora_rank=32,

@@ -26,6 +26,7 @@ from transformers.cache_utils import Cache
 
 from ..data.batching import Carry
 from ..data.sharing import Segment
+from .residual import layer_configs
 
 
 class Kept:
@@ -83,14 +84,17 @@ def kept_bytes_per_token(model: nn.Module) -> int:
     """What a kept token costs: the keys and values of every attention layer (not the layers that mix tokens
     through a state, which keep one state per segment, whatever its length, nor MLP and MoE blocks), at the model's
     dtype; MLA's keys are its query-key heads (rope and no-rope parts), its values narrower."""
-    text = model.config.get_text_config()
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    if getattr(text, "qk_nope_head_dim", None):
-        key_size = text.qk_nope_head_dim + text.qk_rope_head_dim
-    else:
-        key_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    value_size = getattr(text, "v_head_dim", None) or key_size
-    types = getattr(text, "layer_types", None)
-    layers = sum(t.endswith("attention") and t != "linear_attention" for t in types) if types \
-        else text.num_hidden_layers
-    return layers * heads * (key_size + value_size) * next(model.parameters()).element_size()
+    types = getattr(model.config.get_text_config(), "layer_types", None)
+    total = 0
+    for k, layer in enumerate(layer_configs(model.config)):  # (each with its own heads and sizes: Gemma 4)
+        if types and (not types[k].endswith("attention") or types[k] == "linear_attention"):
+            continue
+        heads = getattr(layer, "num_key_value_heads", None) or getattr(layer, "num_attention_heads", None)
+        if not heads:  # no attention (Mamba's mixers keep a state per segment)
+            continue
+        if getattr(layer, "qk_nope_head_dim", None):
+            key_size = layer.qk_nope_head_dim + layer.qk_rope_head_dim
+        else:
+            key_size = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
+        total += heads * (key_size + (getattr(layer, "v_head_dim", None) or key_size))
+    return total * next(model.parameters()).element_size()

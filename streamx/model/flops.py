@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .residual import layer_configs, query_width
+
 DEFAULT_MFU = 0.4  # of the GPU's peak a long batched forward sustains: an assumption, said wherever it is used
 H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 or H200 SXM
 
@@ -35,12 +37,13 @@ def token_cost(model: nn.Module, mean_context: float) -> TokenCost:
         if "layers." not in name:
             continue
         active += p.numel() * top_k // experts if experts and top_k and ".experts." in name else p.numel()
-    heads = text.num_attention_heads * (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+    layers = layer_configs(model.config)  # (each with its own heads and sizes: Gemma 4)
+    types = list(getattr(text, "layer_types", None) or ["full_attention"] * len(layers))
     window = getattr(text, "sliding_window", None) or mean_context
-    context = [min(mean_context, window) if t == "sliding_attention" else mean_context
-               for t in types if t.endswith("attention") and t != "linear_attention"]
-    return TokenCost(active, 4 * heads * sum(context))  # QK^T and AV: 2 FLOPs a multiply-add, each
+    attention = sum(query_width(layer) * (min(mean_context, window) if t == "sliding_attention" else mean_context)
+                    for layer, t in zip(layers, types, strict=False)
+                    if t.endswith("attention") and t != "linear_attention")
+    return TokenCost(active, 4 * attention)  # QK^T and AV: 2 FLOPs a multiply-add, each
 
 
 def assumed_rate(cost: TokenCost, gpus: int, mfu: float, tflops: float) -> tuple[float, str]:

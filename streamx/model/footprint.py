@@ -28,6 +28,7 @@ from .carry import kept_bytes_per_token
 from .kv_heads import KV_PROJECTIONS, kv_replicas
 from .load import heads_refusal
 from .quantized import weight_bytes
+from .residual import layer_configs, query_width
 
 TP_SIZES = (1, 2, 4, 8, 16)
 NODE_GPUS = 8  # a --tp above this spans nodes (torchrun --nnodes): slower collectives, for targets no node holds
@@ -67,7 +68,7 @@ def footprints(model: nn.Module, token_budget: int, num_slots: int, ep: bool = F
     whole = sum(params.values()) - split - experts
     kv = sum(n for name, n in params.items() if split_by_plan[name] and name.rsplit(".", 2)[-2] in KV_PROJECTIONS)
     hidden = text.hidden_size
-    heads = text.num_attention_heads * (getattr(text, "head_dim", None) or hidden // text.num_attention_heads)
+    heads = max(query_width(layer) for layer in layer_configs(model.config))  # (the widest layer's: Gemma 4)
     mlp = max(getattr(text, "intermediate_size", 0) or 0,
               (getattr(text, "moe_intermediate_size", 0) or 0) * (getattr(text, "num_experts_per_tok", 0) or 0))
     kept = token_budget * kept_bytes_per_token(model)

