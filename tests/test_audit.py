@@ -256,12 +256,11 @@ def test_rows_past_a_window_the_probes_did_not_reach_are_audited(tmp_path, monke
     assert worst_token(model, tmp_path / "s.zarr")[0] < 0.01
 
 
-def test_a_padded_way_wrong_on_many_rows_is_not_taken_for_a_tie_in_bf16(tmp_path):
-    """r27: DeepSeek-V4 (a MoE: in bf16 a row may have a token over the tolerance, a router's near tie) at a seed
-    and vocabulary where the start-up check's padded pair agrees, while rows padded beside longer ones past its
-    compressed attention's reach differ. In bf16 the audit finds the padded way wrong (a tie is one token, not
-    many), and the run ends with every row its own forward's; the control, the run's batches unaudited, keeps
-    rows that differ."""
+def deepseek_v4_past_its_reach(tmp_path):
+    """r27: DeepSeek-V4 (a MoE: in bf16 a row may have a token over the tolerance, a router's near tie) at a seed and
+    vocabulary where rows padded beside longer ones past its compressed attention's reach differ from their own
+    forward, while a short row padded beside a long one agrees; 24 rows of 20 to 200 tokens. Its checkpoint, data,
+    own bf16 forward, and run settings."""
     from zoo_models import zoo_model
 
     model = zoo_model("deepseek_v4", vocab_size=VOCAB)
@@ -269,8 +268,37 @@ def test_a_padded_way_wrong_on_many_rows_is_not_taken_for_a_tie_in_bf16(tmp_path
     rng = np.random.default_rng(2)
     data = token_rows(tmp_path / "rows.jsonl", [int(n) for n in rng.integers(20, 200, 24)], seed=2)
     own = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
-    settings = dict(model=checkpoint, data=data, layers="1,2,4", token_budget=4096, max_length=2048,
-                    dtype="bfloat16")
+    return own, dict(model=checkpoint, data=data, layers="1,2,4", token_budget=4096, max_length=2048,
+                     dtype="bfloat16")
+
+
+def test_the_start_up_check_pads_a_row_past_every_declared_span(tmp_path):
+    """r27: the check's probes put a row past every declared span beside a longer one (the padding after it), and
+    refuse DeepSeek-V4's padded batches at start: the run goes one row per forward and every row is its own
+    forward's (before, the check padded only a row shorter than the reach and took padded batches)."""
+    own, settings = deepseek_v4_past_its_reach(tmp_path)
+    lines: list[str] = []
+    run(RunConfig(out=str(tmp_path / "s.zarr"), **settings), progress=False, log=lines.append)
+    packing_line = next(line for line in lines if line.startswith("  packing"))
+    assert "one row per forward" in packing_line, packing_line
+    assert worst_token(own, tmp_path / "s.zarr")[1] == 0
+
+
+def test_a_padded_way_wrong_on_many_rows_is_not_taken_for_a_tie_in_bf16(tmp_path, monkeypatch):
+    """r27 with probes that miss it (only the short row padded, as before the check padded a row past every span):
+    the run takes padded batches; in bf16 the audit finds the padded way wrong (a tie is one token, not many), and
+    the run ends with every row its own forward's; the control, the run's batches unaudited, keeps rows that
+    differ."""
+    from streamx.proof import check
+
+    of = check.Probes.of.__func__
+
+    def short_row_padded_only(cls, *args, **kwargs):
+        probes = of(cls, *args, **kwargs)
+        return dataclasses.replace(probes, together=[group for group in probes.together if 0 in group])
+
+    monkeypatch.setattr(check.Probes, "of", classmethod(short_row_padded_only))
+    own, settings = deepseek_v4_past_its_reach(tmp_path)
     run(RunConfig(out=str(tmp_path / "control.zarr"), audit_every=0, **settings), progress=False, log=lambda m: None)
     assert worst_token(own, tmp_path / "control.zarr")[1] > 1  # the padded way, unaudited: tokens far off
     summary = run(RunConfig(out=str(tmp_path / "s.zarr"), **settings), progress=False, log=lambda m: None)

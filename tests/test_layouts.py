@@ -1,9 +1,10 @@
 """Families whose decoders sit where no list of names looked (transformer.h, gpt_neox.layers, OPT's
-model.decoder.layers, Mamba's and Mamba2's backbone.layers, RWKV's rwkv.blocks), and checkpoints that a causal-LM class loads
-only in part: streamx finds the decoder from what the model declares and holds (model.capture.find_decoder) and
-loads a checkpoint's text decoder whole or not at all (model.load.causal_lm). Each family is run by `streamx run`
-with its default settings and every stored row compared with the model's own unbatched forward: transformers'
-output_hidden_states, aligned as the family's own forward fills it (the layout table says where, test-side)."""
+model.decoder.layers, Mamba's and Mamba2's backbone.layers, RWKV's rwkv.blocks), and checkpoints that a causal-LM
+class loads only in part: streamx finds the decoder from what the model declares and holds
+(model.capture.find_decoder) and loads a checkpoint's text decoder whole or not at all (model.load.causal_lm). Each
+family is run by `streamx run` with its default settings and every stored row compared with the model's own
+unbatched forward: transformers' output_hidden_states, aligned as the family's own forward fills it (the layout
+table says where, test-side)."""
 
 from typing import NamedTuple
 

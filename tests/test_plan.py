@@ -148,15 +148,17 @@ def test_banner_comes_before_the_weights(tmp_path, config_only_model, monkeypatc
     assert f"  out     {tmp_path / 's.zarr'}: new store" in banner
     assert any(line.startswith("  layers  [2, 3, 4, 6] of 6 (dflash): id 0 = embeddings") for line in banner)
     assert made.layer_ids == [2, 3, 4, 6] and made.info.random_weights
-    # packing and sharing are decided once the model is in, and the family's row of the support table and the
-    # in-run audit said: the four lines after the weights
+    # what the ids hold (proven on the model), packing and sharing are decided once the model is in, and the
+    # family's row of the support table and the in-run audit said: the five lines after the weights
     assert made.packing.on and str(made.packing) == "on" and str(made.sharing) == "on"
-    assert len(after) == 4 and after[0].startswith("  packing on: each forward's samples")
-    assert after[1].startswith("  sharing on: rows that repeat an earlier row, or are prefixes of others")
-    assert after[2] == ("  family  Llama 3 (llama): packed and shared in the support table (docs/support.md), as the "
+    assert len(after) == 5 and after[0] == ("  ids     every id < L is the model's own output_hidden_states (which "
+                                            "start at the embeddings)")
+    assert after[1].startswith("  packing on: each forward's samples")
+    assert after[2].startswith("  sharing on: rows that repeat an earlier row, or are prefixes of others")
+    assert after[3] == ("  family  Llama 3 (llama): packed and shared in the support table (docs/support.md), as the "
                         "start-up check found on this model")
-    assert after[3].startswith("  audit   rows of each way of computing rows") and "one row id in 512" in after[3]
-    assert "within 1% of the forward time" in after[3]
+    assert after[4].startswith("  audit   rows of each way of computing rows") and "one row id in 512" in after[4]
+    assert "within 1% of the forward time" in after[4]
 
 
 def test_hybrid_without_flash_linear_attention_is_named_on_cuda(tmp_path, monkeypatch):

@@ -149,7 +149,6 @@ def test_the_backend_contract_names_its_slots():
     without them; refused (one line naming the fix) when they would need reordering, are empty, repeat or hold L."""
     assert backend_layer_ids([2, 15, 27], 30) == [2, 15, 27, 30]
     assert backend_layer_ids(None, 30) == [2, 15, 27, 30]
-    assert backend_layer_ids(None, 2) == [0, 1, 2]  # speculators' 2, 1, -1 on a 2-layer model: within it, each once
     assert backend_layer_ids([5], 30) == [5, 30]
     for ids, said in (([15, 2, 27], "must be ascending and distinct, as vLLM captures them and speculators' file "
                                     "backend returns them: 2 15 27"),

@@ -96,13 +96,15 @@ class Probes:
         prefix = n // 3 + 5
         shared, second = draw(prefix), draw(n - 3)
         ids = [draw(n // 3 + 3), second, torch.cat([shared, draw(n - prefix)]),
-               torch.cat([shared, draw(n - prefix - 5)]), second[: n - 11]]
-        together, prefixes = [[0, 1]], [(1, 4)]
+               torch.cat([shared, draw(n - prefix - 5)]), second[: n - 11], draw(n)]
+        # a short row beside a long one, and a row past every declared span beside a longer one (padded: past the
+        # spans with padding after it; packed: after a row past them)
+        together, prefixes = [[0, 1], [1, 5]], [(1, 4)]
         if past and not split.alone:  # longrope: the long side batched among itself, and its prefix rows
             longer = draw(n_long)
             ids += [longer, longer[: n_long - 7] if n_long - 7 > split.limit else draw(n_long)]
-            together.append([5, 6])
-            prefixes += [(5, 6)] if n_long - 7 > split.limit else []
+            together.append([6, 7])
+            prefixes += [(6, 7)] if n_long - 7 > split.limit else []
         rows = [Sample(i, t, torch.ones(len(t), dtype=torch.long)) for i, t in enumerate(ids)]
         L = len(find_decoder(model).layers)
         layer_ids = sorted({round(1 + k * (L - 1) / (COMPARED_LAYERS - 1)) for k in range(COMPARED_LAYERS)}) \

@@ -109,11 +109,10 @@ def backend_layer_ids(target_layer_ids: list[int] | None, num_layers: int) -> li
     (the last layer's output before the final norm); speculators' own default `2, L//2, L-3` when none are
     given. Raises ValueError for ids it would have to reorder, an empty list, repeats or L among them."""
     L = num_layers
-    default = sorted({min(max(k, 0), L - 1) for k in (2, L // 2, L - 3)})  # (each once, below L on a small model)
-    ids = default if target_layer_ids is None else list(target_layer_ids)
+    ids = [2, L // 2, L - 3] if target_layer_ids is None else list(target_layer_ids)
     if not ids:
         raise ValueError("--target-layer-ids is empty: name the auxiliary layers the draft reads, e.g. "
-                         f"{' '.join(map(str, default))}")
+                         f"{' '.join(map(str, [2, L // 2, L - 3]))}")
     if L in ids:
         raise ValueError(f"--target-layer-ids holds {L}, the last layer, which the backend always returns last: "
                          "name only the auxiliary layers below it")
