@@ -61,13 +61,14 @@ def residual_of(config) -> Residual:
 
 
 def layer_configs(config) -> list:
-    """Each decoder layer's settings: its own config where the (text) config declares settings per layer
+    """Each layer's settings, as the config counts layers (num_hidden_layers: LongCat-Flash's counts its attention
+    sublayers, two per decoder layer): its own config where the (text) config declares settings per layer
     (transformers' per_layer_config: Gemma 4's head sizes and key-value heads, which the global config refuses to
     give), else the text config itself, once per layer."""
     text = config.get_text_config()
     if getattr(text, "is_heterogeneous", False):
         return list(text.per_layer_config)
-    return [text] * config_layers(text)
+    return [text] * text.num_hidden_layers
 
 
 def query_width(layer) -> int:
