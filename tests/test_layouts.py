@@ -89,6 +89,9 @@ def test_a_family_keeping_its_layers_elsewhere_runs_right_by_default(family, smo
         progress=False, log=lines.append)
     store = open_store(str(tmp_path / "s.zarr"))
     assert len(store) == 24
+    # the start-up proof: the ids are the model's own, and the final norm found gives its last hidden state
+    ids = next(line for line in lines if line.startswith("  ids     "))
+    assert ids.endswith("applied to id L gives its last hidden state (the final norm)"), ids
     for row in store.row_ids().tolist():
         sample = store.sample(row)
         want, got = own_states(model, layout, sample.input_ids), sample.hidden_states.float()
@@ -221,3 +224,22 @@ def test_a_decoder_whose_ids_its_hooks_cannot_read_is_refused_in_one_line(order,
     with pytest.raises(CaptureRefused) as refused:
         prove_ids(model)
     assert str(refused.value).startswith(said) and "\n" not in str(refused.value)
+
+
+def test_a_final_norm_that_does_not_give_the_last_hidden_state_is_said():
+    """OPT with a projection after its final norm (word_embed_proj_dim below the hidden size): the norm found does
+    not give the model's last hidden state, and the proof's line says so; OPT-350m's layout (norms inside the layers,
+    none after them) has no final norm to find."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from streamx.proof.ids import prove_ids
+
+    for settings, said in ((dict(), "model.decoder.final_layer_norm applied to id L gives its last hidden state"),
+                           (dict(word_embed_proj_dim=32), "model.decoder.final_layer_norm applied to id L differs "
+                                                          "from its last hidden state by inf"),
+                           (dict(word_embed_proj_dim=32, do_layer_norm_before=False), "no final norm found")):
+        torch.manual_seed(0)
+        model = OPTForCausalLM(OPTConfig(vocab_size=100, hidden_size=H, num_hidden_layers=2, ffn_dim=128,
+                                         num_attention_heads=4, **settings)).eval()
+        note = prove_ids(model).note()
+        assert note.startswith("every id < L is the model's own output_hidden_states") and said in note, note

@@ -152,7 +152,8 @@ def test_banner_comes_before_the_weights(tmp_path, config_only_model, monkeypatc
     # family's row of the support table and the in-run audit said: the five lines after the weights
     assert made.packing.on and str(made.packing) == "on" and str(made.sharing) == "on"
     assert len(after) == 5 and after[0] == ("  ids     every id < L is the model's own output_hidden_states (which "
-                                            "start at the embeddings)")
+                                            "start at the embeddings); model.norm applied to id L gives its last "
+                                            "hidden state (the final norm)")
     assert after[1].startswith("  packing on: each forward's samples")
     assert after[2].startswith("  sharing on: rows that repeat an earlier row, or are prefixes of others")
     assert after[3] == ("  family  Llama 3 (llama): packed and shared in the support table (docs/support.md), as the "

@@ -41,12 +41,13 @@ class IdProof:
 
     inputs: frozenset[int] = field(default_factory=frozenset)
     offset: int = 0  # the tuple's entry j holds id j + offset: 0 from the embeddings, 1 from the first layer's output
+    norm: str = ""  # what the final norm was found to do (id L through it against the tuple's last entry)
 
     def note(self) -> str:
         taps = (f"; ids {', '.join(map(str, sorted(self.inputs)))} read at the next layer's input (the forward "
                 "changes the state after the layer before)") if self.inputs else ""
         start = "the first layer's output" if self.offset else "the embeddings"
-        return f"every id < L is the model's own output_hidden_states (which start at {start}){taps}"
+        return f"every id < L is the model's own output_hidden_states (which start at {start}){taps}{self.norm}"
 
 
 def probe_ids(vocab_size: int) -> torch.Tensor:
@@ -103,7 +104,8 @@ def prove_ids(model: nn.Module) -> IdProof:
     for offset in (0, 1):
         proof, first_wrong = _aligned(flat, inputs, outputs, offset, L)
         if first_wrong is None:
-            return IdProof(frozenset(proof), offset)
+            return IdProof(frozenset(proof), offset, _final_norm(model, decoder, residual, outputs[-1],
+                                                                 out.hidden_states[-1]))
         best = first_wrong if best is None or first_wrong[0] > best[0] else best
     k, error = best
     raise CaptureRefused(
@@ -130,6 +132,21 @@ def _aligned(flat: list[torch.Tensor | None], inputs: list[torch.Tensor], output
         if k > 0 and errors.get("output", float("inf")) > AGREE:
             at_inputs.add(k)
     return at_inputs, None
+
+
+def _final_norm(model: nn.Module, decoder, residual, last: torch.Tensor, after: torch.Tensor) -> str:
+    """What the decoder's final norm (as find_decoder found it) does to id L against the tuple's last entry: the
+    trainers' converts that take the state after the norm apply it."""
+    if residual.streams > 1:  # (the last entry is the streams' contraction, normed: the converts apply both)
+        return ""
+    if decoder.norm is None:
+        return "; no final norm found (the converts that take the state after it refuse this model)"
+    name = next(name for name, module in model.named_modules() if module is decoder.norm)
+    error = _relative(decoder.norm(last), after)
+    if error <= AGREE:
+        return f"; {name} applied to id L gives its last hidden state (the final norm)"
+    return (f"; {name} applied to id L differs from its last hidden state by {error:.3g}: the converts that take the "
+            "state after the final norm would write other states than the model's")
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
