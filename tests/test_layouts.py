@@ -243,3 +243,24 @@ def test_a_final_norm_that_does_not_give_the_last_hidden_state_is_said():
                                          num_attention_heads=4, **settings)).eval()
         note = prove_ids(model).note()
         assert note.startswith("every id < L is the model's own output_hidden_states") and said in note, note
+
+
+def test_a_model_of_sub_models_is_refused_in_one_line(smollm2_dir, chat_jsonl, tmp_path):
+    """BLT (a byte patcher, byte encoder, global transformer and byte decoder, each its own size) declares no layer
+    count or hidden size of its own: the run says in one line that it has no per-token state to store (it crashed
+    on config.num_hidden_layers)."""
+    from transformers import BltConfig
+
+    small = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    config = BltConfig(vocab_size=260, patcher_config=dict(small, num_hidden_layers=2, vocab_size=260),
+                       encoder_config=dict(small, num_hidden_layers=1, vocab_size=260),
+                       decoder_config=dict(small, num_hidden_layers=2, vocab_size=260),
+                       global_config=dict(small, num_hidden_layers=2), patch_size=4, hidden_size_global=H,
+                       dim_token_emb=H, encoder_hash_byte_group_vocab=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "blt")
+    result = cli(*run_args(str(tmp_path / "blt"), chat_jsonl, tmp_path / "s.zarr", tokenizer=smollm2_dir))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: BltConfig declares no num_hidden_layers: streamx runs decoders whose layers pass one hidden state per "
+        "token, and this model is made of sub-models of their own sizes (as BLT's patcher, byte encoder, global "
+        "transformer and byte decoder); no per-token state to store")

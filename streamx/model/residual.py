@@ -57,7 +57,7 @@ def residual_of(config) -> Residual:
         streams = getattr(text, field, None)
         if isinstance(streams, int) and streams > 1:
             return Residual(streams, text.hidden_size, first, kind)
-    return Residual(1, text.hidden_size)
+    return Residual(1, declared(text, "hidden_size"))
 
 
 def layer_configs(config) -> list:
@@ -83,5 +83,16 @@ def query_width(layer) -> int:
 def config_layers(config) -> int:
     """The decoder layers a (text) config declares: `num_layers` where the config keeps it beside a
     num_hidden_layers that counts sublayers (LongCat-Flash), else num_hidden_layers."""
-    layers = getattr(config, "num_layers", None)
-    return layers if isinstance(layers, int) and 0 < layers < config.num_hidden_layers else config.num_hidden_layers
+    layers, total = getattr(config, "num_layers", None), declared(config, "num_hidden_layers")
+    return layers if isinstance(layers, int) and 0 < layers < total else total
+
+
+def declared(config, name: str) -> int:
+    """A size every decoder's config declares (hidden_size, num_hidden_layers); refused in one line where the model
+    is made of sub-models of their own sizes instead (BLT)."""
+    value = getattr(config, name, None)
+    if not isinstance(value, int):
+        raise ValueError(f"{type(config).__name__} declares no {name}: streamx runs decoders whose layers pass one "
+                         "hidden state per token, and this model is made of sub-models of their own sizes (as BLT's "
+                         "patcher, byte encoder, global transformer and byte decoder); no per-token state to store")
+    return value
