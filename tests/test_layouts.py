@@ -264,3 +264,17 @@ def test_a_model_of_sub_models_is_refused_in_one_line(smollm2_dir, chat_jsonl, t
         "error: BltConfig declares no num_hidden_layers: streamx runs decoders whose layers pass one hidden state per "
         "token, and this model is made of sub-models of their own sizes (as BLT's patcher, byte encoder, global "
         "transformer and byte decoder); no per-token state to store")
+
+
+def test_mllamas_text_decoder_skipping_its_cross_attention_layers_is_refused():
+    """Mllama's text decoder skips its cross-attention layers on a row without an image: their hooks never fire (the
+    run committed 0 rows, every one rejected as non-finite, and exited 0); the start-up proof refuses it in one line."""
+    from transformers import MllamaForCausalLM, MllamaTextConfig
+
+    from streamx.proof.ids import CaptureRefused, prove_ids
+
+    model = MllamaForCausalLM(MllamaTextConfig(vocab_size=1000, hidden_size=H, intermediate_size=128,
+                                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                               cross_attention_layers=[1], pad_token_id=0)).eval()
+    with pytest.raises(CaptureRefused, match="^the model's forward does not call layer 1 of its 4 on a text row"):
+        prove_ids(model)
