@@ -299,7 +299,8 @@ def convert(
                                         "one the store records is not on this machine: SpecForge EAGLE-3, "
                                         "ModelOpt and TorchSpec take the last state after its final norm, read "
                                         "from it."),
-    seed: int = typer.Option(0, help="Row shuffle seed (speculators validates on the last rows)."),
+    seed: Optional[int] = typer.Option(None, help="speculators: the row shuffle seed (speculators validates on the "
+                                       "last rows). Default 0."),
     hidden_states: Optional[Literal[StorageName, "store"]] = typer.Option(
         None, "--hidden-states", help="store: no hs files, speculators reads the store itself through the streamx "
         "backend (python -m streamx.speculators_backend; docs/speculators.md), no second copy of the states. Or the "
@@ -325,6 +326,13 @@ def convert(
 
     try:
         if fmt != "speculators":
+            speculators_only = [flag for flag, given in (("--seed", seed is not None),
+                                                         ("--hidden-states", hidden_states is not None),
+                                                         ("--merge-prefix-rows", merge_prefix_rows)) if given]
+            if speculators_only:
+                raise ConvertError(f"{', '.join(speculators_only)} {'is' if len(speculators_only) == 1 else 'are'} "
+                                   "for the speculators format (its row shuffle, hs-file dtype and merged prefix "
+                                   f"rows); --format {fmt} writes each row as it is, in bf16")
             try:
                 ids = None if trainer_layers is None else [int(k) for k in trainer_layers.split(",") if k.strip()]
             except ValueError:
@@ -336,7 +344,7 @@ def convert(
         if trainer_layers is not None or model is not None:
             raise ConvertError("--trainer-layers and --model are for the other trainers' formats: speculators takes "
                                "every layer the store holds and the last state before the norm as stored")
-        summary = run_convert(store, out, seed=seed, overwrite=overwrite, workers=workers, progress=progress,
+        summary = run_convert(store, out, seed=seed or 0, overwrite=overwrite, workers=workers, progress=progress,
                               log=_log, allow_random_weights=allow_random_weights, hidden_states=hidden_states,
                               allow_partial=allow_partial, merge_prefix_rows=merge_prefix_rows)
     except (Exception, Interrupted) as err:  # noqa: BLE001

@@ -299,6 +299,22 @@ def test_the_cli_converts_for_a_trainer_and_says_how_to_train(tiny_chat_model_di
     assert bad.exit_code == 1 and "--trainer-layers takes comma-separated integers" in bad.output
     mixed = CliRunner().invoke(app, ["convert", store, "--out", str(tmp_path / "y"), "--trainer-layers", "0"])
     assert mixed.exit_code == 1 and "for the other trainers' formats" in mixed.output
+    # the speculators format's own flags are refused by the others, as theirs are by it (r24)
+    for flags in (["--merge-prefix-rows"], ["--hidden-states", "fp8"], ["--seed", "7"]):
+        refused = CliRunner().invoke(app, ["convert", store, "--out", str(tmp_path / "z"), "--format",
+                                           "specforge-dflash", *flags])
+        assert refused.exit_code == 1 and f"error: {flags[0]} is for the speculators format" in refused.output
+    assert not (tmp_path / "z").exists()
+    # a folder one format wrote is another conversion to the other: refused, and replaced with --overwrite
+    again = CliRunner().invoke(app, ["convert", store, "--out", str(out), "--no-progress"])
+    assert again.exit_code == 1 and "holds a conversion of another store" in again.output, again.output
+    again = CliRunner().invoke(app, ["convert", store, "--out", str(out), "--overwrite", "--no-progress"])
+    assert again.exit_code == 0 and not list(out.rglob("*.ckpt")) and (out / "streamx_meta.json").exists()
+    back = CliRunner().invoke(app, ["convert", store, "--out", str(out), "--format", "modelopt", "--no-progress"])
+    assert back.exit_code == 1 and "holds another conversion" in back.output, back.output
+    back = CliRunner().invoke(app, ["convert", store, "--out", str(out), "--format", "modelopt", "--overwrite",
+                                    "--no-progress"])
+    assert back.exit_code == 0 and len(list(out.rglob("*.pt"))) == 6 and not (out / "streamx_meta.json").exists()
     ts = tmp_path / "ts"
     result = CliRunner().invoke(app, ["convert", store, "--out", str(ts), "--format", "torchspec", "--trainer-layers",
                                       "1,0", "--no-progress"])

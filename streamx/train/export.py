@@ -31,10 +31,9 @@ from ..base.units import gb
 from ..store import Store, open_store
 from .convert import ConvertError, check_location, check_usable, prefetch, token_problem
 from .final_norm import FinalNorm
-from .folder import claim
+from .folder import EXPORT, claim  # (EXPORT: the record; `complete` once every row is written)
 from .trainers import TRAINERS, Row, Trainer, Written
 
-EXPORT = "streamx_export.json"  # the record: what the folder holds; `complete` once every row is written
 ROWS_PER_FOLDER = 2000  # row files per subfolder (a flat folder of a million files is slow on most filesystems)
 
 

@@ -32,6 +32,8 @@ WORK = ".streamx-convert"  # a convert's block files and plan; removed when the 
 HS_DIR = "hidden_states"
 STORE_ROWS = "store_rows.npy"  # the store sample (source row id) of each training row
 FROM_STORE = "store"  # convert's --hidden-states value for "no hs files, read the store"
+EXPORT = "streamx_export.json"  # the other trainers' formats' record (streamx.train.export)
+RECORDS = (META, f"{WORK}/plan.json", EXPORT)  # what any streamx convert leaves in a folder it wrote, whatever format
 
 
 def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool, hs_files: bool = True
@@ -63,12 +65,14 @@ def claim(out: Path, record: Path, identity: dict[str, Any], overwrite: bool, ot
     conversion), unless `overwrite`."""
     if not out.exists() or all(is_lock(p.name) for p in out.iterdir()):
         return None
-    if not record.exists():
+    if not any((out / name).exists() for name in RECORDS):
         raise FileExistsError(f"{out} holds files that are not a streamx conversion; choose an empty or new --out")
-    found = _read_record(record)
     if overwrite:
         clear(out)
         return None
+    if not record.exists():  # another format's conversion
+        raise FileExistsError(f"{out} holds {other}; pass --overwrite to replace it or choose another --out")
+    found = _read_record(record)
     if found is None:
         raise FileExistsError(f"{out} holds a damaged conversion ({record.relative_to(out)} cannot be read); pass "
                               "--overwrite to convert it again, or choose another --out")
