@@ -329,3 +329,21 @@ def test_rows_committed_wrong_before_the_audit_saw_them_are_written_over(peaked_
     # bf16: its rounding; fp8 e4m3: 3 mantissa bits; the wrong way moves states by 0.4-1
     assert worst_row(peaked_model_dir, out) < (0.01 if storage == "bf16" else 0.05)
     assert verify(str(out), use_model=False, log=lambda m: None).passed
+
+
+def test_a_way_found_wrong_stays_in_the_record_through_a_resume_without_the_audit(peaked_model_dir, chat_jsonl,
+                                                                                  tmp_path, monkeypatch):
+    """An audit's finding is recorded in the store: a resume with --audit-every 0 continues on the rung the record
+    names (never on the way found wrong), and the record and verify still say what was found."""
+    shift_positions_past_the_probes(monkeypatch)
+    out = tmp_path / "s.zarr"
+    run(small_config(peaked_model_dir, chat_jsonl, out, max_samples=30, audit_share=0), progress=False,
+        log=lambda m: None)
+    first = open_store(str(out)).audit()
+    assert first.found and first.rung
+    summary = run(small_config(peaked_model_dir, chat_jsonl, out, audit_every=0), progress=False, log=lambda m: None)
+    store = open_store(str(out))
+    assert summary.samples > 0 and store.completeness().problems() == []
+    assert store.audit().found == first.found and store.audit().rung == first.rung
+    assert "found wrong: row" in check_audit(store).summary
+    assert worst_row(peaked_model_dir, out) < 0.01  # the resume's rows too: computed on the rung, not the broken way
