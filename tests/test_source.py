@@ -294,3 +294,29 @@ def test_digests_compare_what_was_read_before_and_nothing_else(tmp_path):
     # two parts' records of one window (a sorting window smaller than it: each rank committed its rows) both count
     with pytest.raises(DataChanged):
         read_all(str(inside), RowDigests([{"0": recorded["0"]}, {str(DIGEST_ROWS): recorded[str(DIGEST_ROWS)]}]))
+
+
+def test_a_window_read_shorter_than_its_record_is_refused_not_taken_unread(tmp_path):
+    """r25: a resume that reads fewer rows of a window than the store's record of it (a smaller --max-samples, or data
+    that lost rows: a hub dataset whose last window shrank) cannot compare it, and would batch its rows unread: it
+    is refused in one line, naming the --max-samples that compares it."""
+    from streamx.data.provenance import DIGEST_ROWS, DataChanged, RowDigests
+
+    rows = numbered_rows(DIGEST_ROWS + 50)
+    v1 = tmp_path / "v1.jsonl"
+    v1.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first = RowDigests(limit=DIGEST_ROWS + 41)
+    read_all(str(v1), first, max_samples=DIGEST_ROWS + 41)
+    recorded = first.of([DIGEST_ROWS + 5])
+    assert recorded[str(DIGEST_ROWS)][0] == 41
+    edited = tmp_path / "edited.jsonl"  # an edit in the rows the smaller resume would not read
+    edited.write_text("".join(json.dumps(r) + "\n" for r in same_size_edit(rows, DIGEST_ROWS + 35)))
+    with pytest.raises(DataChanged, match=f"--max-samples {DIGEST_ROWS + 31:,} reads 31 of the 41 rows from row "
+                                          f"{DIGEST_ROWS:,} .* run with --max-samples {DIGEST_ROWS + 41:,} or more"):
+        read_all(str(edited), RowDigests([recorded], limit=DIGEST_ROWS + 31), max_samples=DIGEST_ROWS + 31)
+    assert read_all(str(v1), RowDigests([recorded], limit=DIGEST_ROWS + 50),  # more rows than recorded: compared
+                    max_samples=DIGEST_ROWS + 50) == list(range(DIGEST_ROWS + 50))
+    shorter = tmp_path / "shorter.jsonl"  # the data lost its last rows
+    shorter.write_text("".join(json.dumps(r) + "\n" for r in rows[: DIGEST_ROWS + 20]))
+    with pytest.raises(DataChanged, match=f"it has 20 rows from row {DIGEST_ROWS:,} where it had 41"):
+        read_all(str(shorter), RowDigests([recorded]))

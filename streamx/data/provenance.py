@@ -80,7 +80,9 @@ class RowDigests:
     def held(self, rows: Iterable[R]) -> Iterator[R]:
         """The rows, each held back while a record of its window is still to be compared (its rows are not all read
         yet), so that no row of a window that changed is batched (a sorting window smaller than a window of
-        digests, or not aligned to one). A fresh run, or windows read whole, hold nothing."""
+        digests, or not aligned to one). A fresh run, or windows read whole, hold nothing. Rows still held when the
+        data ends (or --max-samples cuts it) are of a window read shorter than every record of it, which cannot be
+        compared: DataChanged, naming the --max-samples that would compare it."""
         pending: list[R] = []
         for row in rows:
             first = row.row_id - row.row_id % DIGEST_ROWS
@@ -91,7 +93,23 @@ class RowDigests:
             if not self._waiting(first):
                 yield from pending
                 pending = []
-        yield from pending
+        last = pending[-1].row_id - pending[-1].row_id % DIGEST_ROWS if pending else None
+        if last is not None and self._waiting(last):  # (read to its end, shorter than every record of it)
+            raise DataChanged(self._cut_short(last))
+        yield from pending  # (compared by the rows read after them, which another rank computes)
+
+    def _cut_short(self, first: int) -> str:
+        """Why the window at `first`, read shorter than every record of it, cannot be compared."""
+        recorded = max(self.recorded[first])
+        with self._lock:
+            read = self._open[first][0] if first in self._open else self._read.get(first, (0, ""))[0]
+        if self.limit is not None and first + read >= self.limit:
+            return (f"--max-samples {self.limit:,} reads {read:,} of the {recorded:,} rows from row {first:,} that the "
+                    f"store's record compares, so {self.name} cannot be compared with the rows the store was computed "
+                    f"from: run with --max-samples {first + recorded:,} or more, or pass --overwrite to start over")
+        return (f"{self.name} changed since the store's rows were computed from it: it has {read:,} rows from row "
+                f"{first:,} where it had {recorded:,} (rows were removed); resume on the data the store was made from, "
+                "or pass --overwrite to start over")
 
     def _waiting(self, first: int) -> bool:
         """Does a record of the window at `first` compare more rows than have been read of it?"""
