@@ -113,8 +113,9 @@ TRAINERS = {t.name: t for t in (
             _specforge_dflash, "specforge train -c CONFIG.yaml training.strategy=dflash data.hidden_states_path=DIR",
             "the draft config's dflash_config.target_layer_ids, in this order"),
     Trainer("modelopt", "NVIDIA ModelOpt (EAGLE-3, DFlash)", "post_norm", ".pt", "nvidia-modelopt 0.47.0",
-            eagle3_ids, _modelopt, "set data.offline_data_path: DIR in the training config of ModelOpt's "
-            "examples/speculative_decoding (EAGLE-3 or DFlash)",
+            eagle3_ids, _modelopt, "set data.offline_data_path: DIR and training.answer_only_loss: true (its recipe "
+            "leaves it false and trains on every token, the loss mask unread) in the training config of ModelOpt's "
+            "examples/speculative_decoding (EAGLE-3 or DFlash), with bf16: true (the files are bf16)",
             "the draft's aux layer ids (eagle_aux_hidden_state_layer_ids; sorted)", ascending=True),
     # post-norm although TorchSpec can norm a pre-norm state itself: its norm is a plain RMSNorm read from
     # `norm_key` (model.norm.weight) where it cannot build the model's own, wrong for 1 + weight norms and for
