@@ -1,8 +1,8 @@
-"""Families whose decoders sit where no list of names looked (transformer.h, gpt_neox.layers, OPT's
-model.decoder.layers, Mamba's and Mamba2's backbone.layers, RWKV's rwkv.blocks), and checkpoints that a causal-LM
-class loads only in part: streamx finds the decoder from what the model declares and holds
-(model.capture.find_decoder) and loads a checkpoint's text decoder whole or not at all (model.load.causal_lm). Each
-family is run by `streamx run` with its default settings and every stored row compared with the model's own
+"""Families whose decoders sit where no list of names looked (transformer.h, transformer.blocks, gpt_neox.layers,
+OPT's model.decoder.layers, biogpt.layers, the SSMs' backbone.layers or .blocks, RWKV's rwkv.blocks), and
+checkpoints that a causal-LM class loads only in part: streamx finds the decoder from what the model declares and
+holds (model.capture.find_decoder) and loads a checkpoint's text decoder whole or not at all (model.load.causal_lm).
+Each family is run by `streamx run` with its default settings and every stored row compared with the model's own
 unbatched forward: transformers' output_hidden_states, aligned as the family's own forward fills it (the layout
 table says where, test-side)."""
 
@@ -39,6 +39,23 @@ LAYOUTS = {
                                     n_groups=1, chunk_size=16), "backbone.layers"),
     "rwkv": Layout("rwkv", dict(hidden_size=H, num_hidden_layers=4, attention_hidden_size=H, intermediate_size=128,
                                 context_length=1024), "rwkv.blocks", first_is_embeddings=False),
+    "gptj": Layout("gptj", dict(n_embd=H, n_layer=4, n_head=4, rotary_dim=8, n_positions=1024), "transformer.h"),
+    "codegen": Layout("codegen", dict(n_embd=H, n_layer=4, n_head=4, rotary_dim=8, n_positions=1024, n_ctx=1024),
+                      "transformer.h"),
+    "gpt_bigcode": Layout("gpt_bigcode", dict(n_embd=H, n_layer=4, n_head=4, n_positions=1024), "transformer.h"),
+    "gpt_neo": Layout("gpt_neo", dict(hidden_size=H, num_layers=4, num_heads=4, window_size=16,
+                                      attention_types=[[["global", "local"], 2]], max_position_embeddings=1024),
+                      "transformer.h"),
+    "biogpt": Layout("biogpt", dict(hidden_size=H, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128),
+                     "biogpt.layers"),
+    "ctrl": Layout("ctrl", dict(n_embd=H, n_layer=4, n_head=4, dff=128), "transformer.h"),
+    # ALiBi and parallel blocks: padded, the check measured
+    "bloom": Layout("bloom", dict(hidden_size=H, n_layer=4, n_head=4), "transformer.h"),
+    "falcon": Layout("falcon", dict(hidden_size=H, num_hidden_layers=4, num_attention_heads=4), "transformer.h"),
+    "mpt": Layout("mpt", dict(d_model=H, n_layers=4, n_heads=4, max_seq_len=1024), "transformer.blocks"),
+    "xlstm": Layout("xlstm", dict(hidden_size=H, num_hidden_layers=4, num_heads=4), "backbone.blocks"),
+    "falcon_mamba": Layout("falcon_mamba", dict(hidden_size=H, num_hidden_layers=4, state_size=8), "backbone.layers",
+                           first_is_embeddings=False),
     # RWKV halves the state after every rescale_every-th block, outside the block (in inference): the model's tuple
     # and its next block hold the halved state, the block's own output the whole one (id 3 read at block 3's input)
     "rwkv_rescaled": Layout("rwkv", dict(hidden_size=H, num_hidden_layers=4, attention_hidden_size=H,
@@ -71,7 +88,7 @@ def own_states(model, layout: Layout, input_ids: torch.Tensor) -> torch.Tensor:
     last = []
     hook = layers[-1].register_forward_hook(lambda m, a, out: last.append(out[0] if isinstance(out, tuple) else out))
     try:
-        hidden = model(input_ids=input_ids[None], output_hidden_states=True).hidden_states
+        hidden = model(input_ids=input_ids[None], output_hidden_states=True, use_cache=False).hidden_states
     finally:
         hook.remove()
     assert len(hidden) == len(layers) + 1
