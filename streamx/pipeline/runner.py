@@ -284,8 +284,10 @@ class Pipeline:
         """One batch (`planned`: as the producer made it) through the model, audited, handed to the writer; a way
         the audit finds wrong is dropped and the batch computed again on the next rung (proof.ladder)."""
         plan, device, storage = self.plan, self.plan.device, self.plan.layout.storage
-        if self.group is not None:
-            self.group.planned(batch) if planned else self.group.send(Word.BATCH, batch)
+        if self.group is not None and planned:
+            self.group.planned(batch)
+        elif self.group is not None:  # (a batch only this process made: the rung's, or the audit's recompute)
+            self.group.send(Word.BATCH, batch)
         states = torch.empty((batch.num_tokens, len(plan.layer_ids), plan.info.hidden_size), dtype=torch.bfloat16,
                              device=device)
         with self.times.measure("forward", device):

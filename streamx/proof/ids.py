@@ -25,6 +25,7 @@ from torch import nn
 
 from ..model.capture import find_decoder
 from ..model.residual import residual_of
+from .check import relative_error
 
 PROBE_TOKENS = 24  # the probe row's length
 AGREE = 1e-4  # the hooks see the very tensors the tuple records: equal but for a copy's rounding
@@ -95,8 +96,9 @@ def prove_ids(model: nn.Module) -> IdProof:
             "an image): the ids next to them hold no state of their own; not supported")
     # (the last entry, after the final norm or a multi-stream residual's contraction, is compared with no id)
     flat = [residual.flat(h) for h in out.hidden_states[:-1]] + [None] if out.hidden_states is not None else []
-    inputs = [residual.flat(x) for _, x, _ in sorted(calls, key=lambda c: c[0])]
-    outputs = [residual.flat(y) for _, _, y in sorted(calls, key=lambda c: c[0])]
+    by_layer = sorted(calls, key=lambda call: call[0])  # (each layer called once: checked above)
+    inputs = [residual.flat(x) for _, x, _ in by_layer]
+    outputs = [residual.flat(y) for _, _, y in by_layer]
     if len(flat) != L + 1:
         raise CaptureRefused(f"the model's output_hidden_states holds {len(flat)} states for its {L} layers (L + 1 "
                              "expected): streamx cannot prove what its ids hold")
@@ -150,7 +152,5 @@ def _final_norm(model: nn.Module, decoder, residual, last: torch.Tensor, after: 
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    if got.shape != want.shape:
-        return float("inf")
-    got, want = got.float(), want.float()
-    return float((got - want).norm() / want.norm().clamp(min=1e-30))
+    """The largest per-token relative difference (proof.check's measure); inf where the shapes differ."""
+    return float(relative_error(got.float(), want.float()).max()) if got.shape == want.shape else float("inf")
