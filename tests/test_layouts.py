@@ -56,6 +56,12 @@ LAYOUTS = {
     "xlstm": Layout("xlstm", dict(hidden_size=H, num_hidden_layers=4, num_heads=4), "backbone.blocks"),
     "falcon_mamba": Layout("falcon_mamba", dict(hidden_size=H, num_hidden_layers=4, state_size=8), "backbone.layers",
                            first_is_embeddings=False),
+    # DBRX: clip_qkv set as its checkpoints set it (transformers 5.25 fails on the default None) and the rope_theta
+    # its attention reads
+    "dbrx": Layout("dbrx", dict(d_model=H, n_heads=4, n_layers=4, max_seq_len=1024,
+                                attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                                ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
+                   "transformer.blocks"),
     # RWKV halves the state after every rescale_every-th block, outside the block (in inference): the model's tuple
     # and its next block hold the halved state, the block's own output the whole one (id 3 read at block 3's input)
     "rwkv_rescaled": Layout("rwkv", dict(hidden_size=H, num_hidden_layers=4, attention_hidden_size=H,
@@ -295,3 +301,24 @@ def test_mllamas_text_decoder_skipping_its_cross_attention_layers_is_refused():
                                                cross_attention_layers=[1], pad_token_id=0)).eval()
     with pytest.raises(CaptureRefused, match="^the model's forward does not call layer 1 of its 4 on a text row"):
         prove_ids(model)
+
+
+def test_a_decoder_of_two_stacks_called_in_cycles_is_refused_in_one_line(smollm2_dir, chat_jsonl, tmp_path):
+    """HRM runs a low-level and a high-level stack of layers in nested cycles, each kept inside a sub-module: its
+    output_hidden_states records every call, so an id per layer means nothing there; the run says so in one line
+    (it said only that no decoder layers were found)."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("hrm_text", vocab_size=49152, hidden_size=H, intermediate_size=128,
+                                  num_hidden_layers=4, num_attention_heads=4, head_dim=16, num_layers_per_stack=2,
+                                  H_cycles=2, L_cycles=2, L_bp_cycles=[1])
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.inference_mode():
+        hidden = model(input_ids=torch.arange(3, 10)[None], output_hidden_states=True, use_cache=False).hidden_states
+    assert len(hidden) > config.num_hidden_layers + 1  # more recorded calls than layers: not one state per layer
+    model.save_pretrained(tmp_path / "hrm")
+    result = cli(*run_args(str(tmp_path / "hrm"), chat_jsonl, tmp_path / "s.zarr", tokenizer=smollm2_dir))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: cannot number the decoder layers of HrmTextForCausalLM: the blocks it records as hidden states sit in "
+        "2 module lists that no model class holds itself (model.L_module.layers, model.H_module.layers), a decoder of "
+        "several stacks, not one list of layers")

@@ -53,10 +53,17 @@ def find_decoder(model: nn.Module) -> Decoder:
     model where a multimodal model has several stacks; for a family that declares none, the longest list of blocks
     of one class that a model class holds itself. The decoder is the model class that holds that list (streamx
     calls it: no lm_head), and its final norm a module it holds whose parameters are a norm's (_final_norm)."""
-    stacks = _recorded_stacks(model) or _block_stacks(model)
+    recorded = _recorded_lists(model)
+    stacks = [(owner, layers) for owner, layers in recorded.values() if _held_by(owner, layers)] \
+        or _block_stacks(model)
     if not stacks:
+        name = type(model).__name__
+        if recorded:  # e.g. HRM: two stacks inside sub-modules, called in cycles (ids by layer would mean nothing)
+            raise LayerDiscoveryError(f"cannot number the decoder layers of {name}: the blocks it records as hidden "
+                                      f"states sit in {len(recorded)} module lists that no model class holds itself "
+                                      f"({', '.join(recorded)}), a decoder of several stacks, not one list of layers")
         kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.ModuleList)})
-        raise LayerDiscoveryError(f"cannot find the decoder layers of {type(model).__name__}: no module list whose "
+        raise LayerDiscoveryError(f"cannot find the decoder layers of {name}: no module list whose "
                                   f"blocks it records as hidden states, nor a list of blocks of one class held by a "
                                   f"model class (module lists: {', '.join(kinds) or 'none'})")
     text = model.config.get_text_config() if hasattr(model, "config") else None
@@ -79,10 +86,10 @@ def _records(spec: Any, module: nn.Module, name: str) -> bool:
     return matched and (layer is None or f".{layer.strip('.')}." in name + ".")
 
 
-def _recorded_stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList]]:
-    """(model class, module list) for each list of blocks transformers records as hidden states, each under the
-    declaration of the innermost model class that holds it (as transformers installs its recording hooks)."""
-    lists: dict[int, tuple[nn.Module, nn.ModuleList]] = {}
+def _recorded_lists(model: nn.Module) -> dict[str, tuple[nn.Module, nn.ModuleList]]:
+    """By path, (model class, module list) for each list of blocks transformers records as hidden states, each under
+    the declaration of the innermost model class that holds it (as transformers installs its recording hooks)."""
+    lists: dict[str, tuple[nn.Module, nn.ModuleList]] = {}
 
     def walk(module: nn.Module, name: str, owner: nn.Module | None, spec: Any) -> None:
         if isinstance(module, PreTrainedModel):
@@ -91,10 +98,10 @@ def _recorded_stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList]]:
             walk(child, f"{name}.{child_name}", owner, spec)
             if isinstance(module, nn.ModuleList) and spec is not None and owner is not None \
                     and _records(spec, child, f"{name}.{child_name}"):
-                lists[id(module)] = (owner, module)
+                lists[name.lstrip(".")] = (owner, module)
 
     walk(model, "", None, None)
-    return [(owner, layers) for owner, layers in lists.values() if _held_by(owner, layers)]
+    return lists
 
 
 def _block_stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList]]:
