@@ -22,6 +22,7 @@ from streamx.pipeline.runner import run
 from streamx.store import open_store
 from streamx.train.convert import ConvertError
 from streamx.train.export import EXPORT, export
+from streamx.train.folder import staging
 
 CHECK = str(Path(__file__).with_name("trainer_check.py"))
 TRAIN = str(Path(__file__).with_name("trainer_train.py"))
@@ -178,17 +179,13 @@ def test_a_hybrid_qwen3_5_checkpoint_converts_with_its_own_final_norm(smollm2_di
     assert counts == {"specforge-eagle3": 12, "modelopt": 12, "torchspec": 12}
 
 
-@pytest.mark.parametrize("fmt", ["modelopt", "torchspec"])
-def test_a_convert_killed_part_way_is_resumed_with_every_row_once(tiny_chat_model_dir, chat_jsonl, tmp_path,
-                                                                    monkeypatch, fmt):
-    store = str(tmp_path / "s.zarr")
-    run(small_config(tiny_chat_model_dir, chat_jsonl, store, layers="1,2,3,4"), progress=False, log=lambda m: None)
-    rows = len(np.unique(open_store(store).row_ids()))
-    out = tmp_path / fmt
+def killed_export(monkeypatch, store: str, out: Path, fmt: str, ids: list[int], rows: int = 10) -> None:
+    """A convert killed as it writes its row file after `rows` of them, leaving that one torn (half written under
+    its temporary name)."""
     real_write, written = export_module.durable.write_file, []
 
     def dying(path, write, exclusive=False):
-        if path.name != EXPORT and len(written) == 10:
+        if path.name != EXPORT and len(written) == rows:
             path.parent.mkdir(parents=True, exist_ok=True)
             (path.parent / f".{path.name}.tmp-torn").write_bytes(b"half")  # a write killed mid-way
             raise KeyboardInterrupt
@@ -198,14 +195,27 @@ def test_a_convert_killed_part_way_is_resumed_with_every_row_once(tiny_chat_mode
 
     monkeypatch.setattr(export_module.durable, "write_file", dying)
     with pytest.raises(KeyboardInterrupt):
-        export(store, str(out), fmt, [0, 1], workers=1, progress=False, log=lambda m: None)
+        export(store, str(out), fmt, ids, workers=1, progress=False, log=lambda m: None)
     monkeypatch.setattr(export_module.durable, "write_file", real_write)
-    assert not json.loads((out / EXPORT).read_text()).get("complete")
-    assert not (out / "dataset.json").exists()  # TorchSpec's reader opens no half conversion
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "torchspec"])
+def test_a_convert_killed_part_way_is_resumed_with_every_row_once(tiny_chat_model_dir, chat_jsonl, tmp_path,
+                                                                    monkeypatch, fmt):
+    """Resumed by the same command, with the rows written kept; also where an earlier streamx's killed convert left
+    them in the folder itself."""
+    store = str(tmp_path / "s.zarr")
+    run(small_config(tiny_chat_model_dir, chat_jsonl, store, layers="1,2,3,4"), progress=False, log=lambda m: None)
+    rows = len(np.unique(open_store(store).row_ids()))
+    out = tmp_path / fmt
+    killed_export(monkeypatch, store, out, fmt, [0, 1])
+    assert not out.exists() and not json.loads((staging(out) / EXPORT).read_text()).get("complete")
+    if fmt == "modelopt":
+        staging(out).rename(out)  # where an earlier streamx left a killed convert's rows
     summary = export(store, str(out), fmt, [0, 1], workers=3, progress=False, log=lambda m: None)
     files = sorted(out.rglob("*.pt"))
     assert summary.rows == rows == len(files) and summary.kept_files == 10
-    assert not list(out.rglob(".*tmp*"))  # the torn file is gone
+    assert not list(out.rglob(".*tmp*")) and not staging(out).exists()  # the torn file is gone, and the staging
     assert sorted(row_of(f.name) for f in files) == sorted(np.unique(open_store(store).row_ids()).tolist())
     if fmt == "torchspec":  # its manifest lists each row once, each file as it holds it
         read = trainer_check.torchspec(str(out))
@@ -215,6 +225,36 @@ def test_a_convert_killed_part_way_is_resumed_with_every_row_once(tiny_chat_mode
     assert again.rows == rows and "nothing to do" in messages[0]
     with pytest.raises(ConvertError, match="another conversion"):
         export(store, str(out), fmt, [0, 2], progress=False, log=lambda m: None)
+
+
+def test_a_killed_converts_folder_gives_each_trainers_own_reader_nothing_to_train_on(tiny_chat_model_dir, chat_jsonl,
+                                                                                    trainer_venv, tmp_path,
+                                                                                    monkeypatch):
+    """SpecForge lists every file under its folder and ModelOpt's examples glob it, hidden folders too: a killed
+    convert's rows there were read as a smaller dataset. Pointed at the folder of a convert killed after 10 rows,
+    each trainer's own reader finds no row (TorchSpec's: no dataset.json); resumed, all of them."""
+    store = str(tmp_path / "s.zarr")
+    run(small_config(tiny_chat_model_dir, chat_jsonl, store, layers="1,2,3,4"), progress=False, log=lambda m: None)
+    rows = len(np.unique(open_store(store).row_ids()))
+    reads = []
+    for fmt in ("specforge-eagle3", "modelopt", "torchspec"):
+        killed, resumed = tmp_path / f"{fmt}-killed", tmp_path / fmt
+        for out in (killed, resumed):
+            killed_export(monkeypatch, store, out, fmt, [0, 1])
+        assert len(list(staging(killed).rglob("row_*"))) == 10
+        export(store, str(resumed), fmt, [0, 1], progress=False, log=lambda m: None)
+        reads += [f"{fmt}@killed={killed}", f"{fmt}={resumed}"]
+    found = {}
+    for trainer in ("specforge", "modelopt"):
+        result = tmp_path / f"{trainer}.pt"
+        proc = trainer_venv(trainer, CHECK, str(result), *[r for r in reads if r.startswith(trainer)])
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        found.update(torch.load(result, weights_only=False))
+    with pytest.raises(FileNotFoundError):
+        trainer_check.torchspec(str(tmp_path / "torchspec-killed"))
+    found["torchspec"] = trainer_check.torchspec(str(tmp_path / "torchspec"))
+    assert len(found["specforge-eagle3@killed"]) == len(found["modelopt@killed"]) == 0
+    assert len(found["specforge-eagle3"]) == len(found["modelopt"]) == len(found["torchspec"]) == rows
 
 
 def test_layers_the_store_lacks_and_another_checkpoint_are_refused_in_one_line(
@@ -367,10 +407,11 @@ def test_verify_checks_a_trainer_folder_file_by_file_against_its_store(tiny_chat
     assert "is not on this machine" in gone.problems[0] and "verify --checkpoint DIR" in gone.problems[0]
     given = verify(str(out), use_model=False, log=lambda m: None, checkpoint=tiny_chat_model_dir).checks[0]
     assert given.summary == "3 of 8 rows", given  # rebuilt from the folder given: the three files above again
-    (out / EXPORT).write_text(json.dumps({"identity": record["identity"]}))  # as a killed convert leaves it
+    out.rename(staging(out))  # as a killed convert leaves it: its rows beside the folder asked for, its record begun
+    (staging(out) / EXPORT).write_text(json.dumps({"identity": record["identity"]}))
     unfinished = verify(str(out), use_model=False, log=lambda m: None)
     assert not unfinished.passed and [c.summary for c in unfinished.checks] == [
-        "TorchSpec (EAGLE-3, DFlash): the convert did not finish"]
+        f"TorchSpec (EAGLE-3, DFlash): the convert did not finish (its rows so far are in {staging(out)})"]
 
 
 def test_the_trainers_default_eagle3_ids_are_each_once_and_within_a_small_model():

@@ -2,7 +2,7 @@
 trainer's own reader, as its training does, and save what it hands its training loop per row file, for the test
 to compare with the store and with an independent forward. Never imports streamx.
 
-    python trainer_check.py RESULT.pt FORMAT=DIR [FORMAT=DIR ...]
+    python trainer_check.py RESULT.pt FORMAT[@LABEL]=DIR [FORMAT[@LABEL]=DIR ...]
 
 specforge-eagle3 / specforge-dflash (specforge 0.2.0): OfflineManifestReader lists the files (as its offline
 training does), load_feature_file opens each, and process_offline_eagle3_sample / process_offline_dflash_sample
@@ -47,6 +47,8 @@ def modelopt(folder: str) -> list[dict]:
     from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
 
     files = sorted(Path(folder).rglob("*.pt"))
+    if not files:  # nothing to train on (its collation below needs two rows)
+        return []
     dataset = OfflineSupervisedDataset([str(f) for f in files], answer_only_loss=True)
     rows = [{"file": f.name, **dataset[i]} for i, f in enumerate(files)]
     batch = EagleOfflineDataCollator(train_len=64)([dataset[0], dataset[1]])  # the trainer's collation takes them
@@ -93,15 +95,16 @@ def main() -> None:
     result, *folders = sys.argv[1:]
     out = {"versions": {}}
     for item in folders:
-        fmt, folder = item.split("=", 1)
+        key, folder = item.split("=", 1)  # FORMAT or FORMAT@LABEL (two folders of one format)
+        fmt = key.split("@")[0]
         if fmt.startswith("specforge"):
             out["versions"]["specforge"] = version("specforge")
-            out[fmt] = specforge(folder, fmt.removeprefix("specforge-"))
+            out[key] = specforge(folder, fmt.removeprefix("specforge-"))
         elif fmt == "modelopt":
             out["versions"]["modelopt"] = version("nvidia-modelopt")
-            out[fmt] = modelopt(folder)
+            out[key] = modelopt(folder)
         else:
-            out[fmt] = torchspec(folder)
+            out[key] = torchspec(folder)
     torch.save(out, result)
 
 

@@ -5,14 +5,16 @@ Layer ids are given as the trainer counts them (the output of block k) and mappe
 the store does not hold is refused in one line naming the --layers that would. Where the trainer takes the last
 state after the final norm, the target's own norm (streamx.train.final_norm, read from its checkpoint) is applied
 to the stored id L in float32, then cast to the stored dtype. Rows are written by several threads, each file
-under a temporary name and renamed into place, so that a file that is present is whole: a killed convert is
-resumed by the same command (each row once). The trainer's index files (where it has them) are written once every
-row is, and the record (EXPORT) last.
+under a temporary name and renamed into place, so that a file that is present is whole. They are written into a
+folder beside the one asked for (folder.staging), the trainer's index files (where it has them) once every row is,
+the record (EXPORT) last, and the folder is then renamed to the one asked for: a trainer pointed at it finds a
+whole conversion or nothing. A killed convert is resumed by the same command (each row once).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -31,7 +33,7 @@ from ..base.units import gb
 from ..store import Store, open_store
 from .convert import ConvertError, check_location, check_usable, prefetch, token_problem
 from .final_norm import FinalNorm
-from .folder import EXPORT, claim  # (EXPORT: the record; `complete` once every row is written)
+from .folder import EXPORT, claim, staging  # (EXPORT: the record; `complete` once every row is written)
 from .trainers import TRAINERS, Row, Trainer, Written
 
 ROWS_PER_FOLDER = 2000  # row files per subfolder (a flat folder of a million files is slow on most filesystems)
@@ -89,22 +91,25 @@ def _export(store_path: str, out: Path, t: Trainer, layer_ids: list[int] | None,
     states = _states_text(t, ids, store.metadata.num_layers, meta.storage)
     identity = {"trainer": t.name, "follows": t.version, "store_created": meta.created,
                 "store_compat": asdict(meta.compat), "layer_ids": ids, "rows": int(rows.size)}
-    found = _prepare(out, identity, overwrite)
-    if found is not None and found.get("complete"):
+    done = _prepare(out, identity, overwrite)
+    if done is not None:
         log(f"{out} already holds this conversion; nothing to do")
-        return _summary(found, out, 0, time.perf_counter() - started)
+        return _summary(done, out, 0, time.perf_counter() - started)
+    stage = staging(out)
     width = (len(ids) + (t.last is not None)) * meta.hidden_size * 2
-    log(f"writing {rows.size:,} rows for {t.title} into {out}: about {gb(store.row_tokens * width)} "
-        f"({len(ids)} layers{' and the last state' if t.last else ''} at {meta.hidden_size:,} wide, bf16)")
-    written, kept, skipped = _write_rows(store, rows, out, t, slots, norm, workers, progress)
+    log(f"writing {rows.size:,} rows for {t.title} into {stage}, renamed to {out} once every row is: about "
+        f"{gb(store.row_tokens * width)} ({len(ids)} layers{' and the last state' if t.last else ''} at "
+        f"{meta.hidden_size:,} wide, bf16)")
+    written, kept, skipped = _write_rows(store, rows, stage, t, slots, norm, workers, progress)
     if t.index is not None:
-        t.index(out, written)
+        t.index(stage, written)
     record = {"identity": identity, "complete": True, "states": states, "model": meta.model, "store": store.path,
               "final_norm_from": norm_from if norm is not None else None,
               "rows": len(written), "tokens": sum(n for _, _, n in written),
               "skipped": dict(Counter(why for _, why in skipped)), "skipped_rows": skipped[:1000],
               "command": t.command, "layer_ids_setting": t.describe_ids(ids)}
-    durable.write_file(out / EXPORT, lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
+    durable.write_file(stage / EXPORT, lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
+    _publish(stage, out)
     if skipped:
         log(f"skipped {len(skipped):,} rows: {', '.join(f'{k}: {v}' for k, v in record['skipped'].items())}")
     return _summary(record, out, kept, time.perf_counter() - started)
@@ -154,18 +159,36 @@ def _states_text(t: Trainer, ids: list[int], L: int, storage: str) -> str:
 
 
 def _prepare(out: Path, identity: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
-    """Make `out` ready: its record when it holds this conversion (complete or begun); refused when it holds
-    another one (unless `overwrite`, which empties it) or files that are not a conversion (folder.claim)."""
+    """The record of `out` where it holds this conversion, complete; else its staging folder made ready (this
+    conversion begun there, or a fresh one). Refused where either holds another conversion (unless `overwrite`,
+    which empties it) or files that are not a conversion (folder.claim)."""
+    other = "another conversion (another store, trainer, layers or row set)"
+    stage = staging(out)
+    if stage.parent.exists() and not os.access(stage.parent, os.W_OK):
+        raise ConvertError(f"a conversion is written beside {out} and renamed into place once whole, and "
+                           f"{stage.parent} is not writable: choose an --out inside a folder you can write")
     try:
-        found = claim(out, out / EXPORT, identity, overwrite, "another conversion (another store, trainer, layers or "
-                                                              "row set)")
+        found = claim(out, out / EXPORT, identity, overwrite, other)
+        if found is not None and found.get("complete"):
+            return found
+        if found is not None and not stage.exists():  # rows an earlier streamx wrote in place: resumed beside it
+            durable.replace(out, stage)
+        begun = claim(stage, stage / EXPORT, identity, overwrite, f"a killed convert of {other}")
     except FileExistsError as err:
         raise ConvertError(str(err)) from None
-    if found is None:
-        found = {"identity": identity}
-        durable.write_file(out / EXPORT, lambda tmp: tmp.write_text(json.dumps(found, indent=2) + "\n"))
-    durable.remove_temporaries(out)  # left by a killed convert (we hold the folder's lock)
-    return found
+    if begun is None:
+        durable.write_file(stage / EXPORT, lambda tmp: tmp.write_text(json.dumps({"identity": identity}) + "\n"))
+    durable.remove_temporaries(stage)  # left by a killed convert (we hold the folder's lock)
+    return None
+
+
+def _publish(stage: Path, out: Path) -> None:
+    """Rename the whole conversion to `out` (absent, or an empty folder: the lock kept anyone else out)."""
+    try:
+        durable.replace(stage, out)
+    except OSError as err:
+        raise ConvertError(f"cannot rename the finished conversion {stage} to {out} ({err.strerror}): {out} was "
+                           "written to meanwhile; move those files away and run the same command again") from None
 
 
 def row_file(out: Path, t: Trainer, row: int) -> Path:

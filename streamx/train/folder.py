@@ -34,6 +34,15 @@ STORE_ROWS = "store_rows.npy"  # the store sample (source row id) of each traini
 FROM_STORE = "store"  # convert's --hidden-states value for "no hs files, read the store"
 EXPORT = "streamx_export.json"  # the other trainers' formats' record (streamx.train.export)
 RECORDS = (META, f"{WORK}/plan.json", EXPORT)  # what any streamx convert leaves in a folder it wrote, whatever format
+PARTIAL = ".streamx-partial"  # the end of the name of the folder another trainer's convert writes until it is done
+
+
+def staging(out: Path) -> Path:
+    """Where a convert for another trainer writes until every row is, renamed to `out` then: beside `out`, never
+    inside it, as SpecForge lists every file under its folder and ModelOpt's examples glob it, hidden folders too
+    (a killed convert's rows in `out` would be trained on as a smaller dataset, without a word)."""
+    out = out.resolve()
+    return out.parent / f".{out.name}{PARTIAL}"
 
 
 def prepare(out: Path, identity: dict[str, Any], rows: int, overwrite: bool, hs_files: bool = True

@@ -728,15 +728,18 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
     store (docs/verify.md says what each failure means). `checkpoint`: the target's folder, where the one the store
     (or the convert) records is not on this machine."""
     from .export import EXPORT
+    from .folder import staging
     from .trainers import TRAINERS
 
-    exported = json.loads((Path(path) / EXPORT).read_text()) if (Path(path) / EXPORT).exists() else None
+    record = next((p for p in (Path(path) / EXPORT, staging(Path(path)) / EXPORT) if p.exists()), None)
+    exported = json.loads(record.read_text()) if record is not None else None
+    if exported is not None and not exported.get("complete"):  # a convert under way, or killed
+        t = TRAINERS[exported["identity"]["trainer"]]
+        return Report(path, [Check("files", False, f"{t.title}: the convert did not finish (its rows so far are in "
+                                                    f"{record.parent})", [
+            f"run the same `streamx convert --format {t.name}` again: it resumes"])])
     if exported is not None and speculators:
         raise StoreError(f"{path} is a folder for another trainer: --speculators checks a speculators folder")
-    if exported is not None and not exported.get("complete"):
-        t = TRAINERS[exported["identity"]["trainer"]]
-        return Report(path, [Check("files", False, f"{t.title}: the convert did not finish", [
-            f"run the same `streamx convert --format {t.name}` again: it resumes"])])
     if exported is not None or (Path(path) / META).exists():
         source = exported["store"] if exported else json.loads((Path(path) / META).read_text())["source"]["store"]
         local = local_path(source)
