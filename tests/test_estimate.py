@@ -171,6 +171,48 @@ def test_plan_command(tiny_chat_model_dir, chat_jsonl, tmp_path):
     assert bad.exit_code == 1 and bad.stderr.strip() == "error: --sample-rows must be >= 1; got 0"
 
 
+def test_rows_past_max_length_are_counted_and_said_by_plan_run_store_and_inspect(tiny_chat_model_dir, chat_jsonl,
+                                                                                  tmp_path):
+    """Rows longer than --max-length are cut there (the default --truncation): plan counts them and their tokens past
+    it and names the --max-length that keeps them whole, the run's summary and the store say them, and `inspect
+    --sample` marks a cut row; each figure against the rows' own lengths, from the tokenizer's chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+    rows = [json.loads(line) for line in open(chat_jsonl)]
+    lengths = np.array([len(tokenizer(tokenizer.apply_chat_template(r["messages"], tokenize=False),
+                                      add_special_tokens=False)["input_ids"]) for r in rows])
+    max_length = int(np.median(lengths))
+    out = tmp_path / "s.zarr"
+    config = small_config(tiny_chat_model_dir, chat_jsonl, out, layers="0,2,4", max_length=max_length)
+    summary = run(config, progress=False, log=lambda m: None)
+    store = open_store(str(out))
+    kept = lengths[store.row_ids()]  # the rows that became samples (a cut that left nothing to train is a reject)
+    rows_cut, tokens_cut = int((kept > max_length).sum()), int(np.maximum(kept - max_length, 0).sum())
+    assert rows_cut > 5 and (summary.cut_rows, summary.cut_tokens) == (rows_cut, tokens_cut)
+    assert f"cut at --max-length {max_length:,}: {rows_cut:,} of these samples were longer, and their " \
+           f"{tokens_cut:,} tokens past it are not stored" in "\n".join(summary.lines())
+    assert (store.summary()["cut_rows"], store.summary()["cut_tokens"]) == (rows_cut, tokens_cut)
+    assert f"{rows_cut:,} rows were longer and cut there: {tokens_cut:,} tokens past it not stored" in \
+        next(line for line in store.describe() if line.startswith("data "))
+
+    est = estimate(config)
+    assert (est.cut_rows, est.cut_tokens, est.keeps_all) == (rows_cut, tokens_cut, int(kept.max()))
+    said = CliRunner().invoke(app, ["plan", "--model", tiny_chat_model_dir, "--data", chat_jsonl, "--out", str(out),
+                                    "--max-length", str(max_length), "--layers", "0,2,4", "--tokens-per-s",
+                                    "100"])
+    assert said.exit_code == 0, said.output
+    assert f"cut          {rows_cut:,} rows " in said.stdout and f"--max-length {int(kept.max()):,} keeps every row " \
+        "whole" in said.stdout
+
+    cut_row = next(r for r in store.row_ids().tolist() if lengths[r] > max_length)
+    whole_row = next(r for r in store.row_ids().tolist() if lengths[r] <= max_length)
+    shown = CliRunner().invoke(app, ["inspect", str(out), "--sample", str(cut_row)])
+    assert shown.exit_code == 0, shown.output
+    assert f"CUT at --max-length: its last {lengths[cut_row] - max_length:,} tokens are not stored" in shown.stdout
+    assert "CUT" not in CliRunner().invoke(app, ["inspect", str(out), "--sample", str(whole_row)]).stdout
+
+
 def test_plan_counts_duplicates_and_sizes_the_store_without_them(tiny_chat_model_dir, chat_jsonl, tmp_path):
     rows = [json.loads(line) for line in open(chat_jsonl)]
     data = tmp_path / "data.jsonl"

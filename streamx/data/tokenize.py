@@ -124,6 +124,7 @@ class Sample:
     loss_mask: torch.Tensor  # int64 0/1 [T], not shifted: 1 on assistant tokens
     duplicate: bool = False  # its content repeats an earlier row's
     content_key: int = 0  # content_key of its row (0: not computed)
+    cut: int = 0  # its tokens past max_length, not kept (truncation "truncate")
 
     @functools.cached_property
     def digest(self) -> bytes:
@@ -142,6 +143,7 @@ class Duplicate:
     trainable: int  # of them, where its loss mask is 1
     content_key: int
     digest: bytes  # tokens_digest of its own tokens: the store reads that row only where the two are equal
+    cut: int = 0  # its tokens past max_length, not kept (as that row's)
 
 
 @dataclass(frozen=True)
@@ -184,15 +186,16 @@ class SampleBuilder:
             if row.error is not None:
                 raise BadRow(*row.error)
             ids, mask = self._encode(row.row_id, row.record)
-            if len(ids) > self.max_length:
-                if self.truncation == "skip":
-                    raise BadRow("too_long", f"{len(ids)} tokens > max_length {self.max_length}")
-                ids, mask = ids[: self.max_length], mask[: self.max_length]
+            cut = max(0, len(ids) - self.max_length)
+            if cut and self.truncation == "skip":
+                raise BadRow("too_long", f"{len(ids)} tokens > max_length {self.max_length}")
+            ids, mask = ids[: self.max_length], mask[: self.max_length]
             if not any(mask):
                 raise BadRow("no_assistant_tokens", f"loss mask is all zero over {len(ids)} tokens")
         except BadRow as r:
             return Reject(row.row_id, r.reason, r.detail)
-        return Sample(row.row_id, torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64))
+        return Sample(row.row_id, torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64),
+                      cut=cut)
 
     def _encode(self, row_id: int, record: dict | None) -> tuple[list[int], list[int]]:
         if not isinstance(record, dict):

@@ -96,14 +96,19 @@ def sample_lines(store: Store, row_id: int, tokenizer: Any | None) -> list[str]:
     sample = store.sample(row_id)
     ids, mask = sample.input_ids.tolist(), sample.loss_mask.tolist()
     trained = sum(mask)
-    lines = [f"row {row_id}: {len(ids):,} tokens, {trained:,} trained ({trained / max(1, len(ids)):.0%}); trained "
-             f"spans are marked {MARK_OPEN}...{MARK_CLOSE}"]
+    cut = store.cut_of(row_id)
+    lines = [f"row {row_id}: {len(ids):,} tokens, {trained:,} trained ({trained / max(1, len(ids)):.0%})"
+             + (f", CUT at --max-length: its last {cut:,} tokens are not stored" if cut else "")
+             + f"; trained spans are marked {MARK_OPEN}...{MARK_CLOSE}"]
     text, start = [], 0
     for k in range(1, len(ids) + 1):  # runs of equal mask values
         if k == len(ids) or mask[k] != mask[start]:
             piece = tokenizer.decode(ids[start:k]) if tokenizer is not None else " ".join(map(str, ids[start:k]))
             text.append(f"{MARK_OPEN}{piece}{MARK_CLOSE}" if mask[start] else piece)
             start = k
+    if cut:
+        text.append(f" [CUT: {cut:,} more tokens of this row past --max-length {store.metadata.max_length:,} are not "
+                    "stored]")
     lines += ["", "".join(text), "", f"{'id':>6}{'rms':>11}{'min':>11}{'max':>11}"]
     states = sample.hidden_states.float()
     for slot, layer_id in enumerate(store.layer_ids):

@@ -86,6 +86,10 @@ class Estimate:
     sizes: dict[str, StoreSize]  # storage choice -> the store it makes (of stored_tokens)
     fanout: str | None  # rows that extend an earlier row's messages but not its tokens (FanOut.note; None: none seen)
     residual: str = ""  # what the stored width per token and id is (model.residual)
+    cut_rows: int = 0  # samples whose row is longer than --max-length, cut there (scaled up from the sample)
+    cut_tokens: int = 0  # their tokens past it, which the store would not hold
+    keeps_all: int = 0  # the --max-length that keeps every sampled row whole
+    keeps_99: int = 0  # ... 99% of them
 
     @property
     def exact(self) -> bool:  # every row was tokenized
@@ -94,10 +98,10 @@ class Estimate:
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "exact": self.exact}
 
-def store_size(layout: Layout, tokens: int, samples: int, rejects: int) -> StoreSize:
+def store_size(layout: Layout, tokens: int, samples: int, rejects: int, cut_rows: int = 0) -> StoreSize:
     """Bytes and files of a one-part store of `tokens` tokens: shards of the token arrays (a partial last
     chunk is stored whole, each shard ends with its index), the per-sample and per-reject index arrays
-    (counted uncompressed), and the zarr.json documents."""
+    (counted uncompressed; `sample_cut` has chunk files only where `cut_rows` are), and the zarr.json documents."""
     shard, chunk = layout.shard_tokens, layout.chunk_tokens
     shards = -(-tokens // shard)
     stored_tokens = (shards - 1) * shard + -(-(tokens - (shards - 1) * shard) // chunk) * chunk if shards else 0
@@ -106,7 +110,7 @@ def store_size(layout: Layout, tokens: int, samples: int, rejects: int) -> Store
               + shards * token_arrays * shard_index_bytes(shard // chunk)
               + samples * (entry_bytes(SAMPLE_ARRAYS) + DIGEST_BYTES) + rejects * entry_bytes(REJECT_ARRAYS))
     sample_arrays = len(SAMPLE_ARRAYS) + 1  # and sample_digest
-    index_files = sample_arrays * -(-samples // INDEX_CHUNK) + len(REJECT_ARRAYS) * -(-rejects // INDEX_CHUNK)
+    index_files = (sample_arrays - (not cut_rows)) * -(-samples // INDEX_CHUNK) + len(REJECT_ARRAYS) * -(-rejects // INDEX_CHUNK)
     # --sharing's arrays hold only their fill values where no row shares (no chunk files): the unshared bound
     arrays = token_arrays + sample_arrays + len(REJECT_ARRAYS) + len(SHARING_ARRAYS) + len(SAME_AS_ARRAYS)
     nbytes += GROUP_METADATA_BYTES + arrays * ARRAY_METADATA_BYTES
@@ -144,7 +148,8 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
         seen = Repeats()
         for window in iter_windows(rows if exact else source, 1024):
             repeats |= {row for row, (_, first) in seen.of(window).items() if first is not None}
-    samples, tokens, trainable, longest, rejects, duplicates = 0, 0, 0, 0, {}, 0
+    samples, tokens, trainable, longest, rejects, duplicates, cut_rows, cut_tokens = 0, 0, 0, 0, {}, 0, 0, 0
+    whole: list[int] = []  # each sample's row length before any cut
     fanout = FanOut(builder.tokenizer)
     builder.fanout = fanout if exact else None  # rows drawn at random hardly ever extend one another: not fed
     window: list[Sample] = []
@@ -169,6 +174,8 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
         tokens += len(item.input_ids)
         trainable += int(item.loss_mask.sum())
         longest = max(longest, len(item.input_ids))
+        cut_rows, cut_tokens = cut_rows + (item.cut > 0), cut_tokens + item.cut
+        whole.append(len(item.input_ids) + item.cut)
     if shared is not None and window:
         shared = _add_shared(shared, window, config)
     scale = (total / len(rows)) if total and rows else 1.0
@@ -176,7 +183,9 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
         duplicates = len(repeats)
         if config.skip_duplicates:  # their share comes out of what the sample stands for
             scale = (total - duplicates) / len(rows)
-    samples, tokens, trainable = (round(n * scale) for n in (samples, tokens, trainable))
+    samples, tokens, trainable, cut_rows, cut_tokens = (round(n * scale) for n in (samples, tokens, trainable,
+                                                                                    cut_rows, cut_tokens))
+    keeps_all, keeps_99 = (int(np.percentile(whole, q, method="higher")) if whole else 0 for q in (100, 99))
     if config.sharing != "off" and not exact and total is not None:
         builder.fanout = fanout  # the runs of consecutive rows
         shared = sampled_sharing(config, source, builder, repeats, tokens, samples, sample_rows)
@@ -188,12 +197,13 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
 
     def size(storage: str, tokens: int) -> StoreSize:
         return store_size(make_layout(len(layer_ids), H, config.chunk_tokens, config.shard_tokens, config.compressor,
-                                      storage), tokens, samples, sum(rejects.values()))
+                                      storage), tokens, samples, sum(rejects.values()), cut_rows)
 
     return Estimate(total, len(rows), samples, rejects, tokens, trainable, longest,
                     duplicates if count_duplicates and total is not None else None, shared, layer_ids, L, H, stored,
                     stored_as, {storage: size(storage, stored) for storage in STORAGES},
-                    fanout.note(config.train_turns), residual=residual_of(text_config).describe())
+                    fanout.note(config.train_turns), residual=residual_of(text_config).describe(), cut_rows=cut_rows,
+                    cut_tokens=cut_tokens, keeps_all=keeps_all, keeps_99=keeps_99)
 
 
 def expected_stored(config: RunConfig, shared: SharedTokens | None, tokens: int, text_config: Any) -> tuple[int, str]:
@@ -326,6 +336,19 @@ class Forecast:
                 "tokens_per_s": self.tokens_per_s, "seconds": self.seconds, "gpu_bytes": self.gpu_bytes,
                 "footprints": [asdict(f) for f in self.footprints]}
 
+    def _cut_line(self) -> str:
+        """Rows longer than --max-length: how many, the tokens cut, and the --max-length that keeps them whole."""
+        e, max_length = self.estimate, self.config.max_length
+        if not e.cut_rows:
+            return f"cut          none: no row is longer than --max-length {max_length:,}" + (
+                "" if e.exact else " in the sample")
+        keeps = f"--max-length {e.keeps_all:,} keeps every row whole" + (
+            f", {e.keeps_99:,} keeps 99% of them" if e.keeps_99 != e.keeps_all else "")
+        share = e.cut_tokens / max(1, e.tokens + e.cut_tokens)
+        return (f"cut          {e.cut_rows:,} rows ({e.cut_rows / max(1, e.samples):.1%}) are longer than --max-length "
+                f"{max_length:,}: their ends past it, {e.cut_tokens:,} tokens ({share:.1%} of the data's), would not "
+                f"be stored{'' if e.exact else ' (scaled from the sample)'}; {keeps}")
+
     def lines(self) -> list[str]:
         """What `streamx plan` prints: rows, samples, tokens, the store per storage choice, free space, time."""
         config, free, tokens_per_s, how, e = self.config, self.free, self.tokens_per_s, self.how, self.estimate
@@ -340,6 +363,7 @@ class Forecast:
                   "out)")] if e.duplicates else []),
             f"tokens       {e.tokens:,} ({e.trainable_tokens:,} trainable); longest sample "
             f"{e.longest_sample:,}",
+            self._cut_line(),
             *([f"sharing      {e.shared.leading_runs:,} tokens computed and stored "
                f"({e.shared.leading_runs / max(1, e.tokens):.1%}) where the model continues shared prefixes, else "
                f"{e.shared.prefix_rows:,} ({e.shared.prefix_rows / max(1, e.tokens):.1%}: prefix rows and duplicates "

@@ -180,7 +180,8 @@ class RunPlan:
         if self.config.skip_duplicates:
             return Reject(item.row_id, "duplicate_content", "the same content as an earlier row", key)
         if same_as and self.sharing.on:
-            return Duplicate(item.row_id, first, len(item.input_ids), int(item.loss_mask.sum()), key, digest)
+            return Duplicate(item.row_id, first, len(item.input_ids), int(item.loss_mask.sum()), key, digest,
+                             item.cut)
         item.duplicate = True
         return item
 

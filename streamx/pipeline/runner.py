@@ -73,6 +73,9 @@ class RunSummary:
     row_tokens: int = 0  # the committed samples' tokens, as if nothing were shared
     stopped_by: str | None = None  # the signal that ended the run early (SIGINT, SIGTERM), None when it ran to the end
     incomplete: list[str] = field(default_factory=list)  # why the store does not hold all its data yet (empty: it does)
+    cut_rows: int = 0  # committed samples whose row was longer than --max-length, cut there
+    cut_tokens: int = 0  # their tokens past it, not stored
+    max_length: int = 0
     shared: SharedKinds | None = None  # what the whole store's rows share, by kind (None: not read, other ranks)
     cpu_seconds: float = 0.0  # the process's CPU time over the run, every thread's
     cores: int = 1  # the cores the process may run on
@@ -135,6 +138,10 @@ class RunSummary:
             f"{self.seconds:.0f} s ({self.pace()}); rejected {self.rejects:,} ({rejects})",
             *([f"{self.duplicates:,} of these samples repeat an earlier row's content (--skip-duplicates leaves such "
                "rows out)"] if self.duplicates else []),
+            *([f"cut at --max-length {self.max_length:,}: {self.cut_rows:,} of these samples were longer, and their "
+               f"{self.cut_tokens:,} tokens past it are not stored "
+               f"({self.cut_tokens / max(1, self.row_tokens + self.cut_tokens):.1%} of all their tokens; a larger "
+               "--max-length keeps them, --truncation skip leaves such rows out)"] if self.cut_rows else []),
             f"layer ids {self.layer_ids} (speculators convention; id {self.num_layers} = the last layer's output "
             "before the final norm)",
             f"hidden states written: {gb(self.hidden_bytes)}; padding efficiency {self.padding_efficiency:.1%}",
@@ -422,8 +429,8 @@ def _run(plan: RunPlan, part: OwnedPart, started: tuple[float, float], progress:
     return RunSummary(
         out=cfg.out, layer_ids=plan.layer_ids, num_layers=plan.info.num_layers, samples=written.samples,
         tokens=written.tokens, row_tokens=written.samples_tokens, trainable_tokens=written.trainable_tokens,
-        duplicates=written.duplicates,
-        rejects=written.rejects,
+        duplicates=written.duplicates, cut_rows=written.cut_rows or 0, cut_tokens=written.cut_tokens or 0,
+        max_length=cfg.max_length, rejects=written.rejects,
         reject_counts=written.reject_counts, hidden_bytes=written.tokens * plan.layout.bytes_per_token,
         real_tokens=pipeline.counts.real_tokens, padded_tokens=pipeline.counts.padded_tokens,
         resumed_rows=len(target.done_rows),

@@ -80,6 +80,7 @@ class RowOfBatch:
     stored_before: list[tuple[int, int]] = field(default_factory=list)  # (first token in the part, length)
     stored_mask: np.ndarray | None = None  # the stored loss mask over stored_before
     way: int = 0  # how its states were computed (proof.audit.Way.code; 0: not recorded)
+    cut: int = 0  # its row's tokens past --max-length, not stored (Sample.cut)
 
 
 @dataclass
@@ -131,6 +132,7 @@ class PendingRow:
     end: int  # the end of the tokens appended with it: committed once the shards hold them
     same_as: int = -1  # a repeated row: the row it reads (its ranges are empty)
     way: int = 0  # RowOfBatch.way
+    cut: int = 0  # RowOfBatch.cut
 
 
 class PartWriter:
@@ -231,7 +233,7 @@ class PartWriter:
                              "--sharing off")
         self.pending_samples.append(PendingRow(row.row_id, ranges, sum(n for _, n in ranges), int(mask.sum()),
                                                row.duplicate, row.content_key, row.digest, own, self.end,
-                                               way=row.way))
+                                               way=row.way, cut=row.cut))
 
     def duplicate(self, row: Duplicate) -> None:
         """A row that repeats an earlier row's content: it stores no token and reads that row's sample."""
@@ -239,7 +241,8 @@ class PartWriter:
             raise StoreError(f"{self.part.path} was created before streamx recorded repeated rows: resume it with the "
                              "streamx that made it, or with --sharing off")
         self.pending_samples.append(PendingRow(row.row_id, [(0, 0)], row.length, row.trainable, True, row.content_key,
-                                               row.digest, None, self.end, row.same_as, RECORDED))  # (nothing to heal)
+                                               row.digest, None, self.end, row.same_as, RECORDED,  # (nothing to heal)
+                                               row.cut))
 
     def reject(self, reject: Reject) -> None:
         self.pending_rejects.append(reject)
@@ -363,6 +366,7 @@ class PartWriter:
                 self._write(name, c.samples, np.array(values, dtype=np.int64))
             self._write("sample_content_key", c.samples, np.array([r.content_key for r in samples], dtype=np.uint64))
             self._write("sample_way", c.samples, np.array([r.way for r in samples], dtype=np.uint8))
+            self._write("sample_cut", c.samples, np.array([r.cut for r in samples], dtype=np.int64))
             if shared or masks or self.shares:
                 self._write("sample_range_start", c.samples, starts)
                 self._write("sample_range_count", c.samples, counts)
@@ -382,6 +386,8 @@ class PartWriter:
             c.row_tokens = c.samples_tokens + sum(r.length for r in samples)
             c.trainable_tokens += sum(r.trainable for r in samples)
             c.duplicates += sum(int(r.duplicate) for r in samples)
+            c.cut_rows = (c.cut_rows or 0) + sum(r.cut > 0 for r in samples)
+            c.cut_tokens = (c.cut_tokens or 0) + sum(r.cut for r in samples)
         if rejects:
             rows = np.array([r.row_id for r in rejects], dtype=REJECT_ARRAYS["reject_row_id"])
             codes = np.array([REJECT_REASONS.index(r.reason) for r in rejects], dtype=REJECT_ARRAYS["reject_reason"])
@@ -510,7 +516,7 @@ class WriterStage:
                     sample.row_id, batch.row_ranges[k], sample.loss_mask.numpy(), sample.duplicate,
                     sample.content_key, sample.digest, [(kept.offset, n) for kept, n in before],
                     np.concatenate([kept.loss_mask[:n] for kept, n in before]) if before else None,
-                    captured.ways[k] if captured.ways is not None else 0))
+                    captured.ways[k] if captured.ways is not None else 0, sample.cut))
             else:
                 self.reject(Reject(sample.row_id, "non_finite", "NaN or Inf in the captured hidden states",
                                    sample.content_key))

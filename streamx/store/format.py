@@ -12,6 +12,8 @@
         sample_content_key uint64 [N]     its row's content key (tokenize.content_key; 0: none)
         sample_way     uint8  [N]         how the run computed it (proof.audit.Way.code; 0: not recorded, a part
                                           from before streamx 0.8.1): a resume that finds a way wrong heals its rows
+        sample_cut     int64  [N]         its row's tokens past --max-length, cut there and not stored (a part
+                                          from before streamx 0.8.2 lacks it)
         sample_range_start int64 [N]      --sharing: its first entry in the range table, when it has several
         sample_range_count int64 [N]      0: its tokens are sample_length tokens from sample_offset; else so many
                                           ranges, in order, from range_offset/range_length[sample_range_start:]
@@ -65,9 +67,9 @@ GROUP_DOCUMENTS = 3  # zarr.json of the store, of parts/ and of the part
 INDEX_CHUNK = 65536  # entries per chunk of the per-sample / per-reject index arrays
 # each entry's content key (tokenize.content_key; 0: none, e.g. an unreadable row): what a resume needs of the
 # rows it does not read again. Parts written before streamx 0.4 lack the two key arrays (CONTENT_KEY_ARRAYS),
-# those before 0.8.1 `sample_way` (the writer passes over an array a part lacks).
+# those before 0.8.1 `sample_way`, those before 0.8.2 `sample_cut` (the writer passes over an array a part lacks).
 SAMPLE_ARRAYS = {"sample_row_id": "int64", "sample_offset": "int64", "sample_length": "int64",
-                 "sample_content_key": "uint64", "sample_way": "uint8"}
+                 "sample_content_key": "uint64", "sample_way": "uint8", "sample_cut": "int64"}
 REJECT_ARRAYS = {"reject_row_id": "int64", "reject_reason": "uint8", "reject_content_key": "uint64"}
 CONTENT_KEY_ARRAYS = ("sample_content_key", "reject_content_key")
 # --sharing's (streamx >= 0.5): where each row's tokens lie when it shares them, and the rows' own masks
@@ -413,6 +415,9 @@ class Commit:
     ranges: int = 0  # entries of the range table in use
     row_masks: int = 0  # entries of row_loss_mask in use
     duplicates: int = 0  # samples whose content repeats an earlier row's (kept: --skip-duplicates was off)
+    cut_rows: int | None = None  # samples whose row was longer than --max-length, cut there (None: not counted,
+    # a part from before streamx 0.8.2)
+    cut_tokens: int | None = None  # their tokens past it, not stored
     rejects: int = 0
     reject_counts: dict[str, int] = field(default_factory=dict)
     reject_examples: dict[str, str] = field(default_factory=dict)  # one example per reason
@@ -447,6 +452,8 @@ class Commit:
                       row_tokens=self.samples_tokens - earlier.samples_tokens, ranges=self.ranges - earlier.ranges,
                       row_masks=self.row_masks - earlier.row_masks,
                       duplicates=self.duplicates - earlier.duplicates,
+                      cut_rows=(self.cut_rows or 0) - (earlier.cut_rows or 0),
+                      cut_tokens=(self.cut_tokens or 0) - (earlier.cut_tokens or 0),
                       rejects=self.rejects - earlier.rejects,
                       reject_counts={k: n - earlier.reject_counts.get(k, 0) for k, n in self.reject_counts.items()
                                      if n > earlier.reject_counts.get(k, 0)}, closed=self.closed,

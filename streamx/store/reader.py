@@ -428,6 +428,7 @@ class Store:
             "shared": asdict(self.shared_kinds()),  # row tokens not stored again, by kind of sharing
             "trainable_tokens": sum(c.trainable_tokens for c in self.commits.values()),
             "duplicate_content_kept": sum(c.duplicates for c in self.commits.values()),  # samples repeating a row
+            **self._cut(),
             "rejected": sum(counts.values()),
             "reject_counts": counts,
             "reject_examples": examples,
@@ -438,6 +439,23 @@ class Store:
                       for name, c in self.commits.items()},
             "metadata": self.metadata.to_json(),
         }
+
+    def _cut(self) -> dict[str, int | None]:
+        """Samples cut at --max-length and their tokens past it, over the parts that counted them (None: none did,
+        a store from before streamx 0.8.2)."""
+        counted = [c for c in self.commits.values() if c.cut_rows is not None]
+        return {"cut_rows": sum(c.cut_rows for c in counted) if counted else None,
+                "cut_tokens": sum(c.cut_tokens or 0 for c in counted) if counted else None}
+
+    def cut_of(self, row_id: int) -> int | None:
+        """Source row `row_id`'s tokens past --max-length, cut there and not stored (None: its part did not record
+        it, a part from before streamx 0.8.2)."""
+        self.position(row_id)  # (a KeyError where it is no sample)
+        for name, part in self.parts.items():  # its own entry: a repeat's index points at the row it reads
+            entries = np.flatnonzero(part["sample_row_id"][: self.commits[name].samples] == row_id)
+            if entries.size:
+                return int(part["sample_cut"][int(entries[-1])]) if "sample_cut" in part else None
+        return None
 
     def audit(self) -> Audited | None:
         """What the in-run audit of the runs that wrote the store did, over all its parts (None: no run audited:
@@ -450,6 +468,16 @@ class Store:
             found.to_heal = [span for c in self.commits.values() for span in (c.audit or {}).get("to_heal") or []] \
                 or None
         return found
+
+    def _cut_phrase(self, summary: dict[str, Any]) -> str:
+        """The data line's word on rows cut at --max-length."""
+        if summary["cut_rows"] is None:
+            return "; rows cut there not counted (a store from before streamx 0.8.2)"
+        if not summary["cut_rows"]:
+            return "; no row was longer"
+        return (f"; {summary['cut_rows']:,} rows were longer and cut there: {summary['cut_tokens']:,} tokens past it "
+                f"not stored ({summary['cut_tokens'] / max(1, summary['tokens'] + summary['cut_tokens']):.1%} of "
+                "their data's tokens)")
 
     def describe(self) -> list[str]:
         """What `streamx inspect` prints: model, layers, counts, sizes, reject reasons, parts."""
@@ -467,7 +495,7 @@ class Store:
             f"layer ids    {meta.layer_ids} ({meta.layer_convention}: id {meta.num_layers} = last layer before the "
             "final norm)",
             f"data         {meta.compat.data} (split {meta.compat.split}), max_length {meta.max_length} "
-            f"({meta.truncation})",
+            f"({meta.truncation}){self._cut_phrase(summary)}",
             f"samples      {summary['samples']:,} committed, {summary['rejected']:,} rejected"
             + (f"; {summary['waiting_rows']:,} more committed rows repeat rows not committed yet (samples once those "
                "land)" if summary["waiting_rows"] else "")
