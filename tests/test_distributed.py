@@ -91,23 +91,90 @@ def test_device_map_split_model_gives_the_same_states(tiny_chat_model_dir, chat_
 
 
 def test_a_job_array_without_rendezvous_equals_one_process(tiny_chat_model_dir, chat_jsonl, tmp_path):
-    """Two independent processes and no process group (a Slurm job array): one ranked by --rank/--world-size, the
-    other by Slurm's array variables, started at once so that both find no store and create it together: the
-    store holds two parts whose samples equal one process's, bit for bit, as torchrun's would."""
+    """Independent processes and no process group (a Slurm job array): one ranked by --rank/--world-size, the
+    others by Slurm's array variables, started at once so that all find no store and create it together: the
+    store holds a part per task whose samples equal one process's, bit for bit, as torchrun's would."""
     reference = tmp_path / "ref.zarr"
     assert cli(*rank_args(tiny_chat_model_dir, chat_jsonl, reference)).returncode == 0
-    out = tmp_path / "array.zarr"
-    jobs = [subprocess.Popen([*streamx_cmd(tiny_chat_model_dir, chat_jsonl, out), "--rank", "0", "--world-size", "2"],
-                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
-            subprocess.Popen(streamx_cmd(tiny_chat_model_dir, chat_jsonl, out), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True,
-                             env={**ENV, "SLURM_ARRAY_TASK_ID": "8", "SLURM_ARRAY_TASK_MIN": "7",
-                                  "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_STEP": "1"})]
+    out, tasks = tmp_path / "array.zarr", 4
+    jobs = [subprocess.Popen([*streamx_cmd(tiny_chat_model_dir, chat_jsonl, out), "--rank", "0", "--world-size",
+                              str(tasks)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    jobs += [subprocess.Popen(streamx_cmd(tiny_chat_model_dir, chat_jsonl, out), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**ENV, "SLURM_ARRAY_TASK_ID": str(7 + task), "SLURM_ARRAY_TASK_MIN": "7",
+                                   "SLURM_ARRAY_TASK_COUNT": str(tasks), "SLURM_ARRAY_TASK_STEP": "1"})
+             for task in range(1, tasks)]
     for job in jobs:
         _, stderr = job.communicate(timeout=600)
         assert job.returncode == 0, stderr[-2000:]
-    assert committed_samples(out, "part-00000") > 0 and committed_samples(out, "part-00001") > 0
+    assert all(committed_samples(out, f"part-{task:05d}") > 0 for task in range(tasks))
     assert_same_samples(reference, out)
+
+
+def _make_stores_at_once(folder: str, rounds: int, barrier, results) -> None:
+    """A job array's task, as far as the store goes, in each of `rounds` instants shared with the other tasks: the
+    run's check of --out before its model loads, then making (or opening) the store and its own part."""
+    from helpers import tiny_metadata
+
+    from streamx.store.format import create_part, make_layout
+    from streamx.store.prepare import Output, prepare
+
+    metadata, me = tiny_metadata(), os.getpid()
+    layout = make_layout(metadata.num_slots, metadata.hidden_size, metadata.chunk_tokens, metadata.shard_tokens)
+    for round_ in range(rounds):
+        path = f"{folder}/round-{round_}.zarr"
+        barrier.wait(timeout=300)
+        try:
+            Output.checked(path)
+            create_part(prepare(path, metadata), f"part-{me}", layout)
+            results.put(None)
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            results.put(f"round {round_}: {type(err).__name__}: {err}")
+
+
+def test_many_tasks_making_the_store_in_the_same_instant_all_open_it(tmp_path):
+    """Tasks that find no store at the same instant, repeatedly: each makes it or opens the one another made, and
+    none finds "files that are not a streamx store" in the window where another has marked it made (the check read
+    before the store was marked made, the listing after: 10 of 160 tasks failed so, 16 at a time, before
+    Output.checked); every part is there."""
+    import multiprocessing
+
+    tasks, rounds = 8, 12
+    context = multiprocessing.get_context("spawn")  # (no fork of a process with threads)
+    barrier, results = context.Barrier(tasks), context.Queue()
+    workers = [context.Process(target=_make_stores_at_once, args=(str(tmp_path), rounds, barrier, results))
+               for _ in range(tasks)]
+    for worker in workers:
+        worker.start()
+    failures = [found for _ in range(tasks * rounds) if (found := results.get(timeout=600))]
+    for worker in workers:
+        worker.join(timeout=60)
+    assert not failures, failures[:3]
+    for round_ in range(rounds):
+        assert len(zarr.open_group(str(tmp_path / f"round-{round_}.zarr"), mode="r")["parts"]) == tasks
+
+
+def test_a_store_marked_made_between_the_checks_reads_is_opened_not_refused(tmp_path, monkeypatch):
+    """The window itself: the check of --out reads no store (another task has not marked it made yet), then lists
+    the store's files (it has): the check reads again and opens that store."""
+    import importlib
+
+    from helpers import tiny_metadata
+
+    prepare_module = importlib.import_module("streamx.store.prepare")  # (the package's `prepare` is the function)
+    path = str(tmp_path / "s.zarr")
+    prepare_module.prepare(path, tiny_metadata())  # the other task's store
+    found, reads = prepare_module._open_group, []
+
+    def late(where, mode):
+        reads.append(mode)
+        return None if len(reads) == 1 else found(where, mode)  # the first read came before it was marked made
+
+    monkeypatch.setattr(prepare_module, "_open_group", late)
+    assert prepare_module.Output.checked(path).is_store
+    with pytest.raises(prepare_module.StoreError, match="exists and is not a streamx store"):
+        reads.clear()
+        prepare_module.Output.read(path).check()  # one read, as the check was
 
 
 @pytest.mark.parametrize("before, after", [(3, 1), (1, 2)])

@@ -110,7 +110,8 @@ def store_size(layout: Layout, tokens: int, samples: int, rejects: int, cut_rows
               + shards * token_arrays * shard_index_bytes(shard // chunk)
               + samples * (entry_bytes(SAMPLE_ARRAYS) + DIGEST_BYTES) + rejects * entry_bytes(REJECT_ARRAYS))
     sample_arrays = len(SAMPLE_ARRAYS) + 1  # and sample_digest
-    index_files = (sample_arrays - (not cut_rows)) * -(-samples // INDEX_CHUNK) + len(REJECT_ARRAYS) * -(-rejects // INDEX_CHUNK)
+    index_files = ((sample_arrays - (not cut_rows)) * -(-samples // INDEX_CHUNK)
+                   + len(REJECT_ARRAYS) * -(-rejects // INDEX_CHUNK))
     # --sharing's arrays hold only their fill values where no row shares (no chunk files): the unshared bound
     arrays = token_arrays + sample_arrays + len(REJECT_ARRAYS) + len(SHARING_ARRAYS) + len(SAME_AS_ARRAYS)
     nbytes += GROUP_METADATA_BYTES + arrays * ARRAY_METADATA_BYTES

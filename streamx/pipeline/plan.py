@@ -326,8 +326,7 @@ def preflight(config: RunConfig, device: str, log: Callable[[str], None] = lambd
     """Everything that can refuse a run before its weights load (`streamx plan` checks the same): the output,
     the layer ids, and a store at --out that this run could not resume, field by field but for the weights'
     fingerprint and packing, which are compared once the model is loaded and probed."""
-    output = Output.read(config.out)
-    output.check(config.overwrite)
+    output = Output.checked(config.out, config.overwrite)
     path = resolve_model_path(config.model, log)
     L = config_layers(read_text_config(path))
     layer_ids = resolve_layer_ids(config.layers, L)

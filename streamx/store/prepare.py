@@ -76,6 +76,19 @@ class Output:
             return cls(path, False)
         return cls(path, True, tuple(part_commits(root).values()), dict(root.attrs["streamx"].get("compat", {})))
 
+    @classmethod
+    def checked(cls, path: str, overwrite: bool = False) -> Output:
+        """`read`, then `check`. Where the check finds files but no store, another process (a task of a job array
+        started in the same instant) may be making one: a store's place holds nothing but what `_being_made`
+        passes until its root is marked made (`_create`), so a second read after the check sees that store."""
+        output = cls.read(path)
+        try:
+            output.check(overwrite)
+        except StoreError:
+            output = cls.read(path)
+            output.check(overwrite)  # a store made meanwhile passes; anything else is refused as before
+        return output
+
     @property
     def committed_rows(self) -> int:
         """Rows some part has committed, as a sample or a reject."""
@@ -142,8 +155,9 @@ def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> zarr
     each call it at once: the store is marked made in one write that fails where another process has just
     made it, which is then opened instead, and nothing but --overwrite deletes anything."""
     root = None if overwrite else _open_group(path, "r+")
+    if root is None and Output.checked(path, overwrite).is_store and not overwrite:  # made meanwhile
+        root = _open_group(path, "r+")
     if root is None:
-        Output.read(path).check(overwrite)
         try:
             return _create(path, metadata, overwrite)
         except zarr.errors.ContainsGroupError:  # another process created it meanwhile
