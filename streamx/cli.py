@@ -286,19 +286,30 @@ def convert(
                                 "converts as one."),
     out: str = typer.Option(..., "--out", metavar="DIR", help="Output directory, the `speculators train "
                             "--data-path`. Re-running resumes."),
-    fmt: Literal["speculators", "specforge-eagle3", "specforge-dflash", "modelopt", "torchspec"] = typer.Option(
+    fmt: Literal["speculators", "specforge-eagle3", "specforge-dflash", "modelopt", "torchspec", "nemo-dspark",
+                 "nemo-eagle3"] = typer.Option(
         "speculators", "--format", help="Whose training data: speculators (Arrow rows + hs_{i}.safetensors); "
         "specforge-eagle3 or specforge-dflash (SpecForge's offline .ckpt rows); modelopt (ModelOpt's offline .pt "
         "rows, EAGLE-3 and DFlash); torchspec (TorchSpec's offline dataset: dataset.json, manifest.jsonl and .pt "
-        "rows, EAGLE-3 and DFlash). One store converts to each; docs/trainers.md."),
+        "rows, EAGLE-3 and DFlash); nemo-dspark or nemo-eagle3 (NeMo AutoModel's offline caches: padded shards and "
+        "a manifest; EAGLE-3's with the target's next-token probabilities). One store converts to each; "
+        "docs/trainers.md."),
     trainer_layers: Optional[str] = typer.Option(None, "--trainer-layers", metavar="IDS", help="The layers the "
                                                  "trainer's draft reads, as it counts them (the output of block k = "
-                                                 "streamx id k+1), comma-separated. Default: the trainer's own "
-                                                 "(EAGLE-3: 1, L//2-1, L-4; DFlash: every layer the store holds)."),
+                                                 "streamx id k+1; NeMo's DSpark: -1 the embeddings and L-1 after the "
+                                                 "final norm), comma-separated. Default: the trainer's own (EAGLE-3: "
+                                                 "1, L//2-1, L-4; DFlash: every layer the store holds; NeMo's DSpark: "
+                                                 "five from block 1 to L-1)."),
     model: Optional[str] = typer.Option(None, "--model", metavar="DIR", help="The target's checkpoint, where the "
                                         "one the store records is not on this machine: SpecForge EAGLE-3, "
-                                        "ModelOpt and TorchSpec take the last state after its final norm, read "
-                                        "from it."),
+                                        "ModelOpt, TorchSpec and NeMo take the last state after its final norm "
+                                        "(NeMo: its embeddings and lm_head too), read from it."),
+    draft_vocab_size: Optional[int] = typer.Option(None, "--draft-vocab-size", metavar="N", help="nemo-eagle3: the "
+                                                   "draft's vocabulary (the special tokens, then the most frequent "
+                                                   "supervised ones). Default: the target's whole vocabulary."),
+    target_probs_topk: Optional[int] = typer.Option(None, "--target-probs-topk", metavar="K", help="nemo-eagle3: keep "
+                                                    "the K most probable of the target's next-token probabilities "
+                                                    "(renormalised) instead of all of the draft vocabulary's."),
     seed: Optional[int] = typer.Option(None, help="speculators: the row shuffle seed (speculators validates on the "
                                        "last rows). Default 0."),
     hidden_states: Optional[Literal[StorageName, "store"]] = typer.Option(
@@ -323,8 +334,14 @@ def convert(
     from .train.convert import ConvertError
     from .train.convert import convert as run_convert
     from .train.export import export
+    from .train.nemo import export_nemo
 
     try:
+        nemo_only = [flag for flag, given in (("--draft-vocab-size", draft_vocab_size is not None),
+                                              ("--target-probs-topk", target_probs_topk is not None)) if given]
+        if nemo_only and fmt != "nemo-eagle3":
+            raise ConvertError(f"{', '.join(nemo_only)} {'is' if len(nemo_only) == 1 else 'are'} for --format "
+                               "nemo-eagle3 (its draft vocabulary and target probabilities)")
         if fmt != "speculators":
             speculators_only = [flag for flag, given in (("--seed", seed is not None),
                                                          ("--hidden-states", hidden_states is not None),
@@ -337,8 +354,12 @@ def convert(
                 ids = None if trainer_layers is None else [int(k) for k in trainer_layers.split(",") if k.strip()]
             except ValueError:
                 raise ConvertError(f"--trainer-layers takes comma-separated integers; got {trainer_layers!r}") from None
-            summary = export(store, out, fmt, ids, model, overwrite=overwrite, workers=workers, progress=progress,
-                             log=_log, allow_partial=allow_partial, allow_random_weights=allow_random_weights)
+            if fmt.startswith("nemo-"):
+                summary = export_nemo(store, out, fmt, ids, model, draft_vocab_size, target_probs_topk, overwrite,
+                                      progress, _log, allow_partial, allow_random_weights)
+            else:
+                summary = export(store, out, fmt, ids, model, overwrite=overwrite, workers=workers, progress=progress,
+                                 log=_log, allow_partial=allow_partial, allow_random_weights=allow_random_weights)
             typer.echo("\n".join(summary.lines(store)))
             return
         if trainer_layers is not None or model is not None:

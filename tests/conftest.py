@@ -174,9 +174,11 @@ def speculators_venv(speculators_python):
 # transformers (a .pth file naming its site-packages) and holds the trainer's package alone: SpecForge 0.2.0 without
 # its declared dependencies (sglang 0.5.14 and torch 2.11: CUDA builds of gigabytes, which its offline training never
 # imports), ModelOpt 0.47.0 with its own (light: pulp, omegaconf, nvidia-ml-py, ...) and the transformers it supports
-# (< 5.15: its EAGLE draft builds rotary embeddings in a way later ones refuse).
+# (< 5.15: its EAGLE draft builds rotary embeddings in a way later ones refuse); nemo-automodel 0.7.0 without its
+# declared dependencies (its offline caches' readers need torch and safetensors alone).
 TRAINER_PACKAGES = {"specforge": ("--no-deps", "specforge==0.2.0"),
-                    "modelopt": ("nvidia-modelopt==0.47.0", "transformers>=4.57,<5.15")}
+                    "modelopt": ("nvidia-modelopt==0.47.0", "transformers>=4.57,<5.15"),
+                    "nemo": ("--no-deps", "nemo-automodel==0.7.0")}
 
 
 @pytest.fixture(scope="session")

@@ -322,6 +322,7 @@ def test_the_cli_converts_for_a_trainer_and_says_how_to_train(tiny_chat_model_di
     from typer.testing import CliRunner
 
     import streamx.cli as cli_module
+    import streamx.train.nemo as nemo
     from streamx.cli import app
     from streamx.train.trainers import TRAINERS
 
@@ -365,7 +366,7 @@ def test_the_cli_converts_for_a_trainer_and_says_how_to_train(tiny_chat_model_di
     H = open_store(store).metadata.hidden_size
     assert [r["hidden_states"].shape[-1] for r in trainer_check.torchspec(str(ts))] == [2 * H] * 6
     formats = get_args(get_type_hints(cli_module.convert)["fmt"])  # every trainer is offered, and only those
-    assert formats == ("speculators", *TRAINERS)
+    assert formats == ("speculators", *TRAINERS, *nemo.FORMATS)
 
 
 def test_verify_checks_a_trainer_folder_file_by_file_against_its_store(tiny_chat_model_dir, chat_jsonl, tmp_path):
@@ -422,3 +423,119 @@ def test_the_trainers_default_eagle3_ids_are_each_once_and_within_a_small_model(
     assert eagle3_ids(32, []) == [1, 15, 28]
     assert eagle3_ids(6, []) == [1, 2]
     assert eagle3_ids(2, []) == [0, 1]
+
+
+NEMO_CHECK = str(Path(__file__).with_name("nemo_check.py"))
+
+
+def test_nemos_own_readers_read_both_caches_as_an_independent_forward_has_them(smollm2_dir, smollm2, trainer_venv,
+                                                                             tmp_path, monkeypatch):
+    """NeMo AutoModel 0.7.0's readers and its recipes' manifest checks (tests/nemo_check.py) on SmolLM2's store, in
+    shards of 4 samples: DSpark at NeMo's default ids and at ids given (-1, the embeddings; L-1, after the final
+    norm), EAGLE-3 at its default and at ids given (L-1 before the norm) with a draft vocabulary and top-k
+    probabilities. Every sample against the store and an unbatched HF forward: ids, masks (EAGLE-3's shifted by
+    one), states within bf16, and the next token's probabilities over the draft vocabulary against the forward's
+    softmax. A DSpark convert killed after a shard is no cache at --out, and one NeMo refuses as incomplete beside
+    it; the same command then finishes it."""
+    import streamx.train.nemo as nemo
+
+    model, tokenizer = smollm2
+    L = model.config.num_hidden_layers
+    store_path = str(tmp_path / "s.zarr")
+    run(small_config(smollm2_dir, "chatterbot:english", store_path, layers="0,2,3,4,9,10,15,16,23,27,30",
+                     max_samples=10, max_length=96, dtype="float32"), progress=False, log=lambda m: None)
+    store = open_store(store_path)
+    monkeypatch.setattr(nemo, "SHARD_ROWS", 4)
+    converts = {"nemo-dspark": dict(), "nemo-dspark@given": dict(layer_ids=[-1, 3, L - 1]),
+                "nemo-eagle3": dict(), "nemo-eagle3@given": dict(layer_ids=[2, 9, L - 1], draft_vocab_size=4096,
+                                                                   topk=8)}
+    for key, settings in converts.items():
+        nemo.export_nemo(store_path, str(tmp_path / key), key.split("@")[0], progress=False, log=lambda m: None,
+                         **settings)
+    killed, written = tmp_path / "killed", nemo._write_tensors
+
+    def dying(path, tensors):
+        if path.name == "shard-000001.safetensors":
+            raise KeyboardInterrupt
+        written(path, tensors)
+
+    monkeypatch.setattr(nemo, "_write_tensors", dying)
+    with pytest.raises(KeyboardInterrupt):
+        nemo.export_nemo(store_path, str(killed), "nemo-dspark", progress=False, log=lambda m: None)
+    monkeypatch.undo()
+    reads = [f"{key}={tmp_path / key}" for key in converts]
+    reads += [f"nemo-dspark@killed={killed}", f"nemo-dspark@beside={staging(killed)}"]
+    result = tmp_path / "nemo.pt"
+    proc = trainer_venv("nemo", NEMO_CHECK, str(result), smollm2_dir, *reads)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = torch.load(result, weights_only=False)
+    assert found["nemo-dspark@killed"]["error"].startswith("FileNotFoundError: DSpark cache manifest not found")
+    assert "is marked incomplete" in found["nemo-dspark@beside"]["error"]
+
+    last_block = {}
+    hook = model.model.layers[-1].register_forward_hook(lambda m, a, out: last_block.update(
+        state=out[0] if isinstance(out, tuple) else out))  # the last block's output, before the norm
+    worst = {"states": 0.0, "probs": 0.0}
+    try:
+        check_nemo_samples(found, converts, store, model, tokenizer, last_block, worst)
+    finally:
+        hook.remove()  # (the model is the session's)
+    print(json.dumps(worst))  # shown with -s
+    # states within bf16's rounding; probabilities within their own (a bf16 value below 1 is within 2**-9) of the
+    # stored state's, and within what that state's rounding moves them of the float32 forward's
+    assert worst["states"] < 1e-2 and worst["probs"] < 4e-3 and worst["probs_fp32"] < 0.05
+
+
+def check_nemo_samples(found: dict, converts: dict, store, model, tokenizer, last_block: dict, worst: dict) -> None:
+    """Every sample NeMo's readers read (`found`) against the store and the model's own forward; the worst state
+    and probability errors into `worst`."""
+    L, rows = model.config.num_hidden_layers, np.unique(store.row_ids()).tolist()
+    for key in converts:
+        got = found[key]
+        assert "error" not in got, got
+        manifest, samples = got["manifest"], got["samples"]
+        assert manifest["num_samples"] == len(samples) == len(rows) and manifest["seq_length"] == 96
+        eagle = key.startswith("nemo-eagle3")
+        ids = manifest["aux_layer_ids" if eagle else "target_layer_ids"]
+        assert ids == converts[key].get("layer_ids", [1, L // 2 - 1, L - 4] if eagle else [1, 8, 15, 22, 29])
+        embed = model.get_input_embeddings().weight.detach()
+        assert torch.equal(got["embed"], embed.to(got["embed"].dtype))
+        if not eagle:  # (SmolLM2 ties its lm_head to the embeddings)
+            assert torch.equal(got["head"], model.get_output_embeddings().weight.detach().to(torch.bfloat16))
+        selected = torch.tensor(manifest["selected_token_ids"]) if eagle else None
+        for row, sample in zip(rows, samples, strict=True):
+            s = store.sample(row)
+            T = len(s.input_ids)
+            with torch.no_grad():
+                out = model(s.input_ids[None], output_hidden_states=True)
+            hidden, logits = out.hidden_states, out.logits[0].float()
+            if not eagle:
+                assert torch.equal(sample["input_ids"][:T], s.input_ids) and torch.equal(sample["loss_mask"][:T],
+                                                                                       s.loss_mask)
+                assert (sample["input_ids"][T:] == tokenizer.pad_token_id).all() and not sample["loss_mask"][T:].any()
+                want = [hidden[0 if k == -1 else k + 1][0] for k in ids]  # L-1: hidden_states[L], after the norm
+                states = sample["target_hidden_states"][:T].view(T, len(ids), -1)
+                worst["states"] = max(worst["states"], relative_error(states, torch.stack(want, dim=1)),
+                                      relative_error(sample["target_last_hidden_states"][:T], hidden[L][0]))
+                continue
+            assert torch.equal(sample["input_ids"][: T - 1], s.input_ids[1:]) and sample["input_ids"][-1] == 0
+            assert torch.equal(sample["loss_mask"][: T - 1], s.loss_mask[1:]) and not sample["loss_mask"][T - 1:].any()
+            assert sample["attention_mask"].sum() == T
+            want = [last_block["state"][0] if k == L - 1 else hidden[k + 1][0] for k in ids]  # L-1: before the norm
+            worst["states"] = max(worst["states"], relative_error(sample["aux_hidden_states"][:T].view(T, 3, -1),
+                                                                  torch.stack(want, dim=1)))
+            # of the next token, over the draft vocabulary: from the model's own last block output as the store
+            # holds it (bf16), through its own norm and lm_head; and from the float32 forward's logits
+            with torch.no_grad():
+                stored_logits = model.lm_head(model.model.norm(last_block["state"][0].bfloat16().float())).float()
+            for name, source in (("probs", stored_logits), ("probs_fp32", logits)):
+                probs = torch.softmax(source[1:, selected], dim=-1)
+                if manifest["target_probs_topk"]:
+                    top = probs.topk(manifest["target_probs_topk"], dim=-1)
+                    probs = torch.zeros_like(probs).scatter_(-1, top.indices, top.values / top.values.sum(-1, True))
+                error = float((sample["target_probs"][: T - 1].float() - probs).abs().max())
+                worst[name] = max(worst.get(name, 0.0), error)
+            supervised = s.loss_mask[1:].bool()
+            in_draft = torch.zeros(logits.shape[-1], dtype=torch.bool)
+            in_draft[selected] = True
+            assert torch.equal(sample["position_mask"][: T - 1, 0], in_draft[stored_logits[1:].argmax(-1)] & supervised)

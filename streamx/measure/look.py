@@ -23,7 +23,7 @@ import torch
 
 from ..base.location import local_path
 from ..store import Store
-from ..train.folder import FROM_STORE, META, WORK
+from ..train.folder import EXPORT, FROM_STORE, META, WORK
 
 MARK_OPEN, MARK_CLOSE = "«", "»"  # around the tokens the loss mask trains on
 NORM_SAMPLES = 64  # samples read for the per-layer picture, spread over the store
@@ -79,6 +79,11 @@ def converted_folder_line(path: str) -> str | None:
                 f"the store: streamx inspect {store}")
     if (local / WORK / "plan.json").is_file():
         return f"{path} is a speculators training folder `streamx convert` has not finished; run it again to finish"
+    if (local / EXPORT).is_file():  # another trainer's (train.export, train.nemo): written whole, then renamed here
+        record = _json(local / EXPORT)
+        trainer, store = record.get("identity", {}).get("trainer", "?"), record.get("store", "?")
+        return (f"{path} is a `streamx convert --format {trainer}` folder converted from {store} "
+                f"({record.get('rows', 0):,} rows); inspect the store: streamx inspect {store}")
     return None
 
 

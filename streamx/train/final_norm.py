@@ -1,5 +1,6 @@
 """The target's own final norm, read from its checkpoint without loading the model, for the trainers that take the
-last state after it (SpecForge, ModelOpt): streamx stores id L before the norm (docs/layers.md).
+last state after it (SpecForge, ModelOpt): streamx stores id L before the norm (docs/layers.md); and its embeddings
+and lm_head, for the trainers whose caches hold them or the target's next-token probabilities (NeMo AutoModel).
 
 The norm is the model's own module class (transformers builds the model on the meta device, so Gemma's and
 Qwen3-Next's `1 + weight`, an epsilon or a bias are the model's), with only its own parameters read from the
@@ -48,7 +49,7 @@ class FinalNorm:
                                  "holds after its layers, with a norm's weight)")
         name = next(n for n, m in model.named_modules() if m is norm)
         norm.to_empty(device="cpu")
-        tensors = _checkpoint_tensors(folder, name, [p for p, _ in norm.named_parameters()])
+        tensors = _checkpoint_tensors(folder, name, [p for p, _ in norm.named_parameters()], "the final norm")
         for p, value in tensors.items():
             norm.get_parameter(p).data.copy_(value)
         return cls(norm, name)
@@ -56,6 +57,24 @@ class FinalNorm:
     @torch.no_grad()
     def __call__(self, states: torch.Tensor) -> torch.Tensor:
         return self.module(states.float())
+
+
+def embeddings_and_head(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embeddings and lm_head weights, each [vocab, hidden], read from its checkpoint (a tied
+    lm_head, which the checkpoint does not hold: the embeddings)."""
+    folder = _local_folder(path)
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = causal_lm(lambda auto: auto.from_config(config))
+    names = {module: name for name, module in model.named_modules()}
+    embed = _checkpoint_tensors(folder, names[model.get_input_embeddings()], ["weight"], "the embeddings")["weight"]
+    try:
+        head = _checkpoint_tensors(folder, names[model.get_output_embeddings()], ["weight"], "the lm_head")["weight"]
+    except FinalNormError:
+        if not getattr(config.get_text_config(), "tie_word_embeddings", False):
+            raise
+        head = embed
+    return embed, head
 
 
 def _local_folder(path: str) -> Path:
@@ -71,8 +90,8 @@ def _local_folder(path: str) -> Path:
                              "is read from it") from None
 
 
-def _checkpoint_tensors(folder: Path, name: str, params: list[str]) -> dict[str, torch.Tensor]:
-    """The norm's parameters from the checkpoint: at `name` (the in-memory path), or, where the checkpoint names
+def _checkpoint_tensors(folder: Path, name: str, params: list[str], what: str) -> dict[str, torch.Tensor]:
+    """`what`'s parameters from the checkpoint: at `name` (the in-memory path), or, where the checkpoint names
     the decoder otherwise (a multimodal one saved before transformers moved its language model), the one key that
     ends as it does outside the layers and any vision tower."""
     index = folder / "model.safetensors.index.json"
@@ -91,7 +110,7 @@ def _checkpoint_tensors(folder: Path, name: str, params: list[str]) -> dict[str,
             near = [k for k in files if k.endswith("." + tail) and ".layers." not in k
                     and not any(part in k for part in ("vision", "visual", "mtp", "audio"))]
             if len(near) != 1:
-                raise FinalNormError(f"cannot find the final norm's {p} in {folder}: no key {key}"
+                raise FinalNormError(f"cannot find {what}'s {p} in {folder}: no key {key}"
                                      f"{'' if not near else ' and several like it: ' + ', '.join(near[:3])}")
             key = near[0]
         with safe_open(str(files[key]), "pt") as f:

@@ -740,6 +740,10 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
             f"run the same `streamx convert --format {t.name}` again: it resumes"])])
     if exported is not None and speculators:
         raise StoreError(f"{path} is a folder for another trainer: --speculators checks a speculators folder")
+    if exported is not None and exported["identity"]["trainer"] not in TRAINERS:  # NeMo's caches (train.nemo)
+        raise StoreError(f"{path} is a NeMo AutoModel cache, which verify does not check file by file (NeMo's "
+                         f"readers check its manifest and shards as they open them): verify its store, "
+                         f"{exported['store']}")
     if exported is not None or (Path(path) / META).exists():
         source = exported["store"] if exported else json.loads((Path(path) / META).read_text())["source"]["store"]
         local = local_path(source)
