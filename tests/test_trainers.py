@@ -462,7 +462,7 @@ def test_nemos_own_readers_read_both_caches_as_an_independent_forward_has_them(s
     monkeypatch.setattr(nemo, "_write_tensors", dying)
     with pytest.raises(KeyboardInterrupt):
         nemo.export_nemo(store_path, str(killed), "nemo-dspark", progress=False, log=lambda m: None)
-    monkeypatch.undo()
+    monkeypatch.setattr(nemo, "_write_tensors", written)
     reads = [f"{key}={tmp_path / key}" for key in converts]
     reads += [f"nemo-dspark@killed={killed}", f"nemo-dspark@beside={staging(killed)}"]
     result = tmp_path / "nemo.pt"
@@ -471,6 +471,11 @@ def test_nemos_own_readers_read_both_caches_as_an_independent_forward_has_them(s
     found = torch.load(result, weights_only=False)
     assert found["nemo-dspark@killed"]["error"].startswith("FileNotFoundError: DSpark cache manifest not found")
     assert "is marked incomplete" in found["nemo-dspark@beside"]["error"]
+    nemo.export_nemo(store_path, str(killed), "nemo-dspark", progress=False, log=lambda m: None)  # resumed
+    whole = sorted(p.name for p in (tmp_path / "nemo-dspark").iterdir())
+    assert sorted(p.name for p in killed.iterdir()) == whole and not staging(killed).exists()
+    assert all((killed / name).read_bytes() == (tmp_path / "nemo-dspark" / name).read_bytes()
+               for name in whole if name.startswith(("shard-", "manifest")))  # each row once, as in one go
 
     last_block = {}
     hook = model.model.layers[-1].register_forward_hook(lambda m, a, out: last_block.update(

@@ -114,7 +114,7 @@ def _export(store_path: str, out: Path, fmt: str, layer_ids: list[int] | None, m
     selected = _draft_vocab(store, rows, tokenizer, V, draft_vocab_size) if eagle else None
     topk = topk if topk and selected is not None and topk < selected.numel() else 0
     identity = {"trainer": fmt, "store_created": meta.created, "layer_ids": ids, "rows": len(rows),
-                "draft_vocab_size": draft_vocab_size, "topk": topk}
+                "draft_vocab_size": draft_vocab_size, "topk": topk, "shard_rows": SHARD_ROWS}
     manifest = _manifest(fmt, meta, ids, len(rows), S, V, tokenizer, selected, topk, target)
     command = _command(fmt, out, ids, S)
     done = _prepare(out, identity, overwrite)
