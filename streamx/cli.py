@@ -176,40 +176,54 @@ def plan(
                                                  "streamx bench)."),
     calibrate: bool = typer.Option(False, "--calibrate/--no-calibrate", help="Load the model and time its forward "
                                    "pass on a few batches of the data, for the time estimate."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", metavar="NAME", help="The GPUs the job runs on, for the memory "
+                                      "each --tp needs and the time estimate: h100, h200, b200, b300, rtx-pro-6000, "
+                                      "a100 (their data sheets' memory and dense bf16 peak; --gpu-memory and "
+                                      "--gpu-tflops override them)."),
     gpu_memory: Optional[float] = typer.Option(None, help="The GPUs' memory in GB, to say which --tp fits (default: "
-                                               "this machine's first GPU, else 80)."),
+                                               "--gpu's, else this machine's first GPU, else 80)."),
     gpus: int = typer.Option(1, help="GPUs the whole job runs on, for the time estimate where no rate is given or "
                              "calibrated."),
     mfu: float = typer.Option(0.4, help="The share of each GPU's peak the forward sustains, for that estimate (an "
                               "assumption: --tokens-per-s from `streamx bench` replaces it)."),
-    gpu_tflops: float = typer.Option(989.0, help="Each GPU's dense bf16 peak in TFLOPS, for that estimate (989: "
-                                     "H100 and H200)."),
+    gpu_tflops: Optional[float] = typer.Option(None, help="Each GPU's dense bf16 peak in TFLOPS, for that estimate "
+                                               "(default: --gpu's, else 989: H100 and H200)."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
     """Say what `streamx run` with the same settings would write, before running it: rows, tokens, the
     store's bytes and files for each storage choice, the free space at --out, the time, and the memory per GPU
-    at each --tp (which fits)."""
+    at each --tp (which fits). Exit code 1 where the store does not fit the free space (with the settings that make
+    it fit) or no --tp fits the GPUs."""
     import torch
 
     from .measure.bench import calibrate as calibrate_rate
+    from .model.flops import CARDS, H100_BF16_TFLOPS
     from .pipeline.estimate import estimate, gpu_forecast
     from .pipeline.plan import check_parallel, preflight
 
     try:
         if sample_rows < 1:
             raise ValueError(f"--sample-rows must be >= 1; got {sample_rows}")
+        if gpu is not None and gpu.lower() not in CARDS:
+            raise ValueError(f"--gpu must be one of {', '.join(CARDS)}; got {gpu!r} (or give --gpu-memory and "
+                             "--gpu-tflops)")
+        card = CARDS.get((gpu or "").lower())
         check_parallel(cfg)  # what `streamx run` would refuse, refused here
         preflight(cfg, cfg.device, _log)
         est = estimate(cfg, sample_rows=sample_rows, count_duplicates=True)
         rate, how = tokens_per_s, "given"
         if rate is None and calibrate:
             rate, how = calibrate_rate(cfg, log=_log), "calibrated: forward pass alone"
+        gpu_memory = gpu_memory or (card.memory_gb if card else None)
         gpu_bytes = round(gpu_memory * 1e9) if gpu_memory else torch.cuda.get_device_properties(0).total_memory \
             if torch.cuda.is_available() else 80 * 10**9
-        forecast = gpu_forecast(cfg, est, rate, how, gpu_bytes, gpus, mfu, gpu_tflops)
+        forecast = gpu_forecast(cfg, est, rate, how, gpu_bytes, gpus, mfu,
+                                gpu_tflops or (card.tflops if card else H100_BF16_TFLOPS), card.name if card else "")
     except (Exception, Interrupted) as err:  # noqa: BLE001
         _fail(err)
     typer.echo(json.dumps(forecast.to_json(), indent=2) if as_json else "\n".join(forecast.lines()))
+    if not forecast.fits:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -213,6 +213,45 @@ def test_rows_past_max_length_are_counted_and_said_by_plan_run_store_and_inspect
     assert "CUT" not in CliRunner().invoke(app, ["inspect", str(out), "--sample", str(whole_row)]).stdout
 
 
+def test_plan_on_a_disk_too_small_lists_what_fits_and_exits_1(tiny_chat_model_dir, chat_jsonl, tmp_path,
+                                                               monkeypatch):
+    """With a third of the store's bytes free, plan says TOO SMALL, then each setting that makes the store smaller
+    with the store it makes (fp8, fewer ids, a subset that fits), and exits 1; with room, 0."""
+    import streamx.pipeline.estimate as estimate_module
+
+    config = small_config(tiny_chat_model_dir, chat_jsonl, tmp_path / "s.zarr", layers="0,1,2,3,4",
+                          chunk_tokens=0, shard_tokens=0, sort_window=1024)
+    needed = estimate(config).sizes["bf16"].bytes
+    monkeypatch.setattr(estimate_module, "free_bytes", lambda path: needed // 3)
+    args = ["plan", "--model", tiny_chat_model_dir, "--data", chat_jsonl, "--out", str(tmp_path / "s.zarr"),
+            "--layers", "0,1,2,3,4", "--tokens-per-s", "100"]
+    said = CliRunner().invoke(app, args)
+    assert said.exit_code == 1, said.output
+    lines = said.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("free ") and "TOO SMALL" in line)
+    ways = lines[at + 1 :]
+    assert ways[0].startswith("  ways out  each the store it makes")
+    assert any(line.startswith("    --storage fp8") for line in ways)
+    assert any(line.startswith("    --layers eagle3 (4 ids instead of 5") for line in ways)
+    subset = next(line for line in ways if line.startswith("    --max-samples "))
+    assert subset.endswith("fits") and int(subset.split()[1].replace(",", "")) < 48
+    monkeypatch.setattr(estimate_module, "free_bytes", lambda path: needed * 2)
+    assert CliRunner().invoke(app, args).exit_code == 0
+
+
+def test_plan_knows_the_cards_users_have(tiny_chat_model_dir, chat_jsonl, tmp_path):
+    """--gpu NAME sizes each --tp against its memory and times the job at its peak, said as assumed."""
+    args = ["plan", "--model", tiny_chat_model_dir, "--data", chat_jsonl, "--out", str(tmp_path / "s.zarr")]
+    b300 = CliRunner().invoke(app, [*args, "--gpu", "b300", "--gpus", "8"])
+    assert b300.exit_code == 0, b300.output
+    assert "(assumed: 8 B300 GPUs at 40% (an assumed MFU) of 2,250 TFLOPS" in b300.stdout
+    assert "against 288.0 GB GPUs" in b300.stdout
+    given = CliRunner().invoke(app, [*args, "--gpu", "rtx-pro-6000", "--gpu-memory", "48"])
+    assert "against 48.0 GB GPUs" in given.stdout and "of 500 TFLOPS" in given.stdout
+    bad = CliRunner().invoke(app, [*args, "--gpu", "v100"])
+    assert bad.exit_code == 1 and bad.stderr.strip().startswith("error: --gpu must be one of h100, h200, b200")
+
+
 def test_plan_counts_duplicates_and_sizes_the_store_without_them(tiny_chat_model_dir, chat_jsonl, tmp_path):
     rows = [json.loads(line) for line in open(chat_jsonl)]
     data = tmp_path / "data.jsonl"
@@ -385,7 +424,9 @@ def test_the_hours_without_a_measured_rate_come_from_the_models_flops_and_say_th
     router, norms = 8 * H, 2 * H + 2 * 16  # + per-head q and k norms
     assert token_cost(moe, 100.0).active_params == L * (attention + experts_active + router + norms)
     rate, said = assumed_rate(cost, 8, 0.5, 1000.0)
-    assert rate == 8 * 0.5 * 1e15 / cost.flops and said.startswith("assumed: 8 GPUs at 50% of 1,000 TFLOPS")
+    assert rate == 8 * 0.5 * 1e15 / cost.flops
+    assert said.startswith("assumed: 8 GPUs at 50% (an assumed MFU) of 1,000 TFLOPS")
     text = CliRunner().invoke(app, ["plan", "--model", tiny_chat_model_dir, "--data", chat_jsonl, "--out",
                                     str(tmp_path / "s.zarr"), "--gpus", "2"])
-    assert text.exit_code == 0 and "tokens/s (assumed: 2 GPUs at 40% of 989 TFLOPS" in text.stdout, text.output
+    assert text.exit_code == 0 and "tokens/s (assumed: 2 GPUs at 40% (an assumed MFU) of 989 TFLOPS" in text.stdout, \
+        text.output

@@ -17,6 +17,23 @@ H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 or H200 SXM
 
 
 @dataclass(frozen=True)
+class Card:
+    """A GPU `plan --gpu` knows: its name, dense bf16 peak and memory, from its data sheet."""
+
+    name: str
+    tflops: float
+    memory_gb: float
+
+
+# dense bf16 tensor peaks (the sheets' sparse figures halved) and memory per GPU: H100 and H200 SXM; B200 and B300
+# from HGX B200 / B300 (36 PFLOPS sparse and 1.4 / 2.3 TB over 8 GPUs); A100 SXM 80 GB; RTX PRO 6000 Blackwell from
+# its 4,000 FP4 TOPS (sparse): 2,000 dense, 500 at bf16's quarter rate
+CARDS = {"h100": Card("H100", H100_BF16_TFLOPS, 80), "h200": Card("H200", H100_BF16_TFLOPS, 141),
+         "b200": Card("B200", 2250.0, 180), "b300": Card("B300", 2250.0, 288),
+         "rtx-pro-6000": Card("RTX PRO 6000 Blackwell", 500.0, 96), "a100": Card("A100", 312.0, 80)}
+
+
+@dataclass(frozen=True)
 class TokenCost:
     active_params: int  # decoder weights a token passes through
     attention: float  # FLOPs of its attention at the given context
@@ -46,9 +63,10 @@ def token_cost(model: nn.Module, mean_context: float) -> TokenCost:
     return TokenCost(active, 4 * attention)  # QK^T and AV: 2 FLOPs a multiply-add, each
 
 
-def assumed_rate(cost: TokenCost, gpus: int, mfu: float, tflops: float) -> tuple[float, str]:
-    """Tokens/s of `gpus` GPUs of `tflops` peak at `mfu` of it, and the assumption in words."""
+def assumed_rate(cost: TokenCost, gpus: int, mfu: float, tflops: float, card: str = "") -> tuple[float, str]:
+    """Tokens/s of `gpus` GPUs (`card`, where named) of `tflops` peak at `mfu` of it, and the assumption in words."""
     rate = gpus * mfu * tflops * 1e12 / cost.flops
-    return rate, (f"assumed: {gpus} GPU{'s' if gpus > 1 else ''} at {mfu:.0%} of {tflops:,.0f} TFLOPS for "
+    return rate, (f"assumed: {gpus} {card + ' ' if card else ''}GPU{'s' if gpus > 1 else ''} at {mfu:.0%} (an "
+                  f"assumed MFU) of {tflops:,.0f} TFLOPS for "
                   f"{cost.flops / 1e9:,.1f} GFLOPs a token ({cost.active_params / 1e9:,.1f} B active weights and "
                   "attention); --tokens-per-s from streamx bench, or --calibrate, for a measured rate")

@@ -328,6 +328,40 @@ class Forecast:
         self.free = free_bytes(self.config.out)
 
     @property
+    def disk_fits(self) -> bool:
+        return self.free is None or self.free >= self.estimate.sizes[self.config.storage].bytes
+
+    @property
+    def fits(self) -> bool:
+        """The store fits the free space at --out, and some --tp the GPUs (`plan` exits 1 otherwise)."""
+        return self.disk_fits and (not self.footprints or any(f.fits(self.gpu_bytes) for f in self.footprints
+                                                              if not f.refused))
+
+    def ways_out(self) -> list[str]:
+        """Where the store does not fit: the settings that make it smaller, each with the store it makes."""
+        e, config, free = self.estimate, self.config, self.free or 0
+        needed = e.sizes[config.storage].bytes
+        ways: list[tuple[str, float]] = []
+        if config.storage != "fp8":
+            ways.append(("--storage fp8 (half the bytes a state; speculators' fp8 backend reads it)",
+                         e.sizes["fp8"].bytes))
+        fewest = 4  # EAGLE-3's three auxiliary layers and the last state
+        if len(e.layer_ids) > fewest:
+            ways.append((f"--layers eagle3 ({fewest} ids instead of {len(e.layer_ids)}: about)",
+                         needed * fewest / len(e.layer_ids)))
+        if config.sharing == "off" and e.shared is not None:
+            ways.append(("--sharing on (as measured on these rows)", needed * e.shared.leading_runs / max(1, e.tokens)))
+        rows = int(e.samples * free / needed * 0.95) if needed else 0
+        if rows:
+            ways.append((f"--max-samples {rows:,} (a subset; the same command with a larger one later goes on)",
+                         needed * rows / max(1, e.samples)))
+        lines = [f"  ways out  each the store it makes, against {gb(free)} free:"]
+        lines += [f"    {way}: {gb(size)} " + ("fits" if size <= free else "too small") for way, size in ways]
+        lines.append("    and to train: `streamx convert --hidden-states store` lets speculators read this store, with "
+                     f"no second copy of it (any other convert writes about {gb(needed)} more)")
+        return lines
+
+    @property
     def seconds(self) -> float | None:
         e = self.estimate  # the forward pass computes what sharing leaves
         return e.stored_tokens / self.tokens_per_s if self.tokens_per_s else None
@@ -388,6 +422,8 @@ class Forecast:
             needed = e.sizes[config.storage].bytes
             lines.append(f"free         {gb(free)} at {config.out}: " + ("fits" if free >= needed else
                                                                          f"TOO SMALL for {gb(needed)}"))
+            if free < needed:
+                lines += self.ways_out()
         if tokens_per_s:
             note = "; streamx measured 0.99x of the forward pass on CPU (bench/RESULTS.md)" \
                 if how.startswith("calibrated") else ""
@@ -401,7 +437,8 @@ class Forecast:
 
 
 def gpu_forecast(config: RunConfig, est: Estimate, tokens_per_s: float | None, how: str, gpu_bytes: int,
-                 gpus: int = 1, mfu: float = DEFAULT_MFU, gpu_tflops: float = H100_BF16_TFLOPS) -> Forecast:
+                 gpus: int = 1, mfu: float = DEFAULT_MFU, gpu_tflops: float = H100_BF16_TFLOPS,
+                 card: str = "") -> Forecast:
     """`plan`'s forecast for GPUs, from the target built once on the meta device at the dtype it computes in there:
     its bytes per GPU at each --tp and, where no rate was measured (`tokens_per_s` None), the time at a rate assumed
     from its FLOPs per token (`gpus` GPUs at `mfu` of `gpu_tflops`), said with its assumption."""
@@ -413,7 +450,7 @@ def gpu_forecast(config: RunConfig, est: Estimate, tokens_per_s: float | None, h
         if gpus < 1 or not 0 < mfu <= 1 or gpu_tflops <= 0:
             raise ValueError(f"--gpus must be >= 1, --mfu in (0, 1], --gpu-tflops > 0; got {gpus}, {mfu}, {gpu_tflops}")
         tokens_per_s, how = assumed_rate(token_cost(target, est.tokens / max(1, est.samples) / 2), gpus, mfu,
-                                         gpu_tflops)
+                                         gpu_tflops, card)
     found = footprints(target, config.token_budget, len(est.layer_ids), config.ep)
     return Forecast(est, config, tokens_per_s, how, gpu_bytes, found, quantized)
 
