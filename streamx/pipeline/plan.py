@@ -413,7 +413,7 @@ def announce(config: RunConfig, source: Source, output: Output, device: str, log
     linear = list(getattr(text_config, "layer_types", None) or []).count("linear_attention")
     if linear and resolve_device(device).startswith("cuda") and not fla_installed():
         log(f"  note    {linear} linear-attention layers will run transformers' slow reference path: "
-            "flash-linear-attention is not installed (pip install fla-core)")
+            "flash-linear-attention is not installed (pip install -e '.[gpu]' in the checkout, docs/install.md)")
 
 
 def check_space(config: RunConfig, source: Source, output: Output, log: Callable[[str], None],
