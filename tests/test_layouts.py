@@ -268,6 +268,13 @@ def test_a_final_norm_that_does_not_give_the_last_hidden_state_is_said():
         assert note.startswith("every id < L is the model's own output_hidden_states") and said in note, note
 
 
+def refused_line(model_dir, tokenizer_dir: str, chat_jsonl: str, tmp_path) -> str:
+    """`streamx run` on the model saved at `model_dir`, which must exit 1: its last line."""
+    result = cli(*run_args(str(model_dir), chat_jsonl, tmp_path / "s.zarr", tokenizer=tokenizer_dir))
+    assert result.returncode == 1, result.stderr[-2000:]
+    return result.stderr.strip().splitlines()[-1]
+
+
 def test_a_model_of_sub_models_is_refused_in_one_line(smollm2_dir, chat_jsonl, tmp_path):
     """BLT (a byte patcher, byte encoder, global transformer and byte decoder, each its own size) declares no layer
     count or hidden size of its own: the run says in one line that it has no per-token state to store (it crashed
@@ -281,9 +288,7 @@ def test_a_model_of_sub_models_is_refused_in_one_line(smollm2_dir, chat_jsonl, t
                        global_config=dict(small, num_hidden_layers=2), patch_size=4, hidden_size_global=H,
                        dim_token_emb=H, encoder_hash_byte_group_vocab=64)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "blt")
-    result = cli(*run_args(str(tmp_path / "blt"), chat_jsonl, tmp_path / "s.zarr", tokenizer=smollm2_dir))
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == (
+    assert refused_line(tmp_path / "blt", smollm2_dir, chat_jsonl, tmp_path) == (
         "error: BltConfig declares no num_hidden_layers: streamx runs decoders whose layers pass one hidden state per "
         "token, and this model is made of sub-models of their own sizes (as BLT's patcher, byte encoder, global "
         "transformer and byte decoder); no per-token state to store")
@@ -316,9 +321,7 @@ def test_a_decoder_of_two_stacks_called_in_cycles_is_refused_in_one_line(smollm2
         hidden = model(input_ids=torch.arange(3, 10)[None], output_hidden_states=True, use_cache=False).hidden_states
     assert len(hidden) > config.num_hidden_layers + 1  # more recorded calls than layers: not one state per layer
     model.save_pretrained(tmp_path / "hrm")
-    result = cli(*run_args(str(tmp_path / "hrm"), chat_jsonl, tmp_path / "s.zarr", tokenizer=smollm2_dir))
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == (
+    assert refused_line(tmp_path / "hrm", smollm2_dir, chat_jsonl, tmp_path) == (
         "error: cannot number the decoder layers of HrmTextForCausalLM: the blocks it records as hidden states sit in "
         "2 module lists that no model class holds itself (model.L_module.layers, model.H_module.layers), a decoder of "
         "several stacks, not one list of layers")
