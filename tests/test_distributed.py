@@ -139,7 +139,7 @@ def test_many_tasks_making_the_store_in_the_same_instant_all_open_it(tmp_path):
     Output.checked); every part is there."""
     import multiprocessing
 
-    tasks, rounds = 8, 12
+    tasks, rounds = 6, 10
     context = multiprocessing.get_context("spawn")  # (no fork of a process with threads)
     barrier, results = context.Barrier(tasks), context.Queue()
     workers = [context.Process(target=_make_stores_at_once, args=(str(tmp_path), rounds, barrier, results))

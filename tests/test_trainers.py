@@ -14,6 +14,7 @@ import pytest
 import torch
 import trainer_check
 from helpers import small_config
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import streamx.train.export as export_module
@@ -472,6 +473,18 @@ def test_nemos_own_readers_read_both_caches_as_an_independent_forward_has_them(s
     assert found["nemo-dspark@killed"]["error"].startswith("FileNotFoundError: DSpark cache manifest not found")
     assert "is marked incomplete" in found["nemo-dspark@beside"]["error"]
     nemo.export_nemo(store_path, str(killed), "nemo-dspark", progress=False, log=lambda m: None)  # resumed
+    from streamx.train.verify import verify
+
+    for key in ("nemo-dspark@given", "nemo-eagle3@given"):  # verify rebuilds each shard from the store
+        report = verify(str(tmp_path / key), use_model=False, log=lambda m: None)
+        assert report.checks[0].passed and report.checks[0].summary.startswith("3 shards as convert writes"), \
+            report.lines()
+    broken = load_file(tmp_path / "nemo-eagle3@given" / "shard-000001.safetensors")
+    broken["aux_hidden_states"][0, 3, 5] += 1
+    save_file(broken, tmp_path / "nemo-eagle3@given" / "shard-000001.safetensors")
+    report = verify(str(tmp_path / "nemo-eagle3@given"), use_model=False, log=lambda m: None)
+    assert report.checks[0].problems == ["shard-000001.safetensors: differs from what convert writes for its rows of "
+                                         "the store"]
     whole = sorted(p.name for p in (tmp_path / "nemo-dspark").iterdir())
     assert sorted(p.name for p in killed.iterdir()) == whole and not staging(killed).exists()
     assert all((killed / name).read_bytes() == (tmp_path / "nemo-dspark" / name).read_bytes()

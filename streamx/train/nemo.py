@@ -96,64 +96,99 @@ def export_nemo(store_path: str, out: str, fmt: str, layer_ids: list[int] | None
                        allow_partial, allow_random_weights)
 
 
+@dataclass
+class Cache:
+    """What a cache's samples are made from: the store's rows and the target's norm, head and pad id."""
+
+    store: Store
+    fmt: str
+    ids: list[int]  # NeMo's layer ids
+    rows: list[int]  # the store's rows it holds, in order
+    skipped: dict[str, int]
+    seq_length: int
+    pad: int
+    norm: FinalNorm
+    head: torch.Tensor  # float32 [V, H]
+    tokenizer: Any
+    selected: torch.Tensor | None  # EAGLE-3: draft id -> target id
+    topk: int
+
+    @classmethod
+    def of(cls, store: Store, fmt: str, layer_ids: list[int] | None, target: str, draft_vocab_size: int | None,
+           topk: int | None) -> Cache:
+        eagle = fmt == "nemo-eagle3"
+        ids = _layer_ids(store, eagle, layer_ids)
+        norm = FinalNorm.from_checkpoint(target, store.metadata.model.get("weights_fingerprint"))
+        head = embeddings_and_head(target)[1].float()
+        tokenizer = load_tokenizer(target)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        rows, skipped = _rows(store)
+        selected = _draft_vocab(store, rows, tokenizer, head.shape[0], draft_vocab_size) if eagle else None
+        topk = topk if topk and selected is not None and topk < selected.numel() else 0
+        return cls(store, fmt, ids, rows, skipped, store.metadata.max_length, pad, norm, head, tokenizer, selected,
+                   topk)
+
+    @property
+    def eagle(self) -> bool:
+        return self.fmt == "nemo-eagle3"
+
+    def shards(self) -> range:
+        return range(-(-len(self.rows) // SHARD_ROWS))
+
+    def shard(self, index: int) -> dict[str, torch.Tensor]:
+        """Shard `index` as it is written: its samples' tensors, stacked."""
+        L, held = self.store.metadata.num_layers, self.store.layer_ids
+        slots, last = [held.index(0 if k == -1 else min(k + 1, L)) for k in self.ids], held.index(L)
+        samples = [_sample(self.store, row, self.seq_length, self.pad, slots, last, self.ids, L, self.norm, self.head,
+                           self.selected, self.topk, self.eagle)
+                   for row in self.rows[index * SHARD_ROWS : (index + 1) * SHARD_ROWS]]
+        return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+
 def _export(store_path: str, out: Path, fmt: str, layer_ids: list[int] | None, model: str | None,
             draft_vocab_size: int | None, topk: int | None, overwrite: bool, progress: bool,
             log: Callable[[str], None], allow_partial: bool, allow_random_weights: bool) -> NemoSummary:
     started = time.perf_counter()
-    eagle = fmt == "nemo-eagle3"
     store = _open(store_path, out, allow_partial, allow_random_weights, log)
-    meta, L = store.metadata, store.metadata.num_layers
-    ids = _layer_ids(store, eagle, layer_ids)
-    target = model or meta.model["path"]
-    norm = FinalNorm.from_checkpoint(target, meta.model.get("weights_fingerprint"))
-    embed, head = embeddings_and_head(target)
-    tokenizer = load_tokenizer(target)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows, skipped = _rows(store)
-    S, V = meta.max_length, head.shape[0]
-    selected = _draft_vocab(store, rows, tokenizer, V, draft_vocab_size) if eagle else None
-    topk = topk if topk and selected is not None and topk < selected.numel() else 0
+    meta, target = store.metadata, model or store.metadata.model["path"]
+    cache = Cache.of(store, fmt, layer_ids, target, draft_vocab_size, topk)
+    ids, rows, S, selected = cache.ids, cache.rows, cache.seq_length, cache.selected
     identity = {"trainer": fmt, "store_created": meta.created, "layer_ids": ids, "rows": len(rows),
-                "draft_vocab_size": draft_vocab_size, "topk": topk, "shard_rows": SHARD_ROWS}
-    manifest = _manifest(fmt, meta, ids, len(rows), S, V, tokenizer, selected, topk, target)
+                "draft_vocab_size": draft_vocab_size, "topk": cache.topk, "shard_rows": SHARD_ROWS}
+    manifest = _manifest(fmt, meta, ids, len(rows), S, cache.head.shape[0], cache.tokenizer, selected, cache.topk,
+                         target)
     command = _command(fmt, out, ids, S)
     done = _prepare(out, identity, overwrite)
     if done is not None:
         log(f"{out} already holds this conversion; nothing to do")
         return NemoSummary(str(out), fmt, done["rows"], done["tokens"], done["skipped"], 0.0, ids, S, command)
     stage = staging(out)
-    width = (S * (len(ids) + 1) * meta.hidden_size * 2 + S * 16) if not eagle else \
-        (S * 3 * meta.hidden_size * 2 + S * 25 + S * (topk * 6 if topk else 2 * selected.numel()))
+    width = (S * (len(ids) + 1) * meta.hidden_size * 2 + S * 16) if not cache.eagle else \
+        (S * 3 * meta.hidden_size * 2 + S * 25 + S * (cache.topk * 6 if cache.topk else 2 * selected.numel()))
     log(f"writing {len(rows):,} rows as NeMo's {fmt.removeprefix('nemo-')} cache into {stage}, renamed to {out} once "
         f"whole: about {gb(len(rows) * width)} (every row padded to {S:,} tokens"
-        + ("" if not eagle or topk else f"; target_probs over {selected.numel():,} ids: --target-probs-topk K keeps "
-                                         "K of them") + ")")
-    if not eagle:
+        + ("" if not cache.eagle or cache.topk else f"; target_probs over {selected.numel():,} ids: "
+                                                    "--target-probs-topk K keeps K of them") + ")")
+    embed = embeddings_and_head(target)[0]
+    if not cache.eagle:
         _write_manifest(stage, {**manifest, "complete": False}, 1)
         _write_tensors(stage / "target_weights.safetensors", {"embed_tokens.weight": embed.to(torch.bfloat16),
-                                                               "lm_head.weight": head.to(torch.bfloat16).clone()})
-        # (cloned: a tied lm_head is the embeddings' tensor, which safetensors will not save twice)
+                                                               "lm_head.weight": cache.head.to(torch.bfloat16)})
     else:
         _write_tensors(stage / "target_embeddings.safetensors", {"weight": embed.float()})
-    slots = [store.layer_ids.index(0 if k == -1 else min(k + 1, L)) for k in ids]
-    last = store.layer_ids.index(L)
-    head32 = head.float()
     with tqdm(total=len(rows), unit="row", desc=f"convert {fmt}", disable=not progress) as bar:
-        for shard, first in enumerate(range(0, len(rows), SHARD_ROWS)):
+        for shard in cache.shards():
             path = stage / f"shard-{shard:06d}.safetensors"
-            chunk = rows[first : first + SHARD_ROWS]
             if not path.exists():  # (written whole by an interrupted convert)
-                samples = [_sample(store, row, S, pad, slots, last, ids, L, norm, head32, selected, topk, eagle)
-                           for row in chunk]
-                _write_tensors(path, {key: torch.stack([s[key] for s in samples]) for key in samples[0]})
-            bar.update(len(chunk))
+                _write_tensors(path, cache.shard(shard))
+            bar.update(len(rows[shard * SHARD_ROWS : (shard + 1) * SHARD_ROWS]))
     tokens = int(sum(store.index.lengths[store.position(row)] for row in rows))
-    _write_manifest(stage, {**manifest, **({"complete": True} if not eagle else {})}, 2 if eagle else 1)
-    record = {"identity": identity, "complete": True, "rows": len(rows), "tokens": tokens, "skipped": skipped,
-              "store": store.path, "model": meta.model, "command": command}
+    _write_manifest(stage, {**manifest, **({"complete": True} if not cache.eagle else {})}, 2 if cache.eagle else 1)
+    record = {"identity": identity, "complete": True, "rows": len(rows), "tokens": tokens, "skipped": cache.skipped,
+              "store": store.path, "model": meta.model, "final_norm_from": target, "command": command}
     durable.write_file(stage / EXPORT, lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
     _publish(stage, out)
-    return NemoSummary(str(out), fmt, len(rows), tokens, skipped, time.perf_counter() - started, ids, S, command)
+    return NemoSummary(str(out), fmt, len(rows), tokens, cache.skipped, time.perf_counter() - started, ids, S, command)
 
 
 def _layer_ids(store: Store, eagle: bool, given: list[int] | None) -> list[int]:

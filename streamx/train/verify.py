@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
 
@@ -637,6 +638,38 @@ def check_export(folder: Path, store: Store, record: dict[str, Any], checkpoint:
                   len(rows), "rows")
 
 
+def check_nemo(folder: Path, store: Store, record: dict[str, Any], checkpoint: str | None = None) -> Check:
+    """A NeMo AutoModel cache (`streamx convert --format nemo-*`; `record`: its EXPORT): every shard holds what
+    convert writes for its rows of the store, ids and masks exactly, states and probabilities within one bf16 step
+    (the norm and head read again from the checkpoint), and the manifest counts them."""
+    from .convert import ConvertError
+    from .final_norm import FinalNormError
+    from .nemo import Cache
+
+    identity = record["identity"]
+    try:
+        cache = Cache.of(store, identity["trainer"], identity["layer_ids"], checkpoint or record["final_norm_from"],
+                         identity["draft_vocab_size"], identity["topk"])
+    except (FinalNormError, ConvertError) as err:  # the checkpoint is not here, the store lost the layers
+        return Check("files", False, "NeMo cache: cannot rebuild what convert wrote", [str(err)])
+    problems = []
+    manifest = json.loads((folder / "manifest.json").read_text())
+    if manifest["num_samples"] != len(cache.rows) or manifest.get("complete", True) is not True:
+        problems.append(f"manifest.json: {manifest['num_samples']} samples, complete {manifest.get('complete')}; the "
+                        f"store gives {len(cache.rows)}")
+    for shard in tqdm(cache.shards(), unit="shard", desc="verify shards", disable=not sys.stderr.isatty()):
+        name = f"shard-{shard:06d}.safetensors"
+        try:
+            got = load_file(folder / name)
+        except Exception as err:  # noqa: BLE001 - missing or damaged: say which and go on
+            problems.append(f"{name}: cannot be read ({type(err).__name__})")
+            continue
+        if not _same_row(got, cache.shard(shard)):
+            problems.append(f"{name}: differs from what convert writes for its rows of the store")
+    return _check("files", problems, f"{len(cache.shards())} shards as convert writes them for NeMo's "
+                  f"{identity['trainer'].removeprefix('nemo-')} cache, from the store", len(cache.shards()), "shards")
+
+
 def _same_row(got: Any, want: Any) -> bool:
     """The same keys; integer tensors and other values equal, float tensors (the states) within one bf16 step."""
     if isinstance(want, dict):
@@ -740,17 +773,15 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
             f"run the same `streamx convert --format {t.name}` again: it resumes"])])
     if exported is not None and speculators:
         raise StoreError(f"{path} is a folder for another trainer: --speculators checks a speculators folder")
-    if exported is not None and exported["identity"]["trainer"] not in TRAINERS:  # NeMo's caches (train.nemo)
-        raise StoreError(f"{path} is a NeMo AutoModel cache, which verify does not check file by file (NeMo's "
-                         f"readers check its manifest and shards as they open them): verify its store, "
-                         f"{exported['store']}")
     if exported is not None or (Path(path) / META).exists():
         source = exported["store"] if exported else json.loads((Path(path) / META).read_text())["source"]["store"]
         local = local_path(source)
         if local is not None and not local.exists():
             raise StoreError(f"{path} was converted from {source}, which is not there: verify needs that store")
-        files = check_export(Path(path), open_store(source), exported, checkpoint) if exported else \
-            check_files(Path(path), open_store(source))  # first: a folder's own problem is said before the store's
+        check = check_files if not exported else \
+            check_export if exported["identity"]["trainer"] in TRAINERS else check_nemo
+        files = check(Path(path), open_store(source), exported, checkpoint) if exported else \
+            check(Path(path), open_store(source))  # first: a folder's own problem is said before the store's
         loaders = [check_speculators(Path(path))] if speculators else []
         store_checks = verify(source, samples, seed, device, use_model, log, checkpoint=checkpoint).checks
         return Report(path, [files, *loaders, *store_checks])
