@@ -155,8 +155,9 @@ def prepare(path: str, metadata: StoreMetadata, overwrite: bool = False) -> zarr
     each call it at once: the store is marked made in one write that fails where another process has just
     made it, which is then opened instead, and nothing but --overwrite deletes anything."""
     root = None if overwrite else _open_group(path, "r+")
-    if root is None and Output.checked(path, overwrite).is_store and not overwrite:  # made meanwhile
-        root = _open_group(path, "r+")
+    if root is None:
+        made = Output.checked(path, overwrite).is_store and not overwrite  # by another process since that read
+        root = _open_group(path, "r+") if made else None
     if root is None:
         try:
             return _create(path, metadata, overwrite)

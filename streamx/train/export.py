@@ -81,7 +81,7 @@ def _export(store_path: str, out: Path, t: Trainer, layer_ids: list[int] | None,
             workers: int, progress: bool, log: Callable[[str], None], allow_partial: bool,
             allow_random_weights: bool) -> ExportSummary:
     started = time.perf_counter()
-    store = _open(store_path, out, allow_partial, allow_random_weights, log)
+    store = open_for_export(store_path, out, allow_partial, allow_random_weights, log)
     ids, slots = layers(store, t, layer_ids)
     meta = store.metadata
     norm_from = model or meta.model["path"]
@@ -91,7 +91,7 @@ def _export(store_path: str, out: Path, t: Trainer, layer_ids: list[int] | None,
     states = _states_text(t, ids, store.metadata.num_layers, meta.storage)
     identity = {"trainer": t.name, "follows": t.version, "store_created": meta.created,
                 "store_compat": asdict(meta.compat), "layer_ids": ids, "rows": int(rows.size)}
-    done = _prepare(out, identity, overwrite)
+    done = prepare_folder(out, identity, overwrite)
     if done is not None:
         log(f"{out} already holds this conversion; nothing to do")
         return _summary(done, out, 0, time.perf_counter() - started)
@@ -109,13 +109,13 @@ def _export(store_path: str, out: Path, t: Trainer, layer_ids: list[int] | None,
               "skipped": dict(Counter(why for _, why in skipped)), "skipped_rows": skipped[:1000],
               "command": t.command, "layer_ids_setting": t.describe_ids(ids)}
     durable.write_file(stage / EXPORT, lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
-    _publish(stage, out)
+    publish(stage, out)
     if skipped:
         log(f"skipped {len(skipped):,} rows: {', '.join(f'{k}: {v}' for k, v in record['skipped'].items())}")
     return _summary(record, out, kept, time.perf_counter() - started)
 
 
-def _open(store_path: str, out: Path, allow_partial: bool, allow_random_weights: bool,
+def open_for_export(store_path: str, out: Path, allow_partial: bool, allow_random_weights: bool,
           log: Callable[[str], None]) -> Store:
     store = open_store(check_location(store_path, str(out)))
     meta = store.metadata
@@ -158,7 +158,7 @@ def _states_text(t: Trainer, ids: list[int], L: int, storage: str) -> str:
             f"{last}; bf16{' (the fp8 store dequantized)' if storage == 'fp8' else ''}")
 
 
-def _prepare(out: Path, identity: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
+def prepare_folder(out: Path, identity: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
     """The record of `out` where it holds this conversion, complete; else its staging folder made ready (this
     conversion begun there, or a fresh one). Refused where either holds another conversion (unless `overwrite`,
     which empties it) or files that are not a conversion (folder.claim)."""
@@ -182,7 +182,7 @@ def _prepare(out: Path, identity: dict[str, Any], overwrite: bool) -> dict[str, 
     return None
 
 
-def _publish(stage: Path, out: Path) -> None:
+def publish(stage: Path, out: Path) -> None:
     """Rename the whole conversion to `out` (absent, or an empty folder: the lock kept anyone else out)."""
     try:
         durable.replace(stage, out)

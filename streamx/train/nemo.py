@@ -40,7 +40,7 @@ from ..base.units import gb
 from ..model.load import load_tokenizer
 from ..store import Store
 from .convert import ConvertError, token_problem
-from .export import _open, _prepare, _publish
+from .export import open_for_export, prepare_folder, publish
 from .final_norm import FinalNorm, embeddings_and_head
 from .folder import EXPORT, staging
 
@@ -149,7 +149,7 @@ def _export(store_path: str, out: Path, fmt: str, layer_ids: list[int] | None, m
             draft_vocab_size: int | None, topk: int | None, overwrite: bool, progress: bool,
             log: Callable[[str], None], allow_partial: bool, allow_random_weights: bool) -> NemoSummary:
     started = time.perf_counter()
-    store = _open(store_path, out, allow_partial, allow_random_weights, log)
+    store = open_for_export(store_path, out, allow_partial, allow_random_weights, log)
     meta, target = store.metadata, model or store.metadata.model["path"]
     cache = Cache.of(store, fmt, layer_ids, target, draft_vocab_size, topk)
     ids, rows, S, selected = cache.ids, cache.rows, cache.seq_length, cache.selected
@@ -158,7 +158,7 @@ def _export(store_path: str, out: Path, fmt: str, layer_ids: list[int] | None, m
     manifest = _manifest(fmt, meta, ids, len(rows), S, cache.head.shape[0], cache.tokenizer, selected, cache.topk,
                          target)
     command = _command(fmt, out, ids, S)
-    done = _prepare(out, identity, overwrite)
+    done = prepare_folder(out, identity, overwrite)
     if done is not None:
         log(f"{out} already holds this conversion; nothing to do")
         return NemoSummary(str(out), fmt, done["rows"], done["tokens"], done["skipped"], 0.0, ids, S, command)
@@ -187,7 +187,7 @@ def _export(store_path: str, out: Path, fmt: str, layer_ids: list[int] | None, m
     record = {"identity": identity, "complete": True, "rows": len(rows), "tokens": tokens, "skipped": cache.skipped,
               "store": store.path, "model": meta.model, "final_norm_from": target, "command": command}
     durable.write_file(stage / EXPORT, lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
-    _publish(stage, out)
+    publish(stage, out)
     return NemoSummary(str(out), fmt, len(rows), tokens, cache.skipped, time.perf_counter() - started, ids, S, command)
 
 
