@@ -169,12 +169,17 @@ def test_hybrid_without_flash_linear_attention_is_named_on_cuda(tmp_path, monkey
                       num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
                       linear_num_key_heads=2, linear_num_value_heads=4,
                       layer_types=["linear_attention"] * 3 + ["full_attention"]).save_pretrained(tmp_path / "hybrid")
-    monkeypatch.setattr(plan, "fla_installed", lambda: False)
+    monkeypatch.setattr(plan, "missing_kernels", lambda: ["flash-linear-attention"])
     cfg = load_config(None, model=str(tmp_path / "hybrid"), out=str(tmp_path / "s.zarr"))
     lines: list[str] = []
     source, output = plan.open_source(cfg.data, cfg.split, 4), Output.read(cfg.out)
     plan.announce(cfg, source, output, "cuda", lines.append)  # reads no CUDA
-    assert any("3 linear-attention layers will run transformers' slow reference path" in line for line in lines)
+    assert any("3 linear-attention or state-space layers, and flash-linear-attention not installed" in line
+               for line in lines)
     lines.clear()
     plan.announce(cfg, source, output, "cpu", lines.append)
     assert not any("linear-attention" in line for line in lines)  # on CPU there is no fast path to miss
+    monkeypatch.setattr(plan, "missing_kernels", lambda: [])
+    lines.clear()
+    plan.announce(cfg, source, output, "cuda", lines.append)
+    assert not any("linear-attention" in line for line in lines)  # every kernel there: nothing to say

@@ -411,9 +411,11 @@ def announce(config: RunConfig, source: Source, output: Output, device: str, log
     if residual.streams > 1:
         log(f"  states  {residual.describe()}")
     linear = list(getattr(text_config, "layer_types", None) or []).count("linear_attention")
-    if linear and resolve_device(device).startswith("cuda") and not fla_installed():
-        log(f"  note    {linear} linear-attention layers will run transformers' slow reference path: "
-            "flash-linear-attention is not installed (pip install -e '.[gpu]' in the checkout, docs/install.md)")
+    missing = missing_kernels()
+    if linear and resolve_device(device).startswith("cuda") and missing:
+        log(f"  note    {linear} linear-attention or state-space layers, and {', '.join(missing)} not installed: "
+            "where the family's layers take them (gated delta-net: flash-linear-attention; Mamba: causal-conv1d, "
+            "mamba-ssm), transformers runs its slow reference path (docs/install.md)")
 
 
 def check_space(config: RunConfig, source: Source, output: Output, log: Callable[[str], None],
@@ -453,9 +455,13 @@ def tokens_to_compute(sized: tuple[Estimate, float] | None, sharing: Sharing) ->
     return round(tokens * left)
 
 
-def fla_installed() -> bool:
-    """flash-linear-attention (fla-core): the Triton kernels transformers uses for gated delta-net layers."""
-    return importlib.util.find_spec("fla") is not None
+KERNELS = {"flash-linear-attention": "fla", "causal-conv1d": "causal_conv1d", "mamba-ssm": "mamba_ssm"}  # -> module
+
+
+def missing_kernels() -> list[str]:
+    """The kernel packages transformers uses for linear-attention and state-space layers that are not installed:
+    flash-linear-attention's Triton kernels (gated delta-net), causal-conv1d and mamba-ssm (Mamba mixers)."""
+    return [package for package, module in KERNELS.items() if importlib.util.find_spec(module) is None]
 
 
 def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, layer_ids: list[int],
