@@ -530,7 +530,6 @@ def check_files(spec: Path, store: Store) -> Check:
     """Every hs file holds what convert writes for its row of the store (found by its token ids), bit for bit,
     and the dataset row of the same index has the same ids."""
     from datasets import load_from_disk
-    from safetensors.torch import load_file
 
     from .convert import training_sample
 
@@ -550,10 +549,8 @@ def check_files(spec: Path, store: Store) -> Check:
     problems = []
     for i in range(len(rows)):
         name = f"{HS_DIR}/hs_{i}.safetensors"
-        try:
-            f = load_file(spec / name)
-        except Exception as err:  # noqa: BLE001 - missing or damaged: say which and go on
-            problems.append(f"{name}: cannot be read ({type(err).__name__})")
+        f = _tensors(spec, name, problems)
+        if f is None:
             continue
         ids = f["token_ids"]
         if not torch.equal(ids, rows[i]["input_ids"]):
@@ -659,15 +656,20 @@ def check_nemo(folder: Path, store: Store, record: dict[str, Any], checkpoint: s
                         f"store gives {len(cache.rows)}")
     for shard in tqdm(cache.shards(), unit="shard", desc="verify shards", disable=not sys.stderr.isatty()):
         name = f"shard-{shard:06d}.safetensors"
-        try:
-            got = load_file(folder / name)
-        except Exception as err:  # noqa: BLE001 - missing or damaged: say which and go on
-            problems.append(f"{name}: cannot be read ({type(err).__name__})")
-            continue
-        if not _same_row(got, cache.shard(shard)):
+        got = _tensors(folder, name, problems)
+        if got is not None and not _same_row(got, cache.shard(shard)):
             problems.append(f"{name}: differs from what convert writes for its rows of the store")
     return _check("files", problems, f"{len(cache.shards())} shards as convert writes them for NeMo's "
                   f"{identity['trainer'].removeprefix('nemo-')} cache, from the store", len(cache.shards()), "shards")
+
+
+def _tensors(folder: Path, name: str, problems: list[str]) -> dict[str, torch.Tensor] | None:
+    """The safetensors file `name` in `folder`, or None where it is missing or damaged (said in `problems`)."""
+    try:
+        return load_file(folder / name)
+    except Exception as err:  # noqa: BLE001 - missing or damaged: say which and go on
+        problems.append(f"{name}: cannot be read ({type(err).__name__})")
+        return None
 
 
 def _same_row(got: Any, want: Any) -> bool:
