@@ -472,8 +472,12 @@ def test_nemos_own_readers_read_both_caches_as_an_independent_forward_has_them(s
     found = torch.load(result, weights_only=False)
     assert found["nemo-dspark@killed"]["error"].startswith("FileNotFoundError: DSpark cache manifest not found")
     assert "is marked incomplete" in found["nemo-dspark@beside"]["error"]
-    nemo.export_nemo(store_path, str(killed), "nemo-dspark", progress=False, log=lambda m: None)  # resumed
     from streamx.train.verify import verify
+
+    unfinished = verify(str(killed), use_model=False, log=lambda m: None).checks[0]
+    assert unfinished.summary == f"NeMo AutoModel's dspark cache: the convert did not finish (its rows so far are in " \
+                                 f"{staging(killed)})"
+    nemo.export_nemo(store_path, str(killed), "nemo-dspark", progress=False, log=lambda m: None)  # resumed
 
     for key in ("nemo-dspark@given", "nemo-eagle3@given"):  # verify rebuilds each shard from the store
         report = verify(str(tmp_path / key), use_model=False, log=lambda m: None)

@@ -769,10 +769,11 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
     record = next((p for p in (Path(path) / EXPORT, staging(Path(path)) / EXPORT) if p.exists()), None)
     exported = json.loads(record.read_text()) if record is not None else None
     if exported is not None and not exported.get("complete"):  # a convert under way, or killed
-        t = TRAINERS[exported["identity"]["trainer"]]
-        return Report(path, [Check("files", False, f"{t.title}: the convert did not finish (its rows so far are in "
+        name = exported["identity"]["trainer"]
+        title = TRAINERS[name].title if name in TRAINERS else f"NeMo AutoModel's {name.removeprefix('nemo-')} cache"
+        return Report(path, [Check("files", False, f"{title}: the convert did not finish (its rows so far are in "
                                                     f"{record.parent})", [
-            f"run the same `streamx convert --format {t.name}` again: it resumes"])])
+            f"run the same `streamx convert --format {name}` again: it resumes"])])
     if exported is not None and speculators:
         raise StoreError(f"{path} is a folder for another trainer: --speculators checks a speculators folder")
     if exported is not None or (Path(path) / META).exists():
@@ -780,10 +781,12 @@ def verify(path: str, samples: int = 32, seed: int = 0, device: str = "auto", us
         local = local_path(source)
         if local is not None and not local.exists():
             raise StoreError(f"{path} was converted from {source}, which is not there: verify needs that store")
-        check = check_files if not exported else \
-            check_export if exported["identity"]["trainer"] in TRAINERS else check_nemo
-        files = check(Path(path), open_store(source), exported, checkpoint) if exported else \
-            check(Path(path), open_store(source))  # first: a folder's own problem is said before the store's
+        # first: a folder's own problem is said before the store's
+        if exported is None:
+            files = check_files(Path(path), open_store(source))
+        else:
+            check = check_export if exported["identity"]["trainer"] in TRAINERS else check_nemo
+            files = check(Path(path), open_store(source), exported, checkpoint)
         loaders = [check_speculators(Path(path))] if speculators else []
         store_checks = verify(source, samples, seed, device, use_model, log, checkpoint=checkpoint).checks
         return Report(path, [files, *loaders, *store_checks])
