@@ -14,12 +14,13 @@ import torch
 from helpers import broken_packed_batch, small_config, worst_row
 from transformers import AutoModelForCausalLM
 
-from streamx.config import RunConfig
+from streamx.config import RunConfig, load_config
 from streamx.data import batching
 from streamx.pipeline.heal import unranged
 from streamx.pipeline.plan import make_plan
 from streamx.pipeline.runner import run
 from streamx.proof import audit
+from streamx.proof.tolerance import Noise, Tolerance
 from streamx.store import open_store
 from streamx.train.verify import check_audit, verify
 
@@ -77,6 +78,42 @@ def test_a_way_that_turns_wrong_after_some_batches_is_healed(peaked_model_dir, c
     assert rewritten >= 1 and audited.recomputed > rewritten and not audited.to_heal
     assert f"{audited.recomputed:,} rows computed again" in audited.phrase()
     assert verify(str(out), use_model=False, log=lambda m: None).passed
+
+
+def test_bf16_rounding_of_a_deep_model_is_not_taken_for_a_wrong_way(smollm2_dir, tmp_path, monkeypatch):
+    """SmolLM2-135M's 30 layers in bf16: its own forwards of a row alone and among copies of itself differ by ~0.05 on
+    a token, so a fixed tolerance of 0.05 found right ways wrong on real chats (three, and the run ended one row per
+    forward). Judged by the model's own noise, measured at start-up, the run keeps its packed and shared ways, its
+    rows pass verify's recomputation alone, and a way wrong by a rope off by two is still found."""
+    settings = dict(model=smollm2_dir, data="chatterbot:english", dtype="bfloat16", audit_share=0)
+    lines: list[str] = []
+    right = run(load_config(None, out=str(tmp_path / "right.zarr"), max_samples=300, **settings), progress=False,
+                log=lines.append)
+    assert right.audit.rows >= 4 and not right.audit.found, "\n".join(lines)
+    store = open_store(str(tmp_path / "right.zarr"))
+    assert store.metadata.packing == "on" and store.audit().tolerance == right.audit.tolerance
+    judged = right.audit.tolerance
+    assert judged["dtype"] == "bfloat16" and judged["noise_worst"] > 0.01 and judged["token"] > 0.05
+    assert "bfloat16 noise of this model" in right.audit.phrase()
+    assert verify(str(tmp_path / "right.zarr"), samples=8, log=lambda m: None).passed
+
+    shift_positions_past_the_probes(monkeypatch)
+    lines = []
+    wrong = run(load_config(None, out=str(tmp_path / "wrong.zarr"), max_samples=120, sharing="off", **settings),
+                progress=False, log=lines.append)
+    assert wrong.audit.found and wrong.audit.found[0]["way"] == "packed beside other rows", "\n".join(lines)
+    assert verify(str(tmp_path / "wrong.zarr"), samples=8, log=lambda m: None).passed
+
+
+def test_a_way_that_moves_every_token_a_little_shows_in_the_median_token_of_a_loud_model():
+    """Under a loud model's token tolerance (SmolLM2 in bf16, its noise as measured above), rounding moves a few tokens
+    far and the median token little; a wrong way that moves every token by 0.1 passes the token tolerance but not
+    the median's."""
+    judged = Tolerance.of(audit.LOW_PRECISION_FLOOR, Noise(typical=0.016, worst=0.054, dtype="bfloat16"))
+    rounding = torch.full((300, 4), 0.01)
+    rounding[::50, 2] = 0.15  # a few tokens far
+    assert not judged.differs(rounding)
+    assert judged.differs(torch.full((300, 4), 0.1)) and judged.judge(torch.full((300, 4), 0.1))[0] == 0
 
 
 def test_the_audit_figures_reach_the_store_inspect_and_verify(tiny_chat_model_dir, chat_jsonl, tmp_path):

@@ -57,8 +57,10 @@ from ..model.packing import Packing, hand_states_over, keep_samples_apart_native
 from ..model.packing import configure as configure_packing
 from ..model.residual import config_layers, residual_of
 from ..model.support import note as family_note
+from ..proof.audit import tolerance_of
 from ..proof.check import check_continuation, check_prefix_rows
 from ..proof.ids import prove_ids
+from ..proof.tolerance import Tolerance
 from ..store import (
     Compat,
     DoneKeys,
@@ -257,7 +259,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
         log(f"  family  {family}")
         if config.tp > 1:
             log(f"  tp      {held_share(model, config.tp)}")
-        log(f"  audit   {audit_note(config)}")
+        log(f"  audit   {audit_note(config, tolerance_of(model, packing))}")
     check_vocabulary(config.data, record, tokenizer)
     builder = SampleBuilder(tokenizer, config.max_length, config.truncation, config.train_turns)
     layout = make_layout(len(layer_ids), info.hidden_size, config.chunk_tokens, config.shard_tokens, config.compressor,
@@ -268,15 +270,16 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
                    metadata, tokens_to_compute=tokens_to_compute(sized, sharing))
 
 
-def audit_note(config: RunConfig) -> str:
-    """The run's log line on its in-run audit (proof.audit)."""
+def audit_note(config: RunConfig, tolerance: Tolerance) -> str:
+    """The run's log line on its in-run audit (proof.audit), which judges rows by `tolerance`."""
     if not config.audit_every:
         return "off (--audit-every 0)"
     budget = (f"within {config.audit_share:.0%} of the forward time" if config.audit_share else
               "whatever it costs (--audit-share 0)")
     return (f"rows of each way of computing rows, doubling in length, the first past each declared length limit and "
             f"one row id in {config.audit_every:,}, recomputed alone through the model's own forward before its batch "
-            f"is written, {budget}; a way found wrong is dropped and its rows computed again")
+            f"is written, {budget}; a row differs past {tolerance.explained()}; a way found wrong is dropped and its "
+            "rows computed again")
 
 
 def decide_sharing(config: RunConfig, packing: Packing, model: PreTrainedModel) -> Sharing:

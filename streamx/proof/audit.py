@@ -22,12 +22,14 @@ way's first rows are seen early; START_TOKENS tokens' worth where the run cannot
 row that does not fit waits for a later row of its way (a short run may leave ways or lengths unaudited: the record
 says which). A share of 0 audits every row picked, whatever it costs.
 
-How it judges: each token against its own scale (relative_error), within the tolerance of the model's dtype. In
-reduced precision a model that picks by ranking (a MoE router, a sparse attention's top-k) may pick otherwise for a
-token batched otherwise when two candidates nearly tie: there, and only there, a row may have one token (or 1%) over
-the tolerance, and a way is judged across its rows: ties are rare, a wrong way shows in many rows, so the next
-FOLLOW_UP rows of a way after a row with a token over SUSPECT of the tolerance are audited whatever the budget, and
-a second row of it with a token over the tolerance finds the way wrong.
+How it judges: each token against its own scale (relative_error), within the tolerance of the model's dtype, or in
+reduced precision of the model's own noise measured at start-up (streamx.proof.tolerance: no token past it, no
+row's median token past its typical part). In reduced precision a model that picks by ranking (a MoE router, a
+sparse attention's top-k) may pick otherwise for a token batched otherwise when two candidates nearly tie: there,
+and only there, a row may have one token (or 1%) over the tolerance, and a way is judged across its rows: ties are
+rare, a wrong way shows in many rows, so the next FOLLOW_UP rows of a way after a row with a token over SUSPECT of
+the tolerance are audited whatever the budget, and a second row of it with a token over the tolerance finds the way
+wrong.
 
 A way found wrong is a `Finding`; the run (streamx.proof.ladder) drops it and recomputes what it computed so.
 """
@@ -47,25 +49,20 @@ from ..model.capture import LayerCapture
 from ..model.gather import gather_into_torch
 from ..model.packing import Packing, padded_attention
 from ..store import Audited
-from .check import declared_spans, largest, relative_error, served_states
+from .check import declared_spans, served_states
+from .tolerance import TIE_SHARE, Noise, Tolerance, largest, picks_by_ranking, reduced_precision, relative_error
 
 EVERY = 512  # one row in this many audited by default, besides the ladder of lengths of each way
 SHARE = 0.01  # the audit's forwards at most this share of the run's forward time, by default
 START_TOKENS = 256  # the allowance besides the share where the run cannot say what it will compute (a stream)
 COST_GUESS = 1.0  # a row's forward alone per token against the run's batched forward, until the audit measured one
-# a token differs when its distance from the model's own forward, relative to its size, exceeds this: the bf16
-# states round by at most 2**-9 per value (float32 compute differs by less), bf16 compute by more; a broken way of
-# computing rows moves states by 0.1 to O(1)
-TOLERANCE = {torch.float32: 1e-2, torch.float64: 1e-2}
-LOW_PRECISION_TOLERANCE = 5e-2
-# in reduced precision a model that picks by ranking may pick another expert or key for a token batched otherwise
-# (its own rounding, near a tie): a row differs when more than this share of its tokens (and more than one) do
-LOW_PRECISION_TOKEN_SHARE = 0.01
+# a token differs when its distance from the model's own forward, relative to its size, exceeds this (or, in reduced
+# precision, what the model's own noise allows where more: streamx.proof.tolerance): float32 compute differs by
+# ~1e-6; a broken way of computing rows moves states by 0.1 to O(1)
+FLOAT32_FLOOR, LOW_PRECISION_FLOOR = 1e-2, 5e-2
 FOLLOW_UP = 4  # rows of a way audited, whatever the budget, after one with a token near or over the tolerance
 SUSPECT = 0.5  # near: over this share of the tolerance (a right way stays well below it: rounding)
 RECORDED = 1 << 7  # a row's recorded way (Way.code); 0: not recorded (a part written before streamx recorded it)
-RANKING_FIELDS = ("num_experts_per_tok", "n_routed_experts", "num_local_experts", "num_experts", "moe_topk",
-                  "index_topk", "index_topk_blocks")  # config fields of a model that picks experts or keys by rank
 
 
 @dataclass(frozen=True)
@@ -135,23 +132,27 @@ class Finding:
     token: int
     difference: float
     tokens_over: int
-    tolerance: float
+    median: float  # its median token's difference
+    tolerance: Tolerance
 
     def __str__(self) -> str:
         return (f"row {self.row} ({self.way}) differs from the model's own forward of it alone: layer id "
                 f"{self.layer_id}, token {self.token} of {self.length}, relative difference {self.difference:.3g} "
-                f"({self.tokens_over} of its tokens over {self.tolerance:g})")
+                f"({self.tokens_over} of its tokens over {self.tolerance.token:.2g}, its median token "
+                f"{self.median:.2g}; the tolerance {self.tolerance})")
 
     def to_json(self) -> dict:
         return {"row": self.row, "way": str(self.way), "layer_id": self.layer_id, "token": self.token,
-                "length": self.length, "difference": self.difference, "tokens_over": self.tokens_over}
+                "length": self.length, "difference": self.difference, "tokens_over": self.tokens_over,
+                "median": self.median}
 
 
-def picks_by_ranking(model: nn.Module) -> bool:
-    """Whether the model picks experts or keys by rank (a MoE router, a sparse attention's top-k), which rounding
-    may flip near a tie."""
-    text = model.config.get_text_config()
-    return any(isinstance(getattr(text, name, None), int) and getattr(text, name) > 0 for name in RANKING_FIELDS)
+def tolerance_of(model: nn.Module, packing: Packing) -> Tolerance:
+    """What the audit judges rows of `model` by: its dtype's floor, or in reduced precision what its own noise, which
+    the start-up check measured, allows where more."""
+    low = reduced_precision(next(model.parameters()).dtype)
+    noise = packing.probes.noise if packing.probes is not None else Noise()
+    return Tolerance.of(LOW_PRECISION_FLOOR if low else FLOAT32_FLOOR, noise)
 
 
 def declared_limits(model: nn.Module, packing: Packing) -> list[int]:
@@ -196,11 +197,10 @@ class Audit:
         self.layer_ids, self.share, self.forward_seconds = layer_ids, share, forward_seconds
         self.planned_tokens = planned_tokens or 0  # the tokens the run plans to compute: its budget from the start
         self.capture: LayerCapture | None = None  # its own hooks, idle in the run's forwards (while in `with`)
-        dtype = next(model.parameters()).dtype
-        self.tolerance = TOLERANCE.get(dtype, LOW_PRECISION_TOLERANCE)
-        self.ties = dtype not in TOLERANCE and picks_by_ranking(model)  # a token over may be a near tie
+        self.tolerance = tolerance_of(model, packing)
+        self.ties = bool(self.tolerance.noise.dtype) and picks_by_ranking(model)  # a token over may be a near tie
         self.limits = declared_limits(model, packing)
-        self.audited = Audited(ways=[], coverage={})
+        self.audited = Audited(ways=[], coverage={}, tolerance=self.tolerance.to_json())
         self.longest: dict[tuple[Way, int], int] = {}  # (way, forward size class) -> its longest row audited
         self.crossed: set[tuple[Way, int]] = set()  # (way, declared limit) a row past it was audited
         self.flagged: dict[Way, int] = {}  # rows of a way audited with a token over the tolerance
@@ -323,18 +323,17 @@ class Audit:
             return None  # the model's own forward overflows on this row: nothing to compare (the writer rejects the
             # row where the run's states do too)
         error = relative_error(got, own).nan_to_num(nan=float("inf"), posinf=float("inf"))
-        per_token = error.max(dim=1).values
-        over = int((per_token > self.tolerance).sum())
+        over, median = self.tolerance.judge(error)
         value, token, slot = largest(error)
-        self.audited.add(str(how), row.row_id, len(row.input_ids), int(per_token.numel()), value)
-        allowed = max(1, int(LOW_PRECISION_TOKEN_SHARE * per_token.numel())) if self.ties else 0
+        self.audited.add(str(how), row.row_id, len(row.input_ids), len(error), value)
+        allowed = max(1, int(TIE_SHARE * len(error))) if self.ties else 0
         if over:
             self.flagged[how] = self.flagged.get(how, 0) + 1
-        if value > SUSPECT * self.tolerance:  # near the tolerance: look at more rows of the way before trusting it
+        if value > SUSPECT * self.tolerance.token:  # near the tolerance: more rows of the way before trusting it
             self.follow_ups.setdefault(how, FOLLOW_UP)
-        if over > allowed or (over and self.flagged[how] > 1):
+        if self.tolerance.differs(error, allowed) or (over and self.flagged[how] > 1):
             return Finding(how, row.row_id, len(row.input_ids), self.layer_ids[slot], done + token, value, over,
-                           self.tolerance)
+                           median, self.tolerance)
         return None
 
     def __enter__(self) -> Audit:

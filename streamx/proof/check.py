@@ -25,6 +25,7 @@ from ..data.tokenize import Sample
 from ..model.capture import LayerCapture, find_decoder
 from ..model.gather import gather_into_torch
 from ..model.lengths import LengthSplit
+from .tolerance import Noise, Tolerance, largest, own_states, reduced_precision, relative_error
 
 PROBE_MAX_TOKENS = 16384  # the longest probe row: a window or chunk longer than this is not proven on the model
 PLAIN_SPAN = 32  # the scale of the probe rows of a model without windows or chunks
@@ -73,6 +74,7 @@ class Probes:
     scope: str  # what the rows cover, for the log: their length against the windows, chunks and length limits
     layer_ids: list[int]  # the layer outputs compared (ids: k = the output of layer k-1)
     reference: dict[int, torch.Tensor]  # row id -> [tokens, len(layer_ids), hidden], the model's own forward
+    noise: Noise  # the model's own rounding between forwards of a row (measured in reduced precision)
 
     @classmethod
     @torch.inference_mode()
@@ -109,20 +111,21 @@ class Probes:
         L = len(find_decoder(model).layers)
         layer_ids = sorted({round(1 + k * (L - 1) / (COMPARED_LAYERS - 1)) for k in range(COMPARED_LAYERS)}) \
             if L > COMPARED_LAYERS else list(range(1, L + 1))
-        reference = {}
+        reference, noise = {}, Noise()
         with LayerCapture(model, layer_ids, gather_into_torch) as capture:
             for row in rows:
-                reference[row.row_id] = _states(capture, make_batch([row], 0), model)
+                reference[row.row_id] = own_states(capture, make_batch([row], 0), model)
+            if reduced_precision(next(model.parameters()).dtype):
+                noise = Noise.of(model, capture, [rows[1], rows[5]], token_budget)
         longest = max(len(t) for t in ids)
         return cls(rows, together, (2, 3), prefixes, _scope(longest, spans, max_length, cap), layer_ids,
-                   reference)
+                   reference, noise)
 
     @property
-    def tolerance(self) -> float:
-        """A way that keeps rows apart agrees with the model's own forward within float rounding; a leak moves
-        states by O(1)."""
-        dtype = next(iter(self.reference.values())).dtype
-        return 1e-3 if dtype == torch.float32 else 5e-2
+    def tolerance(self) -> Tolerance:
+        """A way that keeps rows apart agrees with the model's own forward within its rounding (float32: 1e-3; in
+        reduced precision the model's own noise, measured); a leak moves states by O(1)."""
+        return Tolerance.of(5e-2 if self.noise.dtype else 1e-3, self.noise)
 
     def group(self, indexes: list[int] | tuple[int, ...]) -> list[Sample]:
         return [self.rows[i] for i in indexes]
@@ -145,33 +148,11 @@ def _scope(n: int, spans: dict[str, int], max_length: int, cap: int) -> str:
     return said
 
 
-def _states(capture: LayerCapture, batch: Batch, model: nn.Module) -> torch.Tensor:
-    """[computed tokens, compared layers, hidden] of one forward of `batch`, in the model's dtype."""
-    parameter = next(model.parameters())
-    states = torch.empty(batch.num_tokens, len(capture.layer_ids), capture.residual.width,
-                         dtype=parameter.dtype, device=parameter.device)
-    capture.forward(batch, states)
-    return states
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """[tokens, layers]: each token's distance from `want` relative to its own size (so that a first token's massive
-    activation hides nothing)."""
-    got, want = got.float(), want.float()
-    return (got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-30)
-
-
-def largest(error: torch.Tensor) -> tuple[float, int, int]:
-    """The largest entry of a [tokens, layers] error, its token and its layer (index)."""
-    value, at = error.flatten().max(0)
-    token, layer = divmod(int(at), error.shape[1])
-    return float(value), token, layer
-
-
-def _where(error: torch.Tensor, layer_ids: list[int], done: int, length: int) -> tuple[float, str]:
+def _where(error: torch.Tensor, probes: Probes, done: int, length: int) -> str:
     value, token, layer = largest(error)
-    return value, (f"layer output {layer_ids[layer]}, token {done + token} of a {length}-token row: relative "
-                   f"difference {value:.2g}")
+    median = probes.tolerance.judge(error)[1]
+    return (f"layer output {probes.layer_ids[layer]}, token {done + token} of a {length}-token row: relative "
+            f"difference {value:.2g}, its median token {median:.2g}; the tolerance {probes.tolerance}")
 
 
 def served_states(batch: Batch, k: int, states: torch.Tensor) -> torch.Tensor:
@@ -181,17 +162,15 @@ def served_states(batch: Batch, k: int, states: torch.Tensor) -> torch.Tensor:
     return states.index_select(0, index)
 
 
-def _worst(batch: Batch, states: torch.Tensor, probes: Probes) -> tuple[float, str]:
-    """The largest difference between `batch`'s rows in `states` and the model's own forward of each alone
-    (relative_error), and where it is. Rows' tokens an earlier forward computed were compared with that forward."""
-    worst = (0.0, "")
+def _differing(batch: Batch, states: torch.Tensor, probes: Probes) -> str | None:
+    """Where a row of `batch` in `states` differs from the model's own forward of it alone past the probes'
+    tolerance, or None. Rows' tokens an earlier forward computed were compared with that forward."""
     for k, row in enumerate(batch.samples):
         done = batch.carried_tokens(k)
         error = relative_error(served_states(batch, k, states), probes.reference[row.row_id][done:])
-        found = _where(error, probes.layer_ids, done, len(row.input_ids))
-        if not found[0] <= worst[0]:
-            worst = found
-    return worst
+        if probes.tolerance.differs(error):
+            return _where(error, probes, done, len(row.input_ids))
+    return None
 
 
 def _differs(model: nn.Module, batches: list[Batch], probes: Probes) -> str | None:
@@ -200,11 +179,11 @@ def _differs(model: nn.Module, batches: list[Batch], probes: Probes) -> str | No
     with LayerCapture(model, probes.layer_ids, gather_into_torch) as capture:
         for batch in batches:
             try:
-                states = _states(capture, batch, model)
+                states = own_states(capture, batch, model)
             except FAILURES as err:
                 return f"the forward failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
-            error, where = _worst(batch, states, probes)
-            if not error <= probes.tolerance:
+            where = _differing(batch, states, probes)
+            if where is not None:
                 return where
     return None
 
@@ -253,8 +232,8 @@ def check_prefix_rows(probes: Probes) -> str | None:
     for row, prefix in (probes.group(pair) for pair in probes.prefixes):
         n = len(prefix.input_ids)
         error = relative_error(probes.reference[row.row_id][:n], probes.reference[prefix.row_id])
-        value, where = _where(error, probes.layer_ids, 0, n)
-        if value > probes.tolerance:
+        if probes.tolerance.differs(error):
+            where = _where(error, probes, 0, n)
             break
     else:
         return None

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..model.capture import find_decoder
 from ..model.residual import residual_of
-from .check import relative_error
+from .tolerance import relative_error
 
 PROBE_TOKENS = 24  # the probe row's length
 AGREE = 1e-4  # the hooks see the very tensors the tuple records: equal but for a copy's rounding

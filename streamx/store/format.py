@@ -324,6 +324,7 @@ class Audited:
     rung: str | None = None  # how the run computed its rows after dropping them (proof.ladder; None: as planned)
     recomputed: int = 0  # rows computed again the safe way after a way was found wrong
     to_heal: list[list[int]] | None = None  # [first, last] row id ranges committed a way found wrong, waiting
+    tolerance: dict | None = None  # what it judged by (proof.tolerance.Tolerance.to_json): the model's own noise
 
     def saw(self, way: str, length: int) -> None:
         """The run computed a row of `length` tokens `way`."""
@@ -354,7 +355,7 @@ class Audited:
                        self.seconds + before.seconds, self.forward_seconds + before.forward_seconds,
                        sorted(set(self.ways or []) | set(before.ways or [])), coverage,
                        [*(before.found or []), *(self.found or [])] or None, self.rung or before.rung,
-                       self.recomputed + before.recomputed, self.to_heal)
+                       self.recomputed + before.recomputed, self.to_heal, self.tolerance or before.tolerance)
 
     @classmethod
     def from_json(cls, record: dict) -> Audited:
@@ -394,10 +395,19 @@ class Audited:
         unaudited = self.unaudited()
         return "; ".join([
             f"{self.rows:,} rows ({self.tokens:,} tokens) recomputed alone through the model's own forward, worst "
-            f"token {self.worst:.2g} (row {self.worst_row}); {self.share:.1%} of the forward time",
+            f"token {self.worst:.2g} (row {self.worst_row}{self._judged()}); {self.share:.1%} of the forward time",
             f"ways: {' | '.join(self._covered() if self.coverage else self.ways or [])}",
             *([f"not audited (the budget, --audit-share): {' | '.join(unaudited)}"] if unaudited else []),
             *found, *healed, *waiting])
+
+    def _judged(self) -> str:
+        """What the audit judged by, where the model's own noise set it (reduced precision)."""
+        judged = self.tolerance or {}
+        if not judged.get("dtype"):
+            return ""
+        return (f"; within {judged['token']:.2g} on a token and {judged['typical']:.2g} on a row's median token: "
+                f"{judged['dtype']} noise of this model {judged['noise_worst']:.2g} at worst, "
+                f"{judged['noise_typical']:.2g} typically")
 
     def _covered(self) -> list[str]:
         return [f"{way} ({rows:,} of {computed_rows:,} rows, up to {longest:,} tokens)"
