@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from streamx.config import load_config
-from streamx.reference import commands, flags, markdown
+from streamx.reference import MORE, commands, flags, pages
 
 ROOT = Path(__file__).parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def invocations(text: str) -> list[str]:
@@ -49,9 +49,21 @@ def test_a_flag_that_does_not_exist_is_found():
     assert "--made-up" not in flags(commands()["run"]) and "--gpu" in flags(commands()["plan"])
 
 
-def test_the_reference_page_is_the_cli():
-    assert (ROOT / "docs" / "reference.md").read_text() == markdown(), \
-        "regenerate docs/reference.md (its first lines say how)"
+def test_the_command_pages_are_the_cli():
+    """A page per command, each equal to what the CLI generates, every link on it to a page that exists."""
+    generated = pages()
+    assert set(MORE) == set(commands()), "a command without its docs (reference.MORE)"
+    written = {str(path.relative_to(ROOT / "docs")) for path in (ROOT / "docs" / "commands").glob("*.md")}
+    assert written | {"reference.md"} == set(generated), "a page for a command that is gone: delete it"
+    for relative, text in generated.items():
+        page = ROOT / "docs" / relative
+        assert page.read_text() == text, f"regenerate docs/{relative}: python -m streamx.reference"
+        for link, anchor in re.findall(r"\]\(([^)#]+)#?([^)]*)\)", text):
+            target = page.parent.joinpath(link).resolve()
+            assert target.exists(), f"{relative}: {link}"
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), flags=re.M)
+            slugs = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+            assert not anchor or anchor in slugs, f"{relative}: {link}#{anchor}"
 
 
 @pytest.mark.parametrize("example", sorted((ROOT / "configs" / "examples").glob("*.yaml")), ids=lambda p: p.stem)
