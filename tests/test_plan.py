@@ -151,35 +151,39 @@ def test_banner_comes_before_the_weights(tmp_path, config_only_model, monkeypatc
     # what the ids hold (proven on the model), packing and sharing are decided once the model is in, and the
     # family's row of the support table and the in-run audit said: the five lines after the weights
     assert made.packing.on and str(made.packing) == "on" and str(made.sharing) == "on"
-    assert len(after) == 5 and after[0] == ("  ids     every id < L is the model's own output_hidden_states (which "
+    assert len(after) == 6 and after[0] == ("  ids     every id < L is the model's own output_hidden_states (which "
                                             "start at the embeddings); model.norm applied to id L gives its last "
                                             "hidden state (the final norm)")
     assert after[1].startswith("  packing on: each forward's samples")
     assert after[2].startswith("  sharing on: rows that repeat an earlier row, or are prefixes of others")
     assert after[3] == ("  family  Llama 3 (llama): packed and shared in the support table (docs/support.md), as the "
                         "start-up check found on this model")
-    assert after[4].startswith("  audit   rows of each way of computing rows") and "one row id in 512" in after[4]
-    assert "within 1% of the forward time" in after[4]
+    assert after[4] == ("  kernels attention sdpa (padded rows, the check and the audit), packed rows streamx's varlen "
+                        "attention")  # a plain transformer: no kernel package
+    assert after[5].startswith("  audit   rows of each way of computing rows") and "one row id in 512" in after[5]
+    assert "within 1% of the forward time" in after[5]
 
 
-def test_hybrid_without_flash_linear_attention_is_named_on_cuda(tmp_path, monkeypatch):
-    from transformers import Qwen3_5TextConfig
+def test_the_kernels_each_familys_layers_take_are_named_from_its_code(monkeypatch):
+    """The header names the kernel functions the linear-attention and state-space layers call, read from the model's
+    own code (gated delta-net: flash-linear-attention and causal-conv1d; Mamba2 mixers: mamba-ssm and
+    causal-conv1d; LFM2's short convolutions: causal-conv1d), how many layers call them, and on a GPU each package
+    not installed with what is lost and the install line; on the CPU they run transformers' reference."""
+    from zoo_models import zoo_model
 
-    Qwen3_5TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-                      linear_num_key_heads=2, linear_num_value_heads=4,
-                      layer_types=["linear_attention"] * 3 + ["full_attention"]).save_pretrained(tmp_path / "hybrid")
-    monkeypatch.setattr(plan, "missing_kernels", lambda: ["flash-linear-attention"])
-    cfg = load_config(None, model=str(tmp_path / "hybrid"), out=str(tmp_path / "s.zarr"))
-    lines: list[str] = []
-    source, output = plan.open_source(cfg.data, cfg.split, 4), Output.read(cfg.out)
-    plan.announce(cfg, source, output, "cuda", lines.append)  # reads no CUDA
-    assert any("3 linear-attention or state-space layers, and flash-linear-attention not installed" in line
-               for line in lines)
-    lines.clear()
-    plan.announce(cfg, source, output, "cpu", lines.append)
-    assert not any("linear-attention" in line for line in lines)  # on CPU there is no fast path to miss
-    monkeypatch.setattr(plan, "missing_kernels", lambda: [])
-    lines.clear()
-    plan.announce(cfg, source, output, "cuda", lines.append)
-    assert not any("linear-attention" in line for line in lines)  # every kernel there: nothing to say
+    from streamx.model import kernels
+
+    hybrid = zoo_model("qwen3_5")  # three gated delta-net layers and one of attention
+    assert [(k.distribution, k.layers) for k in kernels.layer_kernels(hybrid)] == [
+        ("causal-conv1d", 3), ("flash-linear-attention", 3)]
+    assert "chunk_gated_delta_rule" in kernels.layer_kernels(hybrid)[1].functions
+    assert [k.distribution for k in kernels.layer_kernels(zoo_model("granite4"))] == ["causal-conv1d", "mamba-ssm"]
+    assert [k.distribution for k in kernels.layer_kernels(zoo_model("lfm2"))] == ["causal-conv1d"]
+    assert kernels.layer_kernels(zoo_model("llama3")) == []
+    monkeypatch.setattr(kernels.Kernel, "installed", property(lambda self: self.package != "fla"))
+    said = kernels.kernel_note(hybrid, "cuda", True)  # (reads no CUDA)
+    assert ("3 layers call chunk_gated_delta_rule, fused_recurrent_gated_delta_rule: flash-linear-attention NOT "
+            "INSTALLED") in said and "pip install flash-linear-attention" in said
+    assert "3 layers call causal_conv1d_fn, causal_conv1d_update from causal-conv1d" in said
+    said = kernels.kernel_note(hybrid, "cpu", True)
+    assert "NOT INSTALLED" not in said and "transformers' PyTorch reference on cpu" in said

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from ..data.tokenize import (
 from ..model.capture import READ_AT_INPUTS
 from ..model.carry import kept_bytes_per_token
 from ..model.footprint import held_share
+from ..model.kernels import kernel_note
 from ..model.load import (
     ModelInfo,
     check_tensor_parallel,
@@ -257,6 +257,7 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
         family = family_note(model.config, packing.on, sharing.min_shared_tokens is not None, packing.alone,
                              sharing.on)
         log(f"  family  {family}")
+        log(f"  kernels {kernel_note(model, next(model.parameters()).device.type, packing.on)}")
         if config.tp > 1:
             log(f"  tp      {held_share(model, config.tp)}")
         log(f"  audit   {audit_note(config, tolerance_of(model, packing))}")
@@ -413,12 +414,6 @@ def announce(config: RunConfig, source: Source, output: Output, device: str, log
     residual = residual_of(text_config)
     if residual.streams > 1:
         log(f"  states  {residual.describe()}")
-    linear = list(getattr(text_config, "layer_types", None) or []).count("linear_attention")
-    missing = missing_kernels()
-    if linear and resolve_device(device).startswith("cuda") and missing:
-        log(f"  note    {linear} linear-attention or state-space layers, and {', '.join(missing)} not installed: "
-            "where the family's layers take them (gated delta-net: flash-linear-attention; Mamba: causal-conv1d, "
-            "mamba-ssm), transformers runs its slow reference path (docs/install.md)")
 
 
 def check_space(config: RunConfig, source: Source, output: Output, log: Callable[[str], None],
@@ -456,15 +451,6 @@ def tokens_to_compute(sized: tuple[Estimate, float] | None, sharing: Sharing) ->
     tokens = plan.tokens if not sharing.on or plan.shared is None else \
         plan.shared.leading_runs if sharing.min_shared_tokens is not None else plan.shared.prefix_rows
     return round(tokens * left)
-
-
-KERNELS = {"flash-linear-attention": "fla", "causal-conv1d": "causal_conv1d", "mamba-ssm": "mamba_ssm"}  # -> module
-
-
-def missing_kernels() -> list[str]:
-    """The kernel packages transformers uses for linear-attention and state-space layers that are not installed:
-    flash-linear-attention's Triton kernels (gated delta-net), causal-conv1d and mamba-ssm (Mamba mixers)."""
-    return [package for package, module in KERNELS.items() if importlib.util.find_spec(module) is None]
 
 
 def store_metadata(config: RunConfig, info: ModelInfo, builder: SampleBuilder, layer_ids: list[int],
