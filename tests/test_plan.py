@@ -158,8 +158,8 @@ def test_banner_comes_before_the_weights(tmp_path, config_only_model, monkeypatc
     assert after[2].startswith("  sharing on: rows that repeat an earlier row, or are prefixes of others")
     assert after[3] == ("  family  Llama 3 (llama): packed and shared in the support table (docs/support.md), as the "
                         "start-up check found on this model")
-    assert after[4] == ("  kernels attention sdpa (padded rows, the check and the audit), packed rows streamx's varlen "
-                        "attention")  # a plain transformer: no kernel package
+    assert after[4] == ("  kernels attention sdpa (padded rows, the check and the audit); packed rows streamx's (its "
+                        "segments' products joined by log-sum-exp)")  # a plain transformer: no kernel package
     assert after[5].startswith("  audit   rows of each way of computing rows") and "one row id in 512" in after[5]
     assert "within 1% of the forward time" in after[5]
 

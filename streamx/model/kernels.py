@@ -20,6 +20,7 @@ import re
 import sys
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .capture import find_decoder
@@ -98,9 +99,12 @@ def kernel_note(model: nn.Module, device: str, packed: bool) -> str:
     """The run's header line: the attention each kind of batch takes, and each kernel package the layers call,
     installed or not (and then what is lost, and the install line)."""
     own = getattr(model, "_streamx_own_attention", None) or model.config._attn_implementation or "sdpa"
-    said = [f"attention {own}" + (" (padded rows, the check and the audit), packed rows streamx's varlen attention"
-                                  if packed and not own.startswith("flash_attention") else "")]
     on_gpu = device.startswith(KERNEL_DEVICES)
+    half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+    streamx = ("torch's flash attention over variable-length rows" if on_gpu and half else
+               "its segments' products joined by log-sum-exp")
+    said = [f"attention {own}" + (f" (padded rows, the check and the audit); packed rows streamx's ({streamx})"
+                                  if packed and not own.startswith("flash_attention") else "")]
     for kernel in layer_kernels(model):
         calls = f"{kernel.layers} layers call {', '.join(kernel.functions)}"
         if not on_gpu:
