@@ -9,6 +9,7 @@ from transformers import LlamaConfig
 import streamx.pipeline.plan as plan
 from streamx.config import load_config
 from streamx.model.load import ModelNotFoundError
+from streamx.pipeline.estimate import estimate
 from streamx.store import Output, StoreError
 
 
@@ -187,3 +188,20 @@ def test_the_kernels_each_familys_layers_take_are_named_from_its_code(monkeypatc
     assert "3 layers call causal_conv1d_fn, causal_conv1d_update from causal-conv1d" in said
     said = kernels.kernel_note(hybrid, "cpu", True)
     assert "NOT INSTALLED" not in said and "transformers' PyTorch reference on cpu" in said
+
+
+def test_a_multimodal_checkpoint_is_named_as_itself_with_the_class_run(smollm2_dir, tmp_path):
+    """A Qwen3.5 checkpoint as released (Qwen3_5ForConditionalGeneration): plan and the run name the checkpoint's own
+    row of the support table, and the run the class whose text decoder it runs."""
+    from zoo_models import zoo_model
+
+    from streamx.model.load import load_tokenizer
+
+    zoo_model("qwen3_5_multimodal").save_pretrained(tmp_path / "qwen3_5")
+    load_tokenizer(smollm2_dir).save_pretrained(tmp_path / "qwen3_5")
+    cfg = load_config(None, model=str(tmp_path / "qwen3_5"), max_samples=8, out=str(tmp_path / "s.zarr"))
+    lines: list[str] = []
+    plan.make_plan(cfg, log=lines.append)
+    assert any(line.startswith("  family  Qwen3.5 / 3.6 (multimodal checkpoint) (qwen3_5, its text decoder run as "
+                               "Qwen3_5ForCausalLM)") for line in lines), "\n".join(lines)
+    assert "(Qwen3.5 / 3.6 (multimodal checkpoint): packed and shared" in estimate(cfg).stored_as

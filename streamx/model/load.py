@@ -216,14 +216,18 @@ def model_tokenizer(model_path: str, tokenizer: str | None = None) -> PreTrained
     return load_tokenizer(tokenizer or model_path)
 
 
-def read_text_config(model: str) -> PretrainedConfig:
-    """The decoder's config (layer count, layer types, sizes) alone: no weights are read."""
+def read_config(model: str) -> PretrainedConfig:
+    """The checkpoint's own config (a multimodal checkpoint's whole): no weights are read."""
     path = resolve_model_path(model)
     try:
-        config = AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise _not_found(path, e) from None
-    return config.get_text_config()
+
+
+def read_text_config(model: str) -> PretrainedConfig:
+    """The decoder's config (layer count, layer types, sizes) alone: no weights are read."""
+    return read_config(model).get_text_config()
 
 
 class GroupsOfTensorParallel(DistributedConfig):

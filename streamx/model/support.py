@@ -158,13 +158,17 @@ def support_of(config) -> Support | None:
     return None
 
 
-def note(config, packed: bool, continued: bool, alone: bool = False, prefix_rows: bool = True) -> str:
-    """The run's log line: the model's row of the table, and whether the start-up check on this model agrees."""
+def note(config, packed: bool, continued: bool, alone: bool = False, prefix_rows: bool = True,
+         run_as: str | None = None) -> str:
+    """The run's log line: the checkpoint's (`config`) row of the table, and whether the start-up check on this model
+    agrees; `run_as`: the class streamx runs where the checkpoint's own is another (a multimodal checkpoint's text
+    decoder)."""
     support = support_of(config)
+    run = f", its text decoder run as {run_as}" if run_as else ""
     if support is None:
-        return (f"{config.model_type}: not in streamx's support table (docs/support.md); the start-up check on this "
-                "model decided the path above")
-    said = f"{support.family} ({support.model_type}): {support.path} in the support table (docs/support.md)"
+        return (f"{config.model_type}{run}: not in streamx's support table (docs/support.md); the start-up check on "
+                "this model decided the path above")
+    said = f"{support.family} ({support.model_type}{run}): {support.path} in the support table (docs/support.md)"
     if (packed, continued, alone, prefix_rows) == (support.packed, support.continued, support.alone,
                                                    support.prefix_rows):
         return f"{said}, as the start-up check found on this model"

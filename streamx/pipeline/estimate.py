@@ -26,7 +26,7 @@ from ..data.source import Row, Source, open_source
 from ..data.tokenize import DIGEST_BYTES, Reject, Repeats, Sample, SampleBuilder
 from ..model.flops import DEFAULT_MFU, H100_BF16_TFLOPS, assumed_rate, token_cost
 from ..model.footprint import Footprint, fit_lines, footprints
-from ..model.load import meta_model, model_tokenizer, read_text_config, resolve_dtype, resolve_model_path
+from ..model.load import meta_model, model_tokenizer, read_config, resolve_dtype, resolve_model_path
 from ..model.quantized import describe
 from ..model.residual import config_layers, residual_of
 from ..model.support import support_of
@@ -138,7 +138,8 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
     source = source or open_source(config.data, config.split, config.max_samples)
     builder = builder or SampleBuilder(model_tokenizer(resolve_model_path(config.model), config.tokenizer),
                                        config.max_length, config.truncation, config.train_turns)
-    text_config = read_text_config(config.model)
+    checkpoint = read_config(config.model)
+    text_config = checkpoint.get_text_config()
     L, H = config_layers(text_config), residual_of(text_config).width
     layer_ids = resolve_layer_ids(config.layers, L)
     rows, total = sampled(source, sample_rows)
@@ -194,7 +195,7 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
     rejects = {reason: round(n * scale) for reason, n in rejects.items()}
     if not exact and repeats and config.skip_duplicates:
         rejects["duplicate_content"] = duplicates
-    stored, stored_as = expected_stored(config, shared, tokens, text_config)
+    stored, stored_as = expected_stored(config, shared, tokens, checkpoint)
 
     def size(storage: str, tokens: int) -> StoreSize:
         return store_size(make_layout(len(layer_ids), H, config.chunk_tokens, config.shard_tokens, config.compressor,
@@ -207,19 +208,19 @@ def estimate(config: RunConfig, source: Source | None = None, builder: SampleBui
                     cut_tokens=cut_tokens, keeps_all=keeps_all, keeps_99=keeps_99)
 
 
-def expected_stored(config: RunConfig, shared: SharedTokens | None, tokens: int, text_config: Any) -> tuple[int, str]:
+def expected_stored(config: RunConfig, shared: SharedTokens | None, tokens: int, checkpoint: Any) -> tuple[int, str]:
     """The tokens a run is expected to compute and store, and why: with --sharing, the common leading runs too
     where batches are packed and the support table says the family continues a shared prefix (the start-up check
     decides on the loaded model: where it finds otherwise, prefix rows only; the run's space guard then stops it
     cleanly, with what it wrote committed, if the disk fills)."""
     if shared is None:
         return tokens, "every row's tokens" if config.sharing == "off" else "every row's tokens (sharing not estimated)"
-    support = support_of(text_config)
+    support = support_of(checkpoint)  # (a multimodal checkpoint's own row)
     if config.packing == "on" and config.sharing == "on" and support is not None and support.continued:
         return shared.leading_runs, f"shared leading runs ({support.family}: packed and shared, docs/support.md)"
     why = "--packing off" if config.packing != "on" else "--sharing rows" if config.sharing == "rows" else \
         f"{support.family}: {support.path}" if support is not None else \
-        f"{text_config.model_type} is not in the support table: the start-up check decides"
+        f"{checkpoint.model_type} is not in the support table: the start-up check decides"
     return shared.prefix_rows, f"prefix rows and duplicates only ({why})"
 
 

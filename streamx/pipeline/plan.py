@@ -48,6 +48,7 @@ from ..model.load import (
     check_tensor_parallel,
     load_model,
     model_tokenizer,
+    read_config,
     read_text_config,
     resolve_device,
     resolve_dtype,
@@ -254,8 +255,10 @@ def make_plan(config: RunConfig, loaded: tuple[PreTrainedModel, PreTrainedTokeni
         log(f"  ids     {ids.note()}")
         log(f"  packing {packing.note()}")
         log(f"  sharing {sharing.note()}")
-        family = family_note(model.config, packing.on, sharing.min_shared_tokens is not None, packing.alone,
-                             sharing.on)
+        checkpoint = read_config(info.path)
+        own = (checkpoint.architectures or [type(model).__name__])[0]
+        family = family_note(checkpoint, packing.on, sharing.min_shared_tokens is not None, packing.alone,
+                             sharing.on, run_as=type(model).__name__ if own != type(model).__name__ else None)
         log(f"  family  {family}")
         log(f"  kernels {kernel_note(model, next(model.parameters()).device.type, packing.on)}")
         if config.tp > 1:

@@ -395,7 +395,8 @@ class Audited:
         unaudited = self.unaudited()
         return "; ".join([
             f"{self.rows:,} rows ({self.tokens:,} tokens) recomputed alone through the model's own forward, worst "
-            f"token {self.worst:.2g} (row {self.worst_row}{self._judged()}); {self.share:.1%} of the forward time",
+            f"token {self.worst:.2g} of its own size away (row {self.worst_row}{self._judged()}); {self.share:.1%} of "
+            "the forward time",
             f"ways: {' | '.join(self._covered() if self.coverage else self.ways or [])}",
             *([f"not audited (the budget, --audit-share): {' | '.join(unaudited)}"] if unaudited else []),
             *found, *healed, *waiting])
