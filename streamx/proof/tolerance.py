@@ -67,7 +67,7 @@ class Noise:
 
     typical: float = 0.0  # the median token's difference
     worst: float = 0.0  # the largest token's (of a model that picks by rank, but for TIE_SHARE of them: ties)
-    dtype: str = ""
+    dtype: str = ""  # the reduced precision it was measured in; "": not measured (float32)
 
     @classmethod
     @torch.inference_mode()
@@ -87,10 +87,11 @@ class Noise:
                 per_token += [relative_error(states, alone).max(dim=1).values for states in together]
         errors = torch.cat(per_token)
         errors = errors[errors.isfinite()]  # (a forward that overflows has nothing to compare)
+        dtype = str(parameter.dtype).removeprefix("torch.")
         if not errors.numel():
-            return cls()
+            return cls(dtype=dtype)
         worst = errors.quantile(1 - TIE_SHARE) if picks_by_ranking(model) else errors.max()
-        return cls(float(errors.median()), float(worst), str(parameter.dtype).removeprefix("torch."))
+        return cls(float(errors.median()), float(worst), dtype)
 
 
 def own_states(capture: LayerCapture, batch: Batch, model: nn.Module) -> torch.Tensor:
