@@ -42,7 +42,7 @@ from ..model.packing import padded_attention
 from ..model.segments import forward_inputs
 from ..pipeline.plan import RunPlan, make_plan
 from ..pipeline.runner import run
-from ..store import SharedKinds
+from ..store import Audited, SharedKinds
 from .ceilings import host_copy_gb_per_s, matmul_peak_tflops
 from .writebench import write_ceiling
 
@@ -422,9 +422,11 @@ def format_report(report: dict[str, Any]) -> str:
         audit = report["streamx"].get("audit") or {}
         ratio = report["ratios"]["streamx_vs_streamx_unaudited"]
         share = audit["seconds"] / audit["forward_seconds"] if audit.get("forward_seconds") else 0.0
+        found = audit.get("found") or []
         lines.append(f"in-run audit: {audit.get('rows', 0):,} rows ({audit.get('tokens', 0):,} tokens) recomputed "
                      f"alone per round, {share:.1%} of the forward time; streamx / streamx_unaudited = {ratio:.3f}x "
-                     "the speed")
+                     "the speed" + Audited.from_json(audit).judged()
+                     + (f"; ways found wrong: {' | '.join(f['way'] for f in found)}" if found else ""))
     if "packed_vs_padded_forward" in report["ratios"]:
         lines.append(f"forward pass, packed / padded batches = {report['ratios']['packed_vs_padded_forward']:.3f}x "
                      f"(padding efficiency {report['forward_padded']['padding_efficiency']:.1%} when padded)")

@@ -395,14 +395,14 @@ class Audited:
         unaudited = self.unaudited()
         return "; ".join([
             f"{self.rows:,} rows ({self.tokens:,} tokens) recomputed alone through the model's own forward, worst "
-            f"token {self.worst:.2g} of its own size away (row {self.worst_row}{self._judged()}); {self.share:.1%} of "
+            f"token {self.worst:.2g} of its own size away (row {self.worst_row}{self.judged()}); {self.share:.1%} of "
             "the forward time",
             f"ways: {' | '.join(self._covered() if self.coverage else self.ways or [])}",
             *([f"not audited (the budget, --audit-share): {' | '.join(unaudited)}"] if unaudited else []),
             *found, *healed, *waiting])
 
-    def _judged(self) -> str:
-        """What the audit judged by, where the model's own noise set it (reduced precision)."""
+    def judged(self) -> str:
+        """What the audit judged by, where the model's own noise set it (reduced precision): "; within ..." or ""."""
         judged = self.tolerance or {}
         if not judged.get("dtype"):
             return ""
