@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .capture import find_decoder
+from .packing import NATIVE_VARLEN, own_attention
 
 DECLARED = re.compile(r'use_kernel_func_from_hub_with_fallback\(\s*"(\w+)",\s*"(\w+)"[^)]*\)\s*def (\w+)')
 DISTRIBUTIONS = {"fla": "flash-linear-attention"}  # a package's pip name where it is not its import name's
@@ -98,13 +99,13 @@ def _names(source: str) -> set[str]:
 def kernel_note(model: nn.Module, device: str, packed: bool) -> str:
     """The run's header line: the attention each kind of batch takes, and each kernel package the layers call,
     installed or not (and then what is lost, and the install line)."""
-    own = getattr(model, "_streamx_own_attention", None) or model.config._attn_implementation or "sdpa"
+    own = own_attention(model)
     on_gpu = device.startswith(KERNEL_DEVICES)
     half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
     streamx = ("torch's flash attention over variable-length rows" if on_gpu and half else
                "its segments' products joined by log-sum-exp")
     said = [f"attention {own}" + (f" (padded rows, the check and the audit); packed rows streamx's ({streamx})"
-                                  if packed and not own.startswith("flash_attention") else "")]
+                                  if packed and own not in NATIVE_VARLEN else "")]
     for kernel in layer_kernels(model):
         calls = f"{kernel.layers} layers call {', '.join(kernel.functions)}"
         if not on_gpu:

@@ -331,7 +331,7 @@ class Audit:
             self.flagged[how] = self.flagged.get(how, 0) + 1
         if value > SUSPECT * self.tolerance.token:  # near the tolerance: more rows of the way before trusting it
             self.follow_ups.setdefault(how, FOLLOW_UP)
-        if self.tolerance.differs(error, allowed) or (over and self.flagged[how] > 1):
+        if self.tolerance.past(over, median, allowed) or (over and self.flagged[how] > 1):
             return Finding(how, row.row_id, len(row.input_ids), self.layer_ids[slot], done + token, value, over,
                            median, self.tolerance)
         return None

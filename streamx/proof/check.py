@@ -14,6 +14,7 @@ run falls back to the next correct one, and says why (streamx.model.packing, str
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -121,7 +122,7 @@ class Probes:
         return cls(rows, together, (2, 3), prefixes, _scope(longest, spans, max_length, cap), layer_ids,
                    reference, noise)
 
-    @property
+    @functools.cached_property
     def tolerance(self) -> Tolerance:
         """A way that keeps rows apart agrees with the model's own forward within its rounding (float32: 1e-3; in
         reduced precision the model's own noise, measured); a leak moves states by O(1)."""
@@ -148,9 +149,8 @@ def _scope(n: int, spans: dict[str, int], max_length: int, cap: int) -> str:
     return said
 
 
-def _where(error: torch.Tensor, probes: Probes, done: int, length: int) -> str:
+def _where(error: torch.Tensor, median: float, probes: Probes, done: int, length: int) -> str:
     value, token, layer = largest(error)
-    median = probes.tolerance.judge(error)[1]
     return (f"layer output {probes.layer_ids[layer]}, token {done + token} of a {length}-token row: relative "
             f"difference {value:.2g}, its median token {median:.2g}; the tolerance {probes.tolerance}")
 
@@ -168,8 +168,9 @@ def _differing(batch: Batch, states: torch.Tensor, probes: Probes) -> str | None
     for k, row in enumerate(batch.samples):
         done = batch.carried_tokens(k)
         error = relative_error(served_states(batch, k, states), probes.reference[row.row_id][done:])
-        if probes.tolerance.differs(error):
-            return _where(error, probes, done, len(row.input_ids))
+        over, median = probes.tolerance.judge(error)
+        if probes.tolerance.past(over, median):
+            return _where(error, median, probes, done, len(row.input_ids))
     return None
 
 
@@ -232,8 +233,9 @@ def check_prefix_rows(probes: Probes) -> str | None:
     for row, prefix in (probes.group(pair) for pair in probes.prefixes):
         n = len(prefix.input_ids)
         error = relative_error(probes.reference[row.row_id][:n], probes.reference[prefix.row_id])
-        if probes.tolerance.differs(error):
-            where = _where(error, probes, 0, n)
+        over, median = probes.tolerance.judge(error)
+        if probes.tolerance.past(over, median):
+            where = _where(error, median, probes, 0, n)
             break
     else:
         return None

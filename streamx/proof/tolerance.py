@@ -121,10 +121,9 @@ class Tolerance:
         per_token = error.max(dim=1).values
         return int((~(per_token <= self.token)).sum()), float(per_token.median())
 
-    def differs(self, error: torch.Tensor, allowed: int = 0) -> bool:
-        """Whether a row's [tokens, layers] error is more than rounding: more than `allowed` tokens over `token`
-        (ties: Audit), or its median token over `typical`."""
-        over, median = self.judge(error)
+    def past(self, over: int, median: float, allowed: int = 0) -> bool:
+        """Whether a row judged so (`judge`) is more than rounding: more than `allowed` tokens over `token` (ties:
+        Audit), or its median token over `typical`."""
         return over > allowed or not median <= self.typical
 
     def to_json(self) -> dict:
